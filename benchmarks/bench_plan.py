@@ -1,0 +1,177 @@
+"""Transfer-plan benchmark: writes per page and planning time for an 8k-token prompt.
+
+Shapes: DeepSeek-R1 (MLA, 61 layers, latent 512 + rope 64) and Qwen3-Coder-480B (GQA,
+62 layers, 8 KV heads of 128), bf16, page size 64, TP8->TP8, TP8->TP4, TP4->TP8, NHD and HND.
+
+Page lists: "frag" draws 128 distinct ids at random from a 64k-page pool (a busy server's
+free list), "contig" uses one ascending run on each side (a fresh pool). Writes count every
+(address, length) pair handed to the transfer engine, over all links, layers and K/V parts.
+The baseline "identical" for a mismatched pair is identical sharding at the larger of the
+two TP sizes: the same head slices travel, so the same number of shard links carry them.
+
+The last line is JSON: plan_ms_8k (worst planning time of one request, ms),
+hnd_writes_vs_identical / nhd_writes_vs_identical (worst ratio, fragmented pages, of writes
+under mismatched TP to writes under identical sharding).
+
+Usage: python benchmarks/bench_plan.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from sgl_pd.core.layout import KvLayout, PageLayout
+from sgl_pd.core.plan import TokenRange, TransferPlan, plan_transfer
+from sgl_pd.core.regions import RegionTable
+from sgl_pd.core.sharding import ShardingScheme, link_shards, local_heads
+
+PROMPT_TOKENS = 8192
+PAGE_SIZE = 64
+POOL_PAGES = 65_536
+TP_PAIRS = ((8, 8), (8, 4), (4, 8))
+
+
+def _layouts(page_layout: PageLayout) -> dict[str, KvLayout]:
+    return {
+        "DeepSeek-R1": KvLayout.mla(
+            num_layers=61,
+            kv_lora_rank=512,
+            rope_dim=64,
+            page_size=PAGE_SIZE,
+            elem_bytes=2,
+            page_layout=page_layout,
+        ),
+        "Qwen3-Coder-480B": KvLayout.gqa(
+            num_layers=62,
+            num_kv_heads=8,
+            head_dim=128,
+            page_size=PAGE_SIZE,
+            elem_bytes=2,
+            page_layout=page_layout,
+        ),
+    }
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str
+    tp: tuple[int, int]
+    page_layout: PageLayout
+    links: int
+    writes_frag: int
+    writes_contig: int
+    plan_ms: float  # median over repeats, worst of the two page lists
+    addr_ms: float  # absolute addresses of every write, built layer by layer (median)
+
+    @property
+    def pages(self) -> int:
+        return -(-PROMPT_TOKENS // PAGE_SIZE)
+
+
+def _time_plan(
+    layout: KvLayout, tp: tuple[int, int], src: np.ndarray, dst: np.ndarray, reps: int
+) -> tuple[TransferPlan, float]:
+    seed = 1234  # the request's bootstrap room
+    times = []
+    plan = None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        # Planning a request includes deriving its links from the two schemes.
+        links = link_shards(layout, ShardingScheme(tp[0]), ShardingScheme(tp[1]), seed)
+        plan = plan_transfer(layout, links, src, dst, TokenRange(0, PROMPT_TOKENS))
+        times.append(time.perf_counter() - t0)
+    assert plan is not None
+    return plan, statistics.median(times) * 1e3
+
+
+def _time_addresses(layout: KvLayout, plan: TransferPlan, tp: tuple[int, int]) -> float:
+    src_heads = local_heads(layout, ShardingScheme(tp[0]))
+    dst_heads = local_heads(layout, ShardingScheme(tp[1]))
+    src = {r: RegionTable.packed(layout, POOL_PAGES, src_heads, r << 40) for r in range(tp[0])}
+    dst = {r: RegionTable.packed(layout, POOL_PAGES, dst_heads, r << 40) for r in range(tp[1])}
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for layer in range(layout.num_layers):  # layer-wise streaming: one layer at a time
+            plan.batches(range(layer, layer + 1), src, dst)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def measure(reps: int, with_addresses: bool) -> list[Row]:
+    rng = np.random.default_rng(0)
+    pages = -(-PROMPT_TOKENS // PAGE_SIZE)
+    frag = (rng.permutation(POOL_PAGES)[:pages], rng.permutation(POOL_PAGES)[:pages])
+    contig = (np.arange(100, 100 + pages), np.arange(5000, 5000 + pages))
+    rows = []
+    for page_layout in (PageLayout.NHD, PageLayout.HND):
+        for model, layout in _layouts(page_layout).items():
+            for tp in TP_PAIRS:
+                plan_f, ms_f = _time_plan(layout, tp, *frag, reps)
+                plan_c, ms_c = _time_plan(layout, tp, *contig, reps)
+                addr_ms = _time_addresses(layout, plan_f, tp) if with_addresses else float("nan")
+                rows.append(
+                    Row(
+                        model,
+                        tp,
+                        page_layout,
+                        len(plan_f.links),
+                        plan_f.num_writes,
+                        plan_c.num_writes,
+                        max(ms_f, ms_c),
+                        addr_ms,
+                    )
+                )
+    return rows
+
+
+def _ratios(rows: list[Row], page_layout: PageLayout) -> list[float]:
+    by_key = {(r.model, r.tp, r.page_layout): r for r in rows}
+    out = []
+    for r in rows:
+        if r.page_layout is page_layout and r.tp[0] != r.tp[1]:
+            big = max(r.tp)
+            out.append(r.writes_frag / by_key[(r.model, (big, big), page_layout)].writes_frag)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="few repeats, no address timing")
+    args = parser.parse_args()
+    reps = 5 if args.quick else 200
+    rows = measure(reps, with_addresses=not args.quick)
+
+    head = (
+        f"{'model':<17} {'TP':>5} {'layout':>6} {'links':>5} {'writes/page':>11} "
+        f"{'(contig)':>9} {'plan ms':>8} {'plan us/page':>12} {'addr ms':>8}"
+    )
+    print(f"{PROMPT_TOKENS}-token prompt, page size {PAGE_SIZE}, {rows[0].pages} pages, bf16")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        tp = f"{r.tp[0]}->{r.tp[1]}"
+        print(
+            f"{r.model:<17} {tp:>5} {r.page_layout.name:>6} {r.links:>5} "
+            f"{r.writes_frag / r.pages:>11.0f} {r.writes_contig / r.pages:>9.1f} "
+            f"{r.plan_ms:>8.3f} {r.plan_ms * 1e3 / r.pages:>12.2f} {r.addr_ms:>8.2f}"
+        )
+    print(
+        json.dumps(
+            {
+                "plan_ms_8k": round(max(r.plan_ms for r in rows), 4),
+                "hnd_writes_vs_identical": round(max(_ratios(rows, PageLayout.HND)), 3),
+                "nhd_writes_vs_identical": round(max(_ratios(rows, PageLayout.NHD)), 3),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""Transfer plans: the byte copies that move one chunk of a request's KV (D12-D15).
+
+A region's geometry does not depend on the layer, so a plan computes, once per link, the
+(src_offset, dst_offset, nbytes) writes of the chunk inside *one* region - a template -
+and repeats it over every (layer, part) region of the layer range. Offsets are bytes
+inside the (layer, part) region of each side (see `regions.py`); `batch` adds the
+registered base addresses for the layers the caller is about to submit.
+
+Write counts per link, per (layer, part) and page of the chunk (P = page size):
+  HND, tokens of the chunk cover the page:   1 write (heads are adjacent), and consecutive
+      pages merge when both sides send their whole page (identical sharding, replicas)
+  HND, partial page (chunk edge):            1 write per head of the link
+  NHD, link carries all heads of both sides: 1 write, consecutive pages merge
+  NHD, heads split on either side:           1 write per token slot - the case HND removes
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import numpy.typing as npt
+
+from sgl_pd.core.counting import WriteGroup, chunk_groups
+from sgl_pd.core.errors import PlanError
+from sgl_pd.core.layout import KvLayout, KvPart, PageLayout
+from sgl_pd.core.regions import RegionTable
+from sgl_pd.core.sharding import ShardLink
+
+I64 = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class TokenRange:
+    """Token positions [start, stop) of the request (a chunk)."""
+
+    start: int
+    stop: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.stop:
+            raise PlanError(f"token range [{self.start}, {self.stop}) is empty or negative")
+
+
+@dataclass(frozen=True)
+class Write:
+    """One contiguous copy; offsets are bytes inside the (layer, part) region of each shard."""
+
+    src_shard: int
+    dst_shard: int
+    layer: int
+    part: KvPart
+    src_offset: int
+    dst_offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, eq=False)
+class LinkWrites:
+    """Writes of one link inside one region (arrays of shape (n,), bytes)."""
+
+    link: ShardLink
+    src_offsets: I64
+    dst_offsets: I64
+    lengths: I64
+
+    @property
+    def count(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @cached_property
+    def extents(self) -> tuple[int, int]:
+        """Bytes of region each side must have: the end of its furthest write."""
+        if not self.count:
+            return (0, 0)
+        return (
+            int((self.src_offsets + self.lengths).max()),
+            int((self.dst_offsets + self.lengths).max()),
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class AddressBatch:
+    """What one `batch_transfer_sync_write(session, src_addrs, dst_addrs, lengths)` takes."""
+
+    src_rank: int
+    dst_rank: int
+    src_addrs: I64  # (n,) absolute addresses
+    dst_addrs: I64
+    lengths: I64  # bytes
+
+
+@dataclass(frozen=True, eq=False)
+class TransferPlan:
+    layout: KvLayout
+    tokens: TokenRange
+    layers: range
+    links: tuple[LinkWrites, ...]
+
+    @property
+    def num_writes(self) -> int:
+        """Writes over all links, layers and parts."""
+        per_region = sum(lw.count for lw in self.links)
+        return per_region * len(self.layers) * len(self.layout.parts)
+
+    def writes(self) -> Iterator[Write]:
+        """Every write, layer by layer (slow; for tests and debugging)."""
+        for layer in self.layers:
+            for part in self.layout.parts:
+                for lw in self.links:
+                    for s, d, n in zip(
+                        lw.src_offsets.tolist(),
+                        lw.dst_offsets.tolist(),
+                        lw.lengths.tolist(),
+                        strict=True,
+                    ):
+                        yield Write(lw.link.src_rank, lw.link.dst_rank, layer, part, s, d, n)
+
+    def batch(
+        self, link_index: int, layers: range, src: RegionTable, dst: RegionTable
+    ) -> AddressBatch:
+        """Absolute addresses of one link's writes for `layers` (region-major order)."""
+        inside = self.layers.start <= layers.start and layers.stop <= self.layers.stop
+        if layers.step != 1 or not layers or not inside:
+            raise PlanError(f"layers {layers} not a non-empty sub-range of {self.layers}")
+        lw = self.links[link_index]
+        parts = len(self.layout.parts)
+        regions = np.arange(layers.start * parts, layers.stop * parts)  # layer-major
+        if regions[-1] >= len(src.regions) or regions[-1] >= len(dst.regions):
+            raise PlanError("region table has fewer regions than the layout's layers x parts")
+        for name, table, extent in zip(
+            ("source", "destination"), (src, dst), lw.extents, strict=True
+        ):
+            if extent > int(table.lengths[regions].min()):
+                raise PlanError(
+                    f"{name} shard write ends at byte {extent}, past its region: a page id"
+                    " exceeds the registered pool"
+                )
+        src_addrs = (src.bases[regions][:, None] + lw.src_offsets[None, :]).ravel()
+        dst_addrs = (dst.bases[regions][:, None] + lw.dst_offsets[None, :]).ravel()
+        lengths = np.tile(lw.lengths, len(regions))
+        return AddressBatch(lw.link.src_rank, lw.link.dst_rank, src_addrs, dst_addrs, lengths)
+
+    def batches(
+        self, layers: range, src: Mapping[int, RegionTable], dst: Mapping[int, RegionTable]
+    ) -> list[AddressBatch]:
+        """One batch per link for `layers`, tables keyed by shard rank."""
+        return [
+            self.batch(i, layers, src[lw.link.src_rank], dst[lw.link.dst_rank])
+            for i, lw in enumerate(self.links)
+        ]
+
+    def groups(self, chunk_index: int, layer_group_size: int) -> tuple[WriteGroup, ...]:
+        """The completion groups this plan issues: one per link with writes and layer group."""
+        groups = self.layout.layer_groups(layer_group_size)
+        mine = tuple(g for g in groups if g.start in self.layers)
+        if not mine or (mine[0].start, mine[-1].stop) != (self.layers.start, self.layers.stop):
+            raise PlanError(f"layers {self.layers} are not whole groups of {layer_group_size}")
+        first = groups.index(mine[0])
+        return tuple(
+            g
+            for g in chunk_groups(tuple(lw.link for lw in self.links), chunk_index, groups)
+            if first <= g.layer_group < first + len(mine) and self.links[g.link_index].count
+        )
+
+
+def _coalesce(src: I64, dst: I64, length: I64) -> tuple[I64, I64, I64]:
+    """Fewest writes for these spans: in source address order, merge each span into the
+    previous one when both sides continue it in memory (so descending page runs merge too)."""
+    if src.shape[0] <= 1:
+        return src, dst, length
+    if np.any(src[1:] < src[:-1]):
+        order = np.argsort(src, kind="stable")
+        src, dst, length = src[order], dst[order], length[order]
+    breaks = (src[1:] != src[:-1] + length[:-1]) | (dst[1:] != dst[:-1] + length[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    return src[starts], dst[starts], np.add.reduceat(length, starts)
+
+
+def _frozen(*arrays: I64) -> tuple[I64, ...]:
+    out = tuple(np.ascontiguousarray(a) for a in arrays)
+    for a in out:
+        a.flags.writeable = False
+    return out
+
+
+def _pages(pages: Sequence[int] | I64, name: str, first: int, last: int) -> I64:
+    arr = np.asarray(pages)
+    if arr.ndim != 1 or arr.shape[0] <= last:
+        raise PlanError(f"{name} page list covers {arr.size} pages, the chunk needs {last + 1}")
+    if arr.dtype.kind not in "iu":
+        raise PlanError(f"{name} page ids must be integers, got {arr.dtype}")
+    used = arr[first : last + 1].astype(np.int64, copy=False)
+    if used.min() < 0:
+        raise PlanError(f"{name} page ids must be >= 0")
+    if np.unique(used).shape[0] != used.shape[0]:
+        raise PlanError(f"{name} page ids repeat inside the chunk")
+    return used
+
+
+def plan_transfer(
+    layout: KvLayout,
+    links: tuple[ShardLink, ...],
+    src_pages: Sequence[int] | I64,
+    dst_pages: Sequence[int] | I64,
+    tokens: TokenRange,
+    layers: range | None = None,
+) -> TransferPlan:
+    """Plan the writes of tokens `tokens` for `layers` (default all).
+
+    Page list entry i holds tokens [i * page_size, (i + 1) * page_size) of the request on
+    that side; only the pages the chunk touches are read (and must be distinct, >= 0).
+    """
+    layers = range(layout.num_layers) if layers is None else layers
+    if layers.step != 1 or not layers or layers.start < 0 or layers.stop > layout.num_layers:
+        raise PlanError(f"layers {layers} not a non-empty range inside [0, {layout.num_layers})")
+    chunk = _Chunk(layout, src_pages, dst_pages, tokens)
+    return TransferPlan(layout, tokens, layers, tuple(chunk.link_writes(lk) for lk in links))
+
+
+class _Chunk:
+    """Per-chunk geometry shared by the links of one plan."""
+
+    def __init__(
+        self,
+        layout: KvLayout,
+        src_pages: Sequence[int] | I64,
+        dst_pages: Sequence[int] | I64,
+        tokens: TokenRange,
+    ) -> None:
+        self.hnd = layout.page_layout is PageLayout.HND
+        self.size, self.row = layout.page_size, layout.row_bytes  # tokens, bytes
+        self.tokens = tokens
+        self.first = tokens.start // self.size
+        last = (tokens.stop - 1) // self.size
+        self.sp = _pages(src_pages, "source", self.first, last)  # (n_pages,) page ids
+        self.dp = _pages(dst_pages, "destination", self.first, last)
+        starts = np.arange(self.first, last + 1, dtype=np.int64) * self.size  # first tokens
+        self.lo = np.maximum(tokens.start - starts, 0)  # (n_pages,) slots [lo, hi) of a page
+        self.hi = np.minimum(tokens.stop - starts, self.size)
+        self._slots: tuple[I64, I64] | None = None
+        self._arrays: dict[tuple[str, int, int], I64] = {}
+
+    def link_writes(self, link: ShardLink) -> LinkWrites:
+        size, row, lo, hi = self.size, self.row, self.lo, self.hi
+        nh, hs, hd = link.num_heads, link.src_local_heads, link.dst_local_heads
+        if self.hnd:
+            # (pages, heads, page_size, head_dim): one span per (page, head); heads merge
+            # when the chunk covers the page, pages merge when a side's slice is its page.
+            j = np.arange(nh, dtype=np.int64)[None, :]
+            s = ((self.sp[:, None] * hs + link.src_head_offset + j) * size + lo[:, None]) * row
+            d = ((self.dp[:, None] * hd + link.dst_head_offset + j) * size + lo[:, None]) * row
+            n = np.broadcast_to(((hi - lo) * row)[:, None], s.shape)
+            return LinkWrites(link, *_frozen(*_coalesce(s.ravel(), d.ravel(), n.ravel())))
+        if nh == hs == hd:
+            # NHD, all heads of both sides: one span per page; consecutive pages merge.
+            s, d = (self.sp * size + lo) * hs * row, (self.dp * size + lo) * hd * row
+            return LinkWrites(link, *_frozen(*_coalesce(s, d, (hi - lo) * hs * row)))
+        # NHD with split heads: one span per token slot. Never mergeable: on the split side
+        # consecutive slots are hs*row (or hd*row) apart but only nh*row long. Links often
+        # share a side's geometry (TP8->TP4: every source sends all its heads), and the
+        # arrays are read-only, so each distinct one is built once per chunk.
+        src_slots, dst_slots = self._token_slots()
+        s_first, d_first = link.src_head_offset, link.dst_head_offset
+        return LinkWrites(
+            link,
+            self._shared(("src", hs, s_first), lambda: (src_slots * hs + s_first) * row),
+            self._shared(("dst", hd, d_first), lambda: (dst_slots * hd + d_first) * row),
+            self._shared(("len", nh, 0), lambda: np.full(src_slots.shape, nh * row, np.int64)),
+        )
+
+    def _token_slots(self) -> tuple[I64, I64]:
+        """(n_tokens,) slot index (page * page_size + slot) of each token, per side."""
+        if self._slots is None:
+            t = np.arange(self.tokens.start, self.tokens.stop, dtype=np.int64)
+            page_i, slot = t // self.size - self.first, t % self.size
+            self._slots = (self.sp[page_i] * self.size + slot, self.dp[page_i] * self.size + slot)
+        return self._slots
+
+    def _shared(self, key: tuple[str, int, int], make: Callable[[], I64]) -> I64:
+        if key not in self._arrays:
+            self._arrays[key] = _frozen(make())[0]
+        return self._arrays[key]

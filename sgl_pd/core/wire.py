@@ -1,0 +1,235 @@
+"""Wire protocol: typed messages in checked frames.
+
+Frame = 24-byte header, then the msgpack body of one tagged message:
+
+    offset  size  field
+    0       4     magic b"SGPD"
+    4       2     PROTOCOL_VERSION (u16, little endian)
+    6       2     flags (u16, must be 0)
+    8       8     layout compat hash (u64, `KvLayout.compat_hash`)
+    16      4     body length (u32, bytes)
+    20      4     CRC-32 of bytes 4..20 and the body
+
+Decoding checks, in order: magic, version, length, checksum, flags, layout hash - and only
+then decodes the body, so version or model skew is reported as such, never as a decode
+crash. Every failure is a `WireError` subclass.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import zlib
+from typing import Annotated
+
+import msgspec
+
+from sgl_pd.core.errors import (
+    CorruptFrame,
+    InvalidMessage,
+    LayoutMismatch,
+    MalformedMessage,
+    ProtocolVersionMismatch,
+    TruncatedFrame,
+)
+from sgl_pd.core.layout import KvLayout
+from sgl_pd.core.regions import Region
+from sgl_pd.core.sharding import ShardingScheme
+from sgl_pd.errors import SglPdError
+
+PROTOCOL_VERSION = 1
+MAGIC = b"SGPD"
+MAX_BODY_BYTES = 64 << 20  # a 1M-token prompt with its page table stays far below this
+_HEADER = struct.Struct("<4sHHQII")
+HEADER_BYTES = _HEADER.size  # 24
+
+U32 = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at 2**64 - 1
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
+Positive = Annotated[int, msgspec.Meta(ge=1, lt=1 << 32)]
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class ErrorCode(enum.Enum):
+    BAD_REQUEST = "bad_request"  # the request cannot be served as sent; do not retry
+    OVERLOADED = "overloaded"  # no pages or queue space now; retry elsewhere or later
+    UNKNOWN_REQUEST = "unknown_request"
+    UNKNOWN_PEER = "unknown_peer"  # no registration seen for the sender
+    TRANSFER_FAILED = "transfer_failed"
+    INTERNAL = "internal"
+
+
+class AbortReason(enum.Enum):
+    CLIENT = "client"  # the client went away or cancelled
+    TIMEOUT = "timeout"
+    SHUTDOWN = "shutdown"
+    ERROR = "error"
+
+
+class _Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class SlotArea(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A registered region cut into equal per-request slots (metadata or completion words)."""
+
+    region: Region
+    slot_bytes: Positive
+    num_slots: Positive
+
+    def __post_init__(self) -> None:
+        if self.slot_bytes * self.num_slots > self.region.length:
+            raise InvalidMessage("slots do not fit their region")
+
+
+class ShardRegistration(_Message, tag="register", frozen=True):
+    """One shard's memory, sent once per shard when a peer connects."""
+
+    role: Role
+    rank: Rank
+    scheme: ShardingScheme
+    session: str  # transfer engine session id, "host:port"
+    layout: KvLayout
+    num_pages: U32
+    kv_regions: tuple[Region, ...]  # indexed by KvLayout.region_index(layer, part)
+    layer_group_size: Positive  # prefill: layers per completion group
+    metadata: SlotArea | None = None  # decode: D9 buffers
+    completion: SlotArea | None = None  # decode: completion words (counting.WORD_BYTES)
+
+    def __post_init__(self) -> None:
+        if self.rank >= self.scheme.tp_size:
+            raise InvalidMessage(f"rank {self.rank} outside TP {self.scheme.tp_size}")
+        if len(self.kv_regions) != self.layout.num_regions:
+            raise InvalidMessage("kv_regions must hold one region per (layer, part)")
+        if self.role is Role.DECODE and (self.metadata is None or self.completion is None):
+            raise InvalidMessage("a decode shard registers its metadata and completion areas")
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Sampling as the decoder will apply it (D16: the prefiller never samples)."""
+
+    max_new_tokens: U32
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Positive | None = None  # None: no top-k cut
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop_token_ids: tuple[U32, ...] = ()
+    ignore_eos: bool = False
+    seed: U64 | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+
+
+class PrefillRequest(_Message, tag="prefill", frozen=True):
+    """Decoder -> prefiller (D3): prefill tokens[:-1] (D16) into the given pages."""
+
+    request_id: U64  # bootstrap room; also seeds the replica-set choice
+    token_ids: tuple[U32, ...]
+    sampling: SamplingParams
+    dst_pages: tuple[U32, ...]  # decoder page per logical page of the prompt
+    decoder: ShardingScheme
+    decoder_sessions: tuple[str, ...]  # session of each decoder rank
+    metadata_slot: U32
+    completion_slot: U32
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) < 2:
+            raise InvalidMessage("a prompt needs >= 2 tokens: the last one is decoded (D16)")
+        if len(self.decoder_sessions) != self.decoder.tp_size:
+            raise InvalidMessage("one decoder session per decoder rank")
+
+
+class ChunkNotice(_Message, tag="chunk", frozen=True):
+    """Prefiller -> decoder: chunk `chunk_index` covers tokens [token_start, token_stop)."""
+
+    request_id: U64
+    chunk_index: U32
+    token_start: U32
+    token_stop: U32
+    page_ids: tuple[U32, ...]  # destination pages the chunk touches
+    is_last: bool
+
+    def __post_init__(self) -> None:
+        if self.token_start >= self.token_stop:
+            raise InvalidMessage("empty chunk")
+
+
+class Abort(_Message, tag="abort", frozen=True):
+    request_id: U64
+    reason: AbortReason
+    detail: str = ""
+
+
+class ErrorMsg(_Message, tag="error", frozen=True):
+    request_id: U64 | None  # None: about the connection, not one request
+    code: ErrorCode
+    message: str
+
+
+class Heartbeat(_Message, tag="heartbeat", frozen=True):
+    sender: str
+    seq: U64
+    time_s: float  # sender's monotonic clock, seconds
+
+
+Message = ShardRegistration | PrefillRequest | ChunkNotice | Abort | ErrorMsg | Heartbeat
+
+
+class FrameCodec:
+    """Encodes and decodes frames for one layout hash; reusable, not thread-safe."""
+
+    def __init__(self, layout_hash: int) -> None:
+        self._hash = layout_hash
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(Message)
+
+    def encode(self, msg: Message) -> bytes:
+        body = self._encoder.encode(msg)
+        if len(body) > MAX_BODY_BYTES:
+            raise CorruptFrame(f"message body of {len(body)} bytes exceeds {MAX_BODY_BYTES}")
+        head = _HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, self._hash, len(body), 0)
+        crc = zlib.crc32(body, zlib.crc32(head[4:20]))
+        return head[:20] + struct.pack("<I", crc) + body
+
+    def decode(self, frame: bytes | bytearray | memoryview) -> Message:
+        data = memoryview(frame).cast("B")
+        if len(data) < 6:
+            raise TruncatedFrame(f"frame of {len(data)} bytes, a header needs {HEADER_BYTES}")
+        if bytes(data[:4]) != MAGIC:
+            raise CorruptFrame(f"bad magic {bytes(data[:4])!r}: not an sgl_pd frame")
+        (version,) = struct.unpack_from("<H", data, 4)
+        if version != PROTOCOL_VERSION:
+            raise ProtocolVersionMismatch(
+                f"peer speaks protocol {version}, this side {PROTOCOL_VERSION}:"
+                " run the same sgl_pd version on prefillers and decoders"
+            )
+        if len(data) < HEADER_BYTES:
+            raise TruncatedFrame(f"frame of {len(data)} bytes, a header needs {HEADER_BYTES}")
+        _, _, flags, layout_hash, body_len, crc = _HEADER.unpack_from(data)
+        if body_len > MAX_BODY_BYTES:
+            raise CorruptFrame(f"body length {body_len} exceeds {MAX_BODY_BYTES}")
+        if len(data) < HEADER_BYTES + body_len:
+            raise TruncatedFrame(f"frame has {len(data) - HEADER_BYTES} of {body_len} body bytes")
+        if len(data) > HEADER_BYTES + body_len:
+            raise CorruptFrame(f"{len(data) - HEADER_BYTES - body_len} trailing bytes")
+        body = data[HEADER_BYTES:]
+        if zlib.crc32(body, zlib.crc32(data[4:20])) != crc:
+            raise CorruptFrame("checksum mismatch: the frame was damaged in transit")
+        if flags != 0:
+            raise CorruptFrame(f"unknown flags {flags:#x}")
+        if layout_hash != self._hash:
+            raise LayoutMismatch(
+                f"peer layout hash {layout_hash:#018x} != ours {self._hash:#018x}: serve the"
+                " same model, page size, KV dtype and page layout on both sides"
+            )
+        try:
+            return self._decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError, SglPdError) as e:
+            raise MalformedMessage(f"invalid message body: {e}") from e

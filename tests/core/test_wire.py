@@ -1,0 +1,295 @@
+"""Wire protocol: round trips, and every malformed frame rejected with a typed error."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sgl_pd.core.errors import (
+    CorruptFrame,
+    InvalidMessage,
+    LayoutMismatch,
+    MalformedMessage,
+    ProtocolVersionMismatch,
+    TruncatedFrame,
+    WireError,
+)
+from sgl_pd.core.layout import KvLayout, PageLayout
+from sgl_pd.core.regions import Region
+from sgl_pd.core.sharding import ShardingScheme
+from sgl_pd.core.wire import (
+    HEADER_BYTES,
+    MAGIC,
+    PROTOCOL_VERSION,
+    Abort,
+    AbortReason,
+    ChunkNotice,
+    ErrorCode,
+    ErrorMsg,
+    FrameCodec,
+    Heartbeat,
+    Message,
+    PrefillRequest,
+    Role,
+    SamplingParams,
+    ShardRegistration,
+    SlotArea,
+)
+
+LAYOUT = KvLayout.gqa(
+    num_layers=3,
+    num_kv_heads=8,
+    head_dim=128,
+    page_size=64,
+    elem_bytes=2,
+    page_layout=PageLayout.HND,
+)
+CODEC = FrameCodec(LAYOUT.compat_hash())
+
+u32 = st.integers(0, 2**32 - 1)
+u64 = st.integers(0, 2**64 - 1)
+text = st.text(max_size=20)
+floats = st.floats(allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def registrations(draw: st.DrawFn) -> ShardRegistration:
+    tp = draw(st.sampled_from([1, 2, 4, 8]))
+    role = draw(st.sampled_from(Role))
+    regions = tuple(
+        Region(draw(st.integers(0, 2**48)), draw(st.integers(0, 2**40)))
+        for _ in range(LAYOUT.num_regions)
+    )
+    area = SlotArea(region=Region(4096, 1 << 20), slot_bytes=256, num_slots=4096)
+    return ShardRegistration(
+        role=role,
+        rank=draw(st.integers(0, tp - 1)),
+        scheme=ShardingScheme(tp),
+        session=draw(text),
+        layout=LAYOUT,
+        num_pages=draw(u32),
+        kv_regions=regions,
+        layer_group_size=draw(st.integers(1, 8)),
+        metadata=area if role is Role.DECODE else None,
+        completion=area if role is Role.DECODE else None,
+    )
+
+
+sampling = st.builds(
+    SamplingParams,
+    max_new_tokens=u32,
+    temperature=st.floats(0, 10),
+    top_p=st.floats(0.01, 1.0),
+    top_k=st.none() | st.integers(1, 1000),
+    stop_token_ids=st.lists(u32, max_size=4).map(tuple),
+    seed=st.none() | u64,
+    json_schema=st.none() | text,
+)
+
+
+@st.composite
+def prefill_requests(draw: st.DrawFn) -> PrefillRequest:
+    tp = draw(st.sampled_from([1, 2, 4, 8]))
+    return PrefillRequest(
+        request_id=draw(u64),
+        token_ids=tuple(draw(st.lists(u32, min_size=2, max_size=50))),
+        sampling=draw(sampling),
+        dst_pages=tuple(draw(st.lists(u32, max_size=20))),
+        decoder=ShardingScheme(tp),
+        decoder_sessions=tuple(f"10.0.0.{i}:170{i}" for i in range(tp)),
+        metadata_slot=draw(u32),
+        completion_slot=draw(u32),
+    )
+
+
+@st.composite
+def chunk_notices(draw: st.DrawFn) -> ChunkNotice:
+    start = draw(st.integers(0, 2**31))
+    return ChunkNotice(
+        request_id=draw(u64),
+        chunk_index=draw(u32),
+        token_start=start,
+        token_stop=start + draw(st.integers(1, 2**20)),
+        page_ids=tuple(draw(st.lists(u32, max_size=10))),
+        is_last=draw(st.booleans()),
+    )
+
+
+messages: st.SearchStrategy[Message] = st.one_of(
+    registrations(),
+    prefill_requests(),
+    chunk_notices(),
+    st.builds(Abort, request_id=u64, reason=st.sampled_from(AbortReason), detail=text),
+    st.builds(ErrorMsg, request_id=st.none() | u64, code=st.sampled_from(ErrorCode), message=text),
+    st.builds(Heartbeat, sender=text, seq=u64, time_s=floats),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(msg=messages)
+def test_round_trip(msg: Message) -> None:
+    frame = CODEC.encode(msg)
+    assert frame[:4] == MAGIC
+    assert CODEC.decode(frame) == msg
+    assert CODEC.decode(memoryview(bytearray(frame))) == msg
+
+
+@settings(max_examples=60, deadline=None)
+@given(msg=messages, data=st.data())
+def test_every_truncation_is_typed(msg: Message, data: st.DataObject) -> None:
+    frame = CODEC.encode(msg)
+    cut = data.draw(st.integers(0, len(frame) - 1))
+    with pytest.raises(TruncatedFrame):
+        CODEC.decode(frame[:cut])
+
+
+def _expected_for_flip(byte: int) -> type[WireError] | tuple[type[WireError], ...]:
+    if byte < 4:
+        return CorruptFrame  # magic
+    if byte < 6:
+        return ProtocolVersionMismatch
+    if 16 <= byte < 20:
+        return (TruncatedFrame, CorruptFrame)  # body length
+    return CorruptFrame  # flags, hash, checksum, body: the CRC catches it
+
+
+@settings(max_examples=150, deadline=None)
+@given(msg=messages, data=st.data())
+def test_every_bit_flip_is_typed(msg: Message, data: st.DataObject) -> None:
+    frame = bytearray(CODEC.encode(msg))
+    byte = data.draw(st.integers(0, len(frame) - 1))
+    frame[byte] ^= 1 << data.draw(st.integers(0, 7))
+    with pytest.raises(_expected_for_flip(byte)):
+        CODEC.decode(bytes(frame))
+
+
+@settings(max_examples=200, deadline=None)
+@given(junk=st.binary(max_size=200), keep_header=st.booleans())
+def test_random_bytes_never_crash(junk: bytes, keep_header: bool) -> None:
+    data = (MAGIC + struct.pack("<H", PROTOCOL_VERSION) + junk) if keep_header else junk
+    with pytest.raises(WireError):
+        CODEC.decode(data)
+
+
+def _frame(
+    body: bytes, *, version: int = PROTOCOL_VERSION, layout_hash: int | None = None, flags: int = 0
+) -> bytes:
+    """An independently built frame with a valid checksum."""
+    h = LAYOUT.compat_hash() if layout_hash is None else layout_hash
+    head = struct.pack("<4sHHQI", MAGIC, version, flags, h, len(body))
+    return head + struct.pack("<I", zlib.crc32(head[4:] + body)) + body
+
+
+def test_independent_frame_matches_codec() -> None:
+    msg = Abort(request_id=5, reason=AbortReason.CLIENT)
+    assert _frame(msgspec.msgpack.encode(msg)) == CODEC.encode(msg)
+    assert len(CODEC.encode(msg)) - HEADER_BYTES == len(msgspec.msgpack.encode(msg))
+
+
+def test_version_and_layout_are_checked_before_the_body() -> None:
+    with pytest.raises(ProtocolVersionMismatch, match="protocol 2"):
+        CODEC.decode(_frame(b"\xc1 not msgpack", version=PROTOCOL_VERSION + 1))
+    with pytest.raises(LayoutMismatch):
+        CODEC.decode(_frame(b"\xc1 not msgpack", layout_hash=LAYOUT.compat_hash() ^ 1))
+    other = FrameCodec(LAYOUT.compat_hash() + 1)
+    with pytest.raises(LayoutMismatch):
+        CODEC.decode(other.encode(Heartbeat(sender="p0", seq=1, time_s=0.5)))
+    with pytest.raises(CorruptFrame, match="flags"):
+        CODEC.decode(_frame(b"", flags=1))
+
+
+def test_trailing_and_oversize() -> None:
+    frame = CODEC.encode(Heartbeat(sender="p0", seq=1, time_s=0.5))
+    with pytest.raises(CorruptFrame, match="trailing"):
+        CODEC.decode(frame + b"\0")
+    huge = bytearray(frame)
+    huge[16:20] = struct.pack("<I", 2**32 - 1)
+    with pytest.raises(CorruptFrame, match="exceeds"):
+        CODEC.decode(bytes(huge))
+
+
+def _raw(tag: str, **fields: object) -> bytes:
+    return msgspec.msgpack.encode({"type": tag, **fields})
+
+
+GOOD_CHUNK = dict(
+    request_id=1, chunk_index=0, token_start=0, token_stop=4, page_ids=[1], is_last=True
+)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"\xc1",  # never-used msgpack byte
+        msgspec.msgpack.encode([1, 2, 3]),
+        _raw("nope", request_id=1),  # unknown tag
+        _raw("abort", request_id=-1, reason="client"),  # negative id
+        _raw("abort", request_id=1, reason="bored"),  # unknown enum value
+        _raw("abort", request_id=1, reason="client", extra=1),  # unknown field
+        _raw("chunk", **{**GOOD_CHUNK, "token_stop": 0}),  # empty chunk
+        _raw("chunk", **{k: v for k, v in GOOD_CHUNK.items() if k != "is_last"}),
+        _raw("heartbeat", sender="x", seq=-1, time_s=0.0),  # negative seq
+        _raw(
+            "register",
+            role="prefill",
+            rank=0,
+            scheme={"tp_size": 0},
+            session="s",
+            layout=msgspec.to_builtins(LAYOUT),
+            num_pages=1,
+            kv_regions=[],
+            layer_group_size=1,
+        ),  # tp_size 0: the dataclass's own check
+        _raw(
+            "register",
+            role="prefill",
+            rank=0,
+            scheme={"tp_size": 1},
+            session="s",
+            layout={**msgspec.to_builtins(LAYOUT), "page_size": 0},
+            num_pages=1,
+            kv_regions=[],
+            layer_group_size=1,
+        ),  # a layout that KvLayout rejects
+        _raw(
+            "register",
+            role="decode",
+            rank=0,
+            scheme={"tp_size": 1},
+            session="s",
+            layout=msgspec.to_builtins(LAYOUT),
+            num_pages=1,
+            kv_regions=[{"base": 0, "length": 1}] * LAYOUT.num_regions,
+            layer_group_size=1,
+        ),  # a decoder without its metadata / completion areas
+    ],
+)
+def test_malformed_bodies(body: bytes) -> None:
+    with pytest.raises(MalformedMessage):
+        CODEC.decode(_frame(body))
+
+
+def test_inconsistent_messages_cannot_be_built() -> None:
+    with pytest.raises(InvalidMessage):
+        ChunkNotice(
+            request_id=1, chunk_index=0, token_start=3, token_stop=3, page_ids=(), is_last=False
+        )
+    with pytest.raises(InvalidMessage, match="D16"):
+        PrefillRequest(
+            request_id=1,
+            token_ids=(5,),
+            sampling=SamplingParams(max_new_tokens=1),
+            dst_pages=(),
+            decoder=ShardingScheme(1),
+            decoder_sessions=("a:1",),
+            metadata_slot=0,
+            completion_slot=0,
+        )
+    with pytest.raises(InvalidMessage):
+        SlotArea(region=Region(0, 10), slot_bytes=4, num_slots=3)
