@@ -243,3 +243,27 @@ class CompletionCounter:
             raise DuplicateCompletion("metadata completion counted twice (or not expected)")
         self._metadata_pending = False
         return self.is_complete
+
+
+def links_into(links: tuple[ShardLink, ...], dst_rank: int) -> tuple[ShardLink, ...]:
+    """The links of one destination rank, in the order both sides number its groups.
+
+    In the router flow each decoder rank asks for its own pages, so the prefiller numbers
+    the groups of each destination rank separately and both sides use these links.
+    """
+    into = tuple(link for link in links if link.dst_rank == dst_rank)
+    if not into:
+        raise CountingError(f"no link reaches destination rank {dst_rank}")
+    return into
+
+
+def expectation_for(links: tuple[ShardLink, ...], num_layer_groups: int) -> Expectation:
+    """What one destination expects from `links` (all into it): groups per chunk per
+    source, and the source that writes its metadata (the one sending its first head)."""
+    if not links or len({link.dst_rank for link in links}) != 1:
+        raise CountingError("expectation_for takes the links of exactly one destination")
+    per_src: dict[int, int] = {}
+    for link in links:
+        per_src[link.src_rank] = per_src.get(link.src_rank, 0) + num_layer_groups
+    first = min(links, key=lambda link: (link.head_lo, link.src_rank))
+    return Expectation(tuple(sorted(per_src.items())), first.src_rank)

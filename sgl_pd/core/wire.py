@@ -61,6 +61,7 @@ class ErrorCode(enum.Enum):
     UNKNOWN_PEER = "unknown_peer"  # no registration seen for the sender
     TRANSFER_FAILED = "transfer_failed"
     INTERNAL = "internal"
+    NOT_READY = "not_ready"  # prefill ranks still starting (not all registered); retry
 
 
 class AbortReason(enum.Enum):
@@ -86,6 +87,21 @@ class SlotArea(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise InvalidMessage("slots do not fit their region")
 
 
+class MetadataBuffers(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """D9 buffers: one row per request slot in each of several registered regions (first
+    output token, logprobs, hidden states, ... - whatever the engine keeps per request)."""
+
+    regions: tuple[Region, ...]
+    row_bytes: tuple[Positive, ...]  # bytes of one row of each region
+    rows: Positive  # request slots
+
+    def __post_init__(self) -> None:
+        if not self.regions or len(self.regions) != len(self.row_bytes):
+            raise InvalidMessage("metadata buffers need one row size per region")
+        if any(r.length < self.rows * n for r, n in zip(self.regions, self.row_bytes)):
+            raise InvalidMessage("metadata rows do not fit their regions")
+
+
 class ShardRegistration(_Message, tag="register", frozen=True):
     """One shard's memory, sent once per shard when a peer connects."""
 
@@ -93,11 +109,13 @@ class ShardRegistration(_Message, tag="register", frozen=True):
     rank: Rank
     scheme: ShardingScheme
     session: str  # transfer engine session id, "host:port"
+    inbox: str  # ZMQ endpoint of this rank's inbox, "tcp://host:port"
+    instance: U64  # random per process start: a new one for the same (role, rank) = restart
     layout: KvLayout
     num_pages: U32
     kv_regions: tuple[Region, ...]  # indexed by KvLayout.region_index(layer, part)
     layer_group_size: Positive  # prefill: layers per completion group
-    metadata: SlotArea | None = None  # decode: D9 buffers
+    metadata: MetadataBuffers | None = None  # D9 buffers (the prefiller's are its source)
     completion: SlotArea | None = None  # decode: completion words (counting.WORD_BYTES)
 
     def __post_init__(self) -> None:
@@ -179,7 +197,72 @@ class Heartbeat(_Message, tag="heartbeat", frozen=True):
     time_s: float  # sender's monotonic clock, seconds
 
 
-Message = ShardRegistration | PrefillRequest | ChunkNotice | Abort | ErrorMsg | Heartbeat
+# -- bootstrap: prefill ranks register with their server's registry, decoders query it ------
+# The registry does not know the model, so its frames use REGISTRY_LAYOUT_HASH and carry each
+# rank's `ShardRegistration` as an opaque frame; the decoder decodes those with its own
+# layout hash, which is where a model or layout mismatch surfaces (`LayoutMismatch`).
+
+REGISTRY_LAYOUT_HASH = 0
+
+
+class RegisterShard(_Message, tag="register_shard", frozen=True):
+    """Prefill rank -> registry: this rank's registration, already encoded as a frame."""
+
+    rank: Rank
+    tp_size: Positive
+    instance: U64  # same as in the registration: lets the registry see a restart
+    registration: bytes  # a ShardRegistration frame, encoded with the model's layout hash
+
+    def __post_init__(self) -> None:
+        if self.rank >= self.tp_size:
+            raise InvalidMessage(f"rank {self.rank} outside TP {self.tp_size}")
+
+
+class RegisterAck(_Message, tag="register_ack", frozen=True):
+    rank: Rank
+
+
+class RegistryQuery(_Message, tag="registry_query", frozen=True):
+    sender: str  # who asks, for the registry's log
+
+
+class RegistryReply(_Message, tag="registry_reply", frozen=True):
+    """Registry -> decoder, sent only once every rank registered (else ErrorMsg NOT_READY)."""
+
+    tp_size: Positive
+    registrations: tuple[bytes, ...]  # ShardRegistration frames, indexed by rank
+
+    def __post_init__(self) -> None:
+        if len(self.registrations) != self.tp_size:
+            raise InvalidMessage("a registry reply carries one registration per prefill rank")
+
+
+class TransferRequest(_Message, tag="transfer", frozen=True):
+    """Decoder rank -> each prefill rank that feeds it (router flow): where to write the KV
+    of request `request_id` (SGLang's bootstrap room), which the router sent to both sides."""
+
+    request_id: U64
+    decoder_rank: Rank
+    decoder_instance: U64  # lets the prefiller drop requests of a decoder that restarted
+    decoder_inbox: str  # where the prefiller sends chunk notices and errors
+    dst_pages: tuple[U32, ...]  # decoder page per logical page of the whole prompt
+    metadata_slot: U32
+    completion_slot: U32
+
+
+Message = (
+    ShardRegistration
+    | PrefillRequest
+    | ChunkNotice
+    | Abort
+    | ErrorMsg
+    | Heartbeat
+    | RegisterShard
+    | RegisterAck
+    | RegistryQuery
+    | RegistryReply
+    | TransferRequest
+)
 
 
 class FrameCodec:
@@ -189,6 +272,11 @@ class FrameCodec:
         self._hash = layout_hash
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Message)
+
+    @property
+    def layout_hash(self) -> int:
+        """The hash this codec writes and expects (build one codec per thread from it)."""
+        return self._hash
 
     def encode(self, msg: Message) -> bytes:
         body = self._encoder.encode(msg)

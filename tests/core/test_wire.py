@@ -26,6 +26,7 @@ from sgl_pd.core.wire import (
     HEADER_BYTES,
     MAGIC,
     PROTOCOL_VERSION,
+    REGISTRY_LAYOUT_HASH,
     Abort,
     AbortReason,
     ChunkNotice,
@@ -35,10 +36,16 @@ from sgl_pd.core.wire import (
     Heartbeat,
     Message,
     PrefillRequest,
+    RegisterAck,
+    RegisterShard,
+    RegistryQuery,
+    RegistryReply,
     Role,
     SamplingParams,
     ShardRegistration,
+    MetadataBuffers,
     SlotArea,
+    TransferRequest,
 )
 
 LAYOUT = KvLayout.gqa(
@@ -66,16 +73,19 @@ def registrations(draw: st.DrawFn) -> ShardRegistration:
         for _ in range(LAYOUT.num_regions)
     )
     area = SlotArea(region=Region(4096, 1 << 20), slot_bytes=256, num_slots=4096)
+    meta = MetadataBuffers(regions=(Region(1 << 24, 4096),), row_bytes=(64,), rows=64)
     return ShardRegistration(
         role=role,
         rank=draw(st.integers(0, tp - 1)),
         scheme=ShardingScheme(tp),
         session=draw(text),
+        inbox=draw(text),
+        instance=draw(u64),
         layout=LAYOUT,
         num_pages=draw(u32),
         kv_regions=regions,
         layer_group_size=draw(st.integers(1, 8)),
-        metadata=area if role is Role.DECODE else None,
+        metadata=meta if role is Role.DECODE else None,
         completion=area if role is Role.DECODE else None,
     )
 
@@ -120,6 +130,34 @@ def chunk_notices(draw: st.DrawFn) -> ChunkNotice:
     )
 
 
+@st.composite
+def register_shards(draw: st.DrawFn) -> RegisterShard:
+    tp = draw(st.integers(1, 64))
+    return RegisterShard(
+        rank=draw(st.integers(0, tp - 1)),
+        tp_size=tp,
+        instance=draw(u64),
+        registration=draw(st.binary(max_size=100)),
+    )
+
+
+@st.composite
+def registry_replies(draw: st.DrawFn) -> RegistryReply:
+    frames = draw(st.lists(st.binary(max_size=50), min_size=1, max_size=8))
+    return RegistryReply(tp_size=len(frames), registrations=tuple(frames))
+
+
+transfer_requests = st.builds(
+    TransferRequest,
+    request_id=u64,
+    decoder_rank=st.integers(0, 2**16 - 1),
+    decoder_instance=u64,
+    decoder_inbox=text,
+    dst_pages=st.lists(u32, max_size=20).map(tuple),
+    metadata_slot=u32,
+    completion_slot=u32,
+)
+
 messages: st.SearchStrategy[Message] = st.one_of(
     registrations(),
     prefill_requests(),
@@ -127,6 +165,11 @@ messages: st.SearchStrategy[Message] = st.one_of(
     st.builds(Abort, request_id=u64, reason=st.sampled_from(AbortReason), detail=text),
     st.builds(ErrorMsg, request_id=st.none() | u64, code=st.sampled_from(ErrorCode), message=text),
     st.builds(Heartbeat, sender=text, seq=u64, time_s=floats),
+    register_shards(),
+    st.builds(RegisterAck, rank=st.integers(0, 2**16 - 1)),
+    st.builds(RegistryQuery, sender=text),
+    registry_replies(),
+    transfer_requests,
 )
 
 
@@ -241,6 +284,8 @@ GOOD_CHUNK = dict(
             rank=0,
             scheme={"tp_size": 0},
             session="s",
+            inbox="tcp://127.0.0.1:1",
+            instance=7,
             layout=msgspec.to_builtins(LAYOUT),
             num_pages=1,
             kv_regions=[],
@@ -252,6 +297,8 @@ GOOD_CHUNK = dict(
             rank=0,
             scheme={"tp_size": 1},
             session="s",
+            inbox="tcp://127.0.0.1:1",
+            instance=7,
             layout={**msgspec.to_builtins(LAYOUT), "page_size": 0},
             num_pages=1,
             kv_regions=[],
@@ -263,6 +310,8 @@ GOOD_CHUNK = dict(
             rank=0,
             scheme={"tp_size": 1},
             session="s",
+            inbox="tcp://127.0.0.1:1",
+            instance=7,
             layout=msgspec.to_builtins(LAYOUT),
             num_pages=1,
             kv_regions=[{"base": 0, "length": 1}] * LAYOUT.num_regions,
@@ -293,3 +342,44 @@ def test_inconsistent_messages_cannot_be_built() -> None:
         )
     with pytest.raises(InvalidMessage):
         SlotArea(region=Region(0, 10), slot_bytes=4, num_slots=3)
+
+
+def test_bootstrap_messages_check_their_counts() -> None:
+    with pytest.raises(InvalidMessage):
+        RegisterShard(rank=2, tp_size=2, instance=1, registration=b"")
+    with pytest.raises(InvalidMessage):
+        RegistryReply(tp_size=2, registrations=(b"only one",))
+    with pytest.raises(MalformedMessage):
+        CODEC.decode(_frame(_raw("registry_reply", tp_size=2, registrations=[b"x"])))
+    with pytest.raises(MalformedMessage):
+        CODEC.decode(_frame(_raw("transfer", request_id=1, decoder_rank=0)))  # fields missing
+
+
+def test_registry_frames_nest_layout_checked_registrations() -> None:
+    """The registry relays registrations as opaque frames under hash 0; the decoder's codec
+    checks the layout hash of each one, so a model mismatch is a LayoutMismatch there."""
+    meta = MetadataBuffers(regions=(Region(1 << 30, 4096),), row_bytes=(64,), rows=64)
+    reg = ShardRegistration(
+        role=Role.PREFILL,
+        rank=0,
+        scheme=ShardingScheme(1),
+        session="10.0.0.1:17000",
+        inbox="tcp://10.0.0.1:5555",
+        instance=2**64 - 1,
+        layout=LAYOUT,
+        num_pages=16,
+        kv_regions=tuple(Region(i << 20, 1 << 20) for i in range(LAYOUT.num_regions)),
+        layer_group_size=1,
+        metadata=meta,
+    )
+    registry = FrameCodec(REGISTRY_LAYOUT_HASH)
+    reply = registry.decode(
+        registry.encode(RegistryReply(tp_size=1, registrations=(CODEC.encode(reg),)))
+    )
+    assert isinstance(reply, RegistryReply)
+    assert CODEC.decode(reply.registrations[0]) == reg
+    with pytest.raises(LayoutMismatch):
+        FrameCodec(LAYOUT.compat_hash() ^ 1).decode(reply.registrations[0])
+    with pytest.raises(LayoutMismatch):
+        CODEC.decode(registry.encode(RegistryQuery(sender="d0")))
+    assert registry.layout_hash == REGISTRY_LAYOUT_HASH

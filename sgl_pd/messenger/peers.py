@@ -1,0 +1,243 @@
+"""The decode side's directory of prefill servers: bootstrap address -> prefill shards.
+
+A decode rank learns of a prefill server from a request (the router passes its bootstrap
+"host:port"). `lookup` never blocks the scheduler: it returns the cached table, or None
+and asks the registry on a worker thread (one query in flight per address). A failed
+query is kept (`failure`) so callers can fail requests with its message at once; the
+address is asked again on a later lookup, at most once per `retry_backoff_s`, and the
+old failure stands until an answer replaces it. `invalidate` forgets what is known of a
+server that restarted or failed a request, so the next lookup asks afresh; the caller
+also drops its links to that server's old inboxes.
+
+Threading: `workers` named threads take addresses from a queue and call the registry
+client; the tables, failures and in-flight set belong to the directory and are only
+touched under its lock. Each worker decodes with a codec of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+from sgl_pd.core.clock import Clock, SystemClock
+from sgl_pd.core.errors import WireError
+from sgl_pd.core.wire import FrameCodec, Role, ShardRegistration
+from sgl_pd.errors import SglPdError
+from sgl_pd.messenger._sockets import POLL_S, tcp_endpoint
+from sgl_pd.messenger.errors import BootstrapError, BootstrapTimeout, MessengerClosed
+from sgl_pd.messenger.registry import QUERY_TIMEOUT_S, RETRY_INTERVAL_S, RegistryClient
+
+logger = logging.getLogger(__name__)
+
+RETRY_BACKOFF_S = 5.0  # a failed address is asked again at most this often
+WORKERS = 2  # concurrent queries: an unreachable server holds one for QUERY_TIMEOUT_S
+
+
+class RegistryQuerier(Protocol):
+    """What the directory needs of a registry client (`RegistryClient` or a test fake)."""
+
+    def query(
+        self,
+        addr: str,
+        timeout_s: float = ...,
+        retry_interval_s: float = ...,
+        stop: threading.Event | None = None,
+    ) -> list[bytes]: ...
+
+
+@dataclass(frozen=True)
+class PrefillTable:
+    """Every shard of one prefill server, as its ranks registered them."""
+
+    addr: str  # bootstrap "host:port"
+    shards: tuple[ShardRegistration, ...]  # indexed by rank
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.shards)
+
+
+@dataclass
+class _Failure:
+    error: SglPdError
+    at_s: float  # clock time of the failure
+
+
+class PeerDirectory:
+    """Prefill tables by bootstrap address, fetched in the background."""
+
+    def __init__(
+        self,
+        layout_hash: int,
+        *,
+        client: RegistryQuerier | None = None,
+        clock: Clock | None = None,
+        query_timeout_s: float = QUERY_TIMEOUT_S,
+        retry_interval_s: float = RETRY_INTERVAL_S,
+        retry_backoff_s: float = RETRY_BACKOFF_S,
+        workers: int = WORKERS,
+        name: str = "decode",
+    ) -> None:
+        """`layout_hash`: this decoder's `KvLayout.compat_hash()`; registrations of another
+        layout fail with `LayoutMismatch`. Without `client` the directory makes (and
+        closes) a `RegistryClient` of its own."""
+        self._layout_hash = layout_hash
+        self._own_client = client is None
+        self._client: RegistryQuerier = client or RegistryClient(f"{name}-peers")
+        self._clock = clock or SystemClock()
+        self._query_timeout_s = query_timeout_s
+        self._retry_interval_s = retry_interval_s
+        self._retry_backoff_s = retry_backoff_s
+        self._cond = threading.Condition()  # guards the four fields below
+        self._tables: dict[str, PrefillTable] = {}
+        self._failures: dict[str, _Failure] = {}
+        self._in_flight: dict[str, int] = {}  # addr -> its generation when the query began
+        self._generation: dict[str, int] = {}  # bumped by invalidate: late answers are stale
+        self._todo: queue.Queue[str] = queue.Queue()
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"sgl-pd-peers-{name}-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def lookup(self, addr: str) -> PrefillTable | None:
+        """The table of the prefill server at "host:port", or None while it is not known
+        (a query is then under way; see `failure`). Never blocks on the network."""
+        tcp_endpoint(addr)  # a malformed address is the caller's error, raised here
+        with self._cond:
+            return self._lookup_locked(addr)
+
+    def failure(self, addr: str) -> SglPdError | None:
+        """Why the last query of `addr` failed (`BootstrapTimeout`, `LayoutMismatch`, ...),
+        or None if it did not fail or was invalidated since."""
+        with self._cond:
+            f = self._failures.get(addr)
+            return f.error if f else None
+
+    def querying(self, addr: str) -> bool:
+        """Whether a query of `addr` is under way."""
+        with self._cond:
+            return addr in self._in_flight
+
+    def invalidate(self, addr: str) -> None:
+        """Forget the table and failure of `addr`: its next lookup queries afresh."""
+        with self._cond:
+            self._tables.pop(addr, None)
+            self._failures.pop(addr, None)
+            self._generation[addr] = self._generation.get(addr, 0) + 1
+
+    def wait(self, addr: str, timeout_s: float) -> PrefillTable:
+        """Blocking `lookup` for threads that may wait (start-up, tests): the table, or the
+        query's error, or `BootstrapTimeout` after `timeout_s`."""
+        tcp_endpoint(addr)
+        deadline = self._clock.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                table = self._lookup_locked(addr)
+                if table is not None:
+                    return table
+                f = self._failures.get(addr)
+                if f is not None and addr not in self._in_flight:
+                    raise f.error
+                left = deadline - self._clock.monotonic()
+                if left <= 0:
+                    raise BootstrapTimeout(f"no registrations from {addr} within {timeout_s} s")
+                self._cond.wait(min(left, POLL_S))
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Cancel queries and stop the workers; idempotent."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout_s)
+            if t.is_alive():
+                logger.error("%s did not stop within %.1f s", t.name, timeout_s)
+        if self._own_client and isinstance(self._client, RegistryClient):
+            self._client.close()
+        with self._cond:
+            self._cond.notify_all()
+
+    def __enter__(self) -> PeerDirectory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------
+
+    def _lookup_locked(self, addr: str) -> PrefillTable | None:
+        if self._stop.is_set():
+            raise MessengerClosed("peer directory is closed")
+        table = self._tables.get(addr)
+        if table is not None or addr in self._in_flight:
+            return table
+        f = self._failures.get(addr)
+        if f is not None and self._clock.monotonic() < f.at_s + self._retry_backoff_s:
+            return None
+        self._in_flight[addr] = self._generation.get(addr, 0)
+        self._todo.put(addr)
+        return None
+
+    def _work(self) -> None:
+        codec = FrameCodec(self._layout_hash)  # this worker's own: codecs are not thread-safe
+        while not self._stop.is_set():
+            try:
+                addr = self._todo.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            table: PrefillTable | None = None
+            error: SglPdError | None = None
+            try:
+                frames = self._client.query(
+                    addr, self._query_timeout_s, self._retry_interval_s, self._stop
+                )
+                table = _decode_table(addr, frames, codec)
+            except MessengerClosed as e:
+                if self._stop.is_set():
+                    return
+                error = e  # an injected client was closed under us
+            except SglPdError as e:
+                error = e
+            except Exception as e:  # a bug, not a peer fault: keep the worker alive
+                logger.exception("query of prefill registry %s failed", addr)
+                error = BootstrapError(f"query of prefill registry {addr} failed: {e!r}")
+            self._finish(addr, table, error)
+
+    def _finish(self, addr: str, table: PrefillTable | None, error: SglPdError | None) -> None:
+        with self._cond:
+            began = self._in_flight.pop(addr)
+            if began != self._generation.get(addr, 0):
+                pass  # invalidated meanwhile: the answer may predate a restart
+            elif table is not None:
+                self._tables[addr] = table
+                self._failures.pop(addr, None)
+                logger.info("prefill server %s: %d ranks", addr, table.tp_size)
+            elif error is not None:
+                self._failures[addr] = _Failure(error, self._clock.monotonic())
+                logger.warning("prefill server %s: %s", addr, error)
+            self._cond.notify_all()
+
+
+def _decode_table(addr: str, frames: list[bytes], codec: FrameCodec) -> PrefillTable:
+    shards = []
+    for rank, frame in enumerate(frames):
+        try:
+            reg = codec.decode(frame)
+        except WireError as e:
+            # Keep the type (LayoutMismatch is what the caller must see), add who sent it.
+            raise type(e)(f"registration of prefill rank {rank} at {addr}: {e}") from e
+        if not isinstance(reg, ShardRegistration):
+            raise BootstrapError(
+                f"prefill registry at {addr} sent a {type(reg).__name__} as rank {rank}"
+            )
+        if reg.role is not Role.PREFILL or reg.rank != rank or reg.scheme.tp_size != len(frames):
+            raise BootstrapError(
+                f"prefill registry at {addr} sent, as rank {rank} of {len(frames)}, the"
+                f" registration of {reg.role.value} rank {reg.rank} of {reg.scheme.tp_size}"
+            )
+        shards.append(reg)
+    return PrefillTable(addr, tuple(shards))

@@ -1,0 +1,363 @@
+"""The prefill server's registry (at SGLang's bootstrap port) and its blocking client.
+
+Each prefill rank registers its `ShardRegistration` frame with the registry of its server;
+a decode rank asks the registry for all of them once every rank has registered. The
+registry does not know the model: its own frames use `REGISTRY_LAYOUT_HASH` and carry the
+registrations as opaque frames, which only the decoder decodes.
+
+Threading: `RegistryServer`'s ROUTER is bound on the constructing thread, then used and
+closed only by the registry thread, which also owns the table of registrations.
+`RegistryClient` holds no socket between calls: each attempt of a call makes a DEALER on
+the calling thread and closes it before returning, so any thread may call it, and a reply
+that arrives after its attempt gave up lands on a closed socket instead of being mistaken
+for the answer to a later attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import zmq
+
+from sgl_pd.core.clock import Clock, SystemClock
+from sgl_pd.core.errors import WireError
+from sgl_pd.core.wire import (
+    REGISTRY_LAYOUT_HASH,
+    ErrorCode,
+    ErrorMsg,
+    FrameCodec,
+    Message,
+    RegisterAck,
+    RegisterShard,
+    RegistryQuery,
+    RegistryReply,
+)
+from sgl_pd.messenger._sockets import (
+    POLL_S,
+    ContextOwner,
+    ZmqContext,
+    ZmqSocket,
+    bind,
+    tcp_endpoint,
+)
+from sgl_pd.messenger.errors import (
+    BootstrapError,
+    BootstrapTimeout,
+    InvalidAddress,
+    MessengerClosed,
+)
+
+logger = logging.getLogger(__name__)
+
+REGISTER_TIMEOUT_S = 60.0  # a prefill rank waits this long for its server's registry
+QUERY_TIMEOUT_S = 30.0  # a decode rank waits this long for all prefill ranks of a server
+RETRY_INTERVAL_S = 0.5  # pause after a NOT_READY answer before asking again
+ATTEMPT_TIMEOUT_S = 2.0  # one attempt waits this long for a reply before a fresh one
+
+
+class RegistryServer:
+    """Answers `RegisterShard` with `RegisterAck` and `RegistryQuery` with `RegistryReply`
+    (or `ErrorMsg(NOT_READY)` until every rank of the announced TP size registered)."""
+
+    def __init__(self, host: str, port: int, *, context: ZmqContext | None = None) -> None:
+        """Binds tcp://host:port (0: a free port). Raises `AddressInUse` / `BindError`."""
+        self._ctx = ContextOwner(context)
+        sock = self._ctx.context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self._port = bind(sock, host, port)
+        except BaseException:
+            sock.close(linger=0)
+            self._ctx.release()
+            raise
+        self._host = host
+        self._codec = FrameCodec(REGISTRY_LAYOUT_HASH)  # registry thread only
+        self._shards: dict[int, RegisterShard] = {}  # by rank; registry thread only
+        self._bad_frames = 0  # written by the registry thread only
+        self._stop = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._run, args=(sock,), name=f"sgl-pd-registry-{self._port}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        """ "host:port", what decoders are given as the bootstrap address."""
+        return f"{self._host}:{self._port}"
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def bad_frames(self) -> int:
+        return self._bad_frames
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread (it closes the socket, freeing the port); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.error("registry %s: thread did not stop within %.1f s", self.address, timeout_s)
+            return
+        self._ctx.release()
+
+    def __enter__(self) -> RegistryServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- registry thread ---------------------------------------------------------------
+
+    def _run(self, sock: ZmqSocket) -> None:
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(int(POLL_S * 1000), zmq.POLLIN):
+                    continue
+                parts = sock.recv_multipart(zmq.NOBLOCK)
+                if len(parts) != 2:
+                    self._bad_frames += 1
+                    logger.warning("registry %s: %d-part message dropped", self.address, len(parts))
+                    continue
+                ident, frame = parts
+                reply = self._answer(frame)
+                try:
+                    # ROUTER drops a reply to a client that is gone; never blocks.
+                    sock.send_multipart([ident, self._codec.encode(reply)], zmq.NOBLOCK)
+                except zmq.Again:
+                    logger.warning("registry %s: reply dropped, client too slow", self.address)
+        except zmq.ZMQError:
+            logger.exception("registry %s: socket failed; the registry stopped", self.address)
+        finally:
+            sock.close(linger=0)
+
+    def _answer(self, frame: bytes) -> Message:
+        try:
+            msg = self._codec.decode(frame)
+        except WireError as e:
+            # The asker decodes our ErrorMsg, or sees our protocol version if it differs.
+            self._bad_frames += 1
+            logger.warning("registry %s: bad frame: %s", self.address, e)
+            return ErrorMsg(request_id=None, code=ErrorCode.BAD_REQUEST, message=str(e))
+        if isinstance(msg, RegisterShard):
+            return self._register(msg)
+        if isinstance(msg, RegistryQuery):
+            return self._reply(msg)
+        return ErrorMsg(
+            request_id=None,
+            code=ErrorCode.BAD_REQUEST,
+            message="a registry answers register_shard and registry_query,"
+            f" not {type(msg).__name__}",
+        )
+
+    def _register(self, msg: RegisterShard) -> RegisterAck:
+        stale = [r for r, s in self._shards.items() if s.tp_size != msg.tp_size]
+        if stale:
+            # The prefill server was relaunched with another TP size: the newest one wins.
+            logger.warning(
+                "registry %s: rank %d registers with TP %d; forgetting ranks %s of another TP",
+                self.address,
+                msg.rank,
+                msg.tp_size,
+                stale,
+            )
+            for r in stale:
+                del self._shards[r]
+        old = self._shards.get(msg.rank)
+        if old is not None and old.instance != msg.instance:
+            logger.info("registry %s: prefill rank %d restarted", self.address, msg.rank)
+        self._shards[msg.rank] = msg
+        return RegisterAck(rank=msg.rank)
+
+    def _reply(self, msg: RegistryQuery) -> RegistryReply | ErrorMsg:
+        tp_size = next(iter(self._shards.values())).tp_size if self._shards else None
+        if tp_size is None or len(self._shards) < tp_size:
+            have = sorted(self._shards)
+            return ErrorMsg(
+                request_id=None,
+                code=ErrorCode.NOT_READY,
+                message=f"prefill ranks {have} of TP {tp_size or '?'} registered so far",
+            )
+        logger.debug("registry %s: registrations sent to %s", self.address, msg.sender)
+        return RegistryReply(
+            tp_size=tp_size,
+            registrations=tuple(self._shards[r].registration for r in range(tp_size)),
+        )
+
+
+class RegistryClient:
+    """Blocking register / query calls with retries; safe to call from any thread.
+
+    Every wait is bounded: each attempt waits at most `attempt_timeout_s` for a reply (then
+    a fresh socket tries again), and a whole call at most its `timeout_s`, after which it
+    raises `BootstrapTimeout` naming the address. `close()` or a set `stop` event ends a
+    call in progress within about 0.1 s with `MessengerClosed`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        clock: Clock | None = None,
+        attempt_timeout_s: float = ATTEMPT_TIMEOUT_S,
+        context: ZmqContext | None = None,
+    ) -> None:
+        """`name` identifies this process in the registry's log (RegistryQuery.sender)."""
+        self._name = name
+        self._clock = clock or SystemClock()
+        self._attempt_timeout_s = attempt_timeout_s
+        self._ctx = ContextOwner(context)
+        self._closed = threading.Event()
+        self._calls = 0  # calls in progress, under _idle
+        self._idle = threading.Condition()
+
+    def register(
+        self,
+        addr: str,
+        msg: RegisterShard,
+        timeout_s: float = REGISTER_TIMEOUT_S,
+        retry_interval_s: float = RETRY_INTERVAL_S,
+        stop: threading.Event | None = None,
+    ) -> None:
+        """Register one prefill rank with the registry at "host:port"; returns once acked."""
+        reply = self._exchange(
+            addr, msg, f"register rank {msg.rank}", timeout_s, retry_interval_s, stop
+        )
+        if not (isinstance(reply, RegisterAck) and reply.rank == msg.rank):
+            raise BootstrapError(f"prefill registry at {addr} answered a registration with {reply}")
+
+    def query(
+        self,
+        addr: str,
+        timeout_s: float = QUERY_TIMEOUT_S,
+        retry_interval_s: float = RETRY_INTERVAL_S,
+        stop: threading.Event | None = None,
+    ) -> list[bytes]:
+        """The registration frames of all prefill ranks at "host:port", indexed by rank;
+        asks again while the registry answers NOT_READY or nothing."""
+        query = RegistryQuery(sender=self._name)
+        reply = self._exchange(addr, query, "query", timeout_s, retry_interval_s, stop)
+        if not isinstance(reply, RegistryReply):
+            raise BootstrapError(f"prefill registry at {addr} answered a query with {reply}")
+        return list(reply.registrations)
+
+    def close(self) -> None:
+        """Cancel calls in progress, wait for them to let go of their sockets; idempotent."""
+        self._closed.set()
+        with self._idle:
+            self._idle.wait_for(lambda: self._calls == 0, timeout=5.0)
+            if self._calls == 0:
+                self._ctx.release()
+
+    def __enter__(self) -> RegistryClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- one call --------------------------------------------------------------------
+
+    def _exchange(
+        self,
+        addr: str,
+        request: Message,
+        what: str,
+        timeout_s: float,
+        retry_interval_s: float,
+        stop: threading.Event | None,
+    ) -> Message:
+        endpoint = tcp_endpoint(addr)
+        with self._idle:
+            if self._closed.is_set():
+                raise MessengerClosed("registry client is closed")
+            self._calls += 1
+        try:
+            codec = FrameCodec(REGISTRY_LAYOUT_HASH)  # per call: codecs are not thread-safe
+            frame = codec.encode(request)
+            deadline = self._clock.monotonic() + timeout_s
+            not_ready: str | None = None
+            while True:
+                reply = self._attempt(addr, endpoint, frame, codec, deadline, stop)
+                if isinstance(reply, ErrorMsg) and reply.code is ErrorCode.NOT_READY:
+                    not_ready = reply.message
+                    self._pause(min(retry_interval_s, deadline - self._clock.monotonic()), stop)
+                elif isinstance(reply, ErrorMsg):
+                    raise BootstrapError(
+                        f"prefill registry at {addr} refused to {what}:"
+                        f" {reply.code.value}: {reply.message}"
+                    )
+                elif reply is not None:
+                    return reply
+                if self._clock.monotonic() >= deadline:
+                    raise BootstrapTimeout(self._timeout_message(addr, what, timeout_s, not_ready))
+        finally:
+            with self._idle:
+                self._calls -= 1
+                self._idle.notify_all()
+
+    def _attempt(
+        self,
+        addr: str,
+        endpoint: str,
+        frame: bytes,
+        codec: FrameCodec,
+        deadline: float,
+        stop: threading.Event | None,
+    ) -> Message | None:
+        """Send once on a fresh socket and wait for the reply; None if none came in time."""
+        sock = self._ctx.context.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            try:
+                sock.connect(endpoint)
+                # Not connected yet: ZMQ keeps the frame on the new pipe and sends it once
+                # the connection is up (ZMQ retries the connect every 100 ms meanwhile).
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                raise InvalidAddress(f"cannot connect to a registry at {addr!r}: {e}") from e
+            end = min(deadline, self._clock.monotonic() + self._attempt_timeout_s)
+            while True:
+                self._check_cancelled(stop)
+                left = end - self._clock.monotonic()
+                if left <= 0:
+                    return None
+                if sock.poll(max(1, int(min(left, POLL_S) * 1000)), zmq.POLLIN):
+                    data = sock.recv(zmq.NOBLOCK)
+                    break
+        finally:
+            sock.close(linger=0)
+        try:
+            return codec.decode(data)
+        except WireError as e:
+            # Keep the type (a version skew stays a ProtocolVersionMismatch), add the address.
+            raise type(e)(f"reply of the prefill registry at {addr}: {e}") from e
+
+    def _pause(self, seconds: float, stop: threading.Event | None) -> None:
+        end = self._clock.monotonic() + seconds
+        while (left := end - self._clock.monotonic()) > 0:
+            self._check_cancelled(stop)
+            self._closed.wait(min(left, POLL_S))
+        self._check_cancelled(stop)
+
+    def _check_cancelled(self, stop: threading.Event | None) -> None:
+        if self._closed.is_set() or (stop is not None and stop.is_set()):
+            raise MessengerClosed("registry call cancelled: the client is shutting down")
+
+    @staticmethod
+    def _timeout_message(addr: str, what: str, timeout_s: float, not_ready: str | None) -> str:
+        if not_ready is not None:
+            return (
+                f"prefill registry at {addr} was not ready to {what} within {timeout_s} s"
+                f" ({not_ready}): a prefill rank failed to start or to register"
+            )
+        return (
+            f"no answer from a prefill registry at {addr} within {timeout_s} s (to {what}):"
+            f" check that the prefill server is up and that {addr} is its bootstrap address"
+            " (--disaggregation-bootstrap-port)"
+        )

@@ -1,0 +1,171 @@
+"""Registry and its client over real ZMQ on 127.0.0.1: registration from threads and from
+another process, NOT_READY retries, restarts, timeouts, taken ports."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+
+import pytest
+import zmq
+from messenger_helpers import HOST, free_port, register_in_child, register_msg
+
+from sgl_pd.core.wire import (
+    REGISTRY_LAYOUT_HASH,
+    ErrorCode,
+    ErrorMsg,
+    FrameCodec,
+    Heartbeat,
+    RegistryQuery,
+)
+from sgl_pd.messenger import (
+    AddressInUse,
+    BindError,
+    BootstrapTimeout,
+    InvalidAddress,
+    MessengerClosed,
+    RegistryClient,
+    RegistryServer,
+)
+
+
+def test_ranks_from_threads_and_a_process_are_returned_by_rank() -> None:
+    msgs = [register_msg(rank, 3, instance=100 + rank) for rank in range(3)]
+    with RegistryServer(HOST, 0) as server, RegistryClient("test") as client:
+        child = mp.get_context("spawn").Process(
+            target=register_in_child, args=(server.address, msgs[1]), daemon=True
+        )
+        child.start()
+        try:
+            threads = [
+                threading.Thread(target=client.register, args=(server.address, msgs[r]))
+                for r in (2, 0)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(10)
+            child.join(30)
+            assert child.exitcode == 0
+        finally:
+            if child.is_alive():
+                child.kill()
+                child.join()
+        frames = client.query(server.address, timeout_s=5.0)
+    assert frames == [m.registration for m in msgs]
+
+
+def test_query_retries_until_every_rank_registered() -> None:
+    with RegistryServer(HOST, 0) as server, RegistryClient("test") as client:
+        client.register(server.address, register_msg(0, 2, instance=1))
+        with pytest.raises(BootstrapTimeout, match=r"not ready.*\[0\] of TP 2"):
+            client.query(server.address, timeout_s=0.3, retry_interval_s=0.05)
+
+        late = threading.Timer(
+            0.3, client.register, args=(server.address, register_msg(1, 2, instance=2))
+        )
+        late.start()
+        try:
+            frames = client.query(server.address, timeout_s=10.0, retry_interval_s=0.05)
+        finally:
+            late.join()
+    assert frames == [register_msg(r, 2, instance=r + 1).registration for r in range(2)]
+
+
+def test_reregistration_replaces_and_a_new_tp_size_wins() -> None:
+    with RegistryServer(HOST, 0) as server, RegistryClient("test") as client:
+        for rank in range(2):
+            client.register(server.address, register_msg(rank, 2, instance=1))
+        client.register(server.address, register_msg(1, 2, instance=9))  # rank 1 restarted
+        assert client.query(server.address)[1] == register_msg(1, 2, instance=9).registration
+        client.register(server.address, register_msg(0, 1, instance=5))  # relaunched as TP 1
+        assert client.query(server.address) == [register_msg(0, 1, instance=5).registration]
+
+
+def test_nothing_listening_is_a_timeout_naming_the_address() -> None:
+    addr = f"{HOST}:{free_port()}"
+    with RegistryClient("test") as client:
+        start = time.monotonic()
+        with pytest.raises(BootstrapTimeout, match=addr):
+            client.query(addr, timeout_s=1.0)
+        with pytest.raises(BootstrapTimeout, match="bootstrap"):
+            client.register(addr, register_msg(0, 1, instance=1), timeout_s=0.5)
+        assert time.monotonic() - start < 1.5 + 2.0
+
+
+def test_registry_started_late_is_found() -> None:
+    port = free_port()
+    with RegistryClient("test") as client:
+        box: list[list[bytes]] = []
+        asker = threading.Thread(
+            target=lambda: box.append(client.query(f"{HOST}:{port}", timeout_s=10.0))
+        )
+        asker.start()
+        time.sleep(0.3)
+        with RegistryServer(HOST, port) as server:
+            client.register(server.address, register_msg(0, 1, instance=1))
+            asker.join(10)
+    assert box == [[register_msg(0, 1, instance=1).registration]]
+
+
+def test_taken_port_and_bad_host_are_typed() -> None:
+    with RegistryServer(HOST, 0) as server, pytest.raises(AddressInUse, match=str(server.port)):
+        RegistryServer(HOST, server.port)
+    with pytest.raises(BindError):
+        RegistryServer("203.0.113.7", 0)  # TEST-NET-3: not an address of this host
+    with RegistryClient("test") as client:
+        for bad in ("no-port-here", "host:0", "host:65536", ":80"):
+            with pytest.raises(InvalidAddress):
+                client.query(bad)
+
+
+def test_close_frees_the_port() -> None:
+    server = RegistryServer(HOST, 0)
+    server.close()
+    server.close()  # idempotent
+    with RegistryServer(HOST, server.port):
+        pass
+
+
+def test_registry_answers_garbage_and_strangers_with_errors() -> None:
+    codec = FrameCodec(REGISTRY_LAYOUT_HASH)
+    with RegistryServer(HOST, 0) as server:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 5000)
+        try:
+            sock.connect(f"tcp://{server.address}")
+            for frame in (b"garbage", codec.encode(Heartbeat(sender="x", seq=1, time_s=0.0))):
+                sock.send(frame)
+                reply = codec.decode(sock.recv())
+                assert isinstance(reply, ErrorMsg) and reply.code is ErrorCode.BAD_REQUEST
+            sock.send(codec.encode(RegistryQuery(sender="raw")))
+            reply = codec.decode(sock.recv())
+            assert isinstance(reply, ErrorMsg) and reply.code is ErrorCode.NOT_READY
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+        assert server.bad_frames == 1
+
+
+def test_close_cancels_a_call_in_progress() -> None:
+    client = RegistryClient("test")
+    errors: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            client.query(f"{HOST}:{free_port()}", timeout_s=30.0)
+        except BaseException as e:
+            errors.append(e)
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    time.sleep(0.2)
+    client.close()
+    asker.join(5)
+    assert not asker.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], MessengerClosed)
+    with pytest.raises(MessengerClosed):
+        client.query(f"{HOST}:1")
