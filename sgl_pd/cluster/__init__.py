@@ -1,0 +1,1 @@
+"""Starting and stopping local SGLang servers and routers (demo, tests, benchmarks)."""

@@ -1,0 +1,93 @@
+"""A small client for SGLang's OpenAI-compatible API: greedy completions, chat, streaming.
+
+Kept to the standard library plus ``requests`` (an SGLang dependency) so the demo, the
+tests and the benchmarks measure the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import requests
+
+REQUEST_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    ttft_s: float  # first streamed token's arrival minus the request's start
+    total_s: float
+
+
+def complete(base_url: str, prompt: str, max_tokens: int = 32) -> str:
+    """Greedy text completion (temperature 0) through ``/v1/completions``."""
+    response = requests.post(
+        f"{base_url}/v1/completions",
+        json={"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+        timeout=REQUEST_TIMEOUT_S,
+    )
+    response.raise_for_status()
+    return str(response.json()["choices"][0]["text"])
+
+
+def chat(base_url: str, message: str, max_tokens: int = 32) -> str:
+    """Greedy chat completion through ``/v1/chat/completions``."""
+    response = requests.post(
+        f"{base_url}/v1/chat/completions",
+        json={
+            "model": "default",
+            "messages": [{"role": "user", "content": message}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        },
+        timeout=REQUEST_TIMEOUT_S,
+    )
+    response.raise_for_status()
+    return str(response.json()["choices"][0]["message"]["content"])
+
+
+def stream_chat(base_url: str, message: str, max_tokens: int = 32) -> Completion:
+    """Streams a greedy chat completion, timing the first token."""
+    start = time.perf_counter()
+    first: float | None = None
+    parts: list[str] = []
+    with requests.post(
+        f"{base_url}/v1/chat/completions",
+        json={
+            "model": "default",
+            "messages": [{"role": "user", "content": message}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+        },
+        stream=True,
+        timeout=REQUEST_TIMEOUT_S,
+    ) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            delta = json.loads(line[len(b"data: ") :])["choices"][0]["delta"].get("content")
+            if delta:
+                if first is None:
+                    first = time.perf_counter()
+                parts.append(delta)
+    end = time.perf_counter()
+    return Completion("".join(parts), (first or end) - start, end - start)
+
+
+def generate_ids(base_url: str, prompt: str, max_new_tokens: int = 16) -> list[int]:
+    """Greedy output token ids through SGLang's native ``/generate``."""
+    response = requests.post(
+        f"{base_url}/generate",
+        json={
+            "text": prompt,
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
+        },
+        timeout=REQUEST_TIMEOUT_S,
+    )
+    response.raise_for_status()
+    return [int(t) for t in response.json()["output_ids"]]

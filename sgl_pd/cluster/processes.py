@@ -1,0 +1,137 @@
+"""Server processes on this machine: free ports, readiness with a timeout, certain cleanup.
+
+Every process is started in its own session (process group) so stopping it also stops
+the scheduler and detokenizer processes SGLang forks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sgl_pd.errors import SglPdError
+
+
+class ServerStartError(SglPdError):
+    """A server exited or did not become ready in time; the message quotes its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Distinct free ports, all held open until chosen so no two calls return the same."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind((host, 0))
+            ports.append(int(s.getsockname()[1]))
+        return ports
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            self.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.env},
+            start_new_session=True,
+        )
+        log.close()  # the child holds its own descriptor
+
+    def wait_http_ready(self, url: str, timeout_s: float) -> None:
+        """Polls ``url`` until it answers 200; raises with the log tail on exit or timeout."""
+        assert self.process is not None, "start() first"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerStartError(
+                    f"{self.name} exited with code {self.process.returncode} before it was "
+                    f"ready; last lines of {self.log_path}:\n{_tail(self.log_path)}"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.5)
+        raise ServerStartError(
+            f"{self.name} was not ready at {url} after {timeout_s:.0f} s; last lines of "
+            f"{self.log_path}:\n{_tail(self.log_path)}"
+        )
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stops the whole process group: SIGTERM, then SIGKILL after ``grace_s``."""
+        if self.process is None or (
+            self.process.poll() is not None and not _group_alive(self.process.pid)
+        ):
+            return
+        _signal_group(self.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and _group_alive(self.process.pid):
+            time.sleep(0.2)
+        _signal_group(self.process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=5)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def managed(processes: Sequence[ManagedProcess]) -> Iterator[Sequence[ManagedProcess]]:
+    """Stops every process on exit, in reverse start order, whatever happened inside."""
+    try:
+        yield processes
+    finally:
+        for p in reversed(processes):
+            p.stop()
+
+
+def python_module_argv(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]

@@ -1,0 +1,98 @@
+"""Decides whether this host runs SGLang on a GPU or on its CPU engine, and what that takes.
+
+The decision is made once, in the launcher, before SGLang is imported: the stand-in
+driver has to be on the library path when the process starts, so the launcher
+re-executes itself with the environment returned here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import os
+from dataclasses import dataclass
+
+from sgl_pd.harness.build_stub import STUB_PATH, ensure_stub
+
+# Flags SGLang's CPU engine needs (facts in the design brief): no CUDA graphs or overlap
+# scheduling without a GPU, and the attention backend that runs on plain torch ops.
+CPU_SERVER_FLAGS: dict[str, str | None] = {
+    "--device": "cpu",
+    "--attention-backend": "torch_native",
+    "--disable-cuda-graph": None,
+    "--disable-overlap-schedule": None,
+}
+
+
+class Harness(enum.Enum):
+    GPU = "gpu"
+    CPU = "cpu"
+
+
+@dataclass(frozen=True)
+class HarnessPlan:
+    harness: Harness
+    reason: str  # one line for the log: why this harness was chosen
+    env: dict[str, str]  # variables to add to the server's environment
+    extra_args: tuple[str, ...]  # SGLang flags the user did not give but the harness needs
+
+
+def real_driver_has_devices() -> bool:
+    """True when a real NVIDIA driver is loadable and reports at least one device.
+
+    The stand-in never satisfies this: it has no ``cuInit``.
+    """
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        cu_init = lib.cuInit
+        cu_count = lib.cuDeviceGetCount
+    except (OSError, AttributeError):
+        return False
+    count = ctypes.c_int(0)
+    return cu_init(0) == 0 and cu_count(ctypes.byref(count)) == 0 and count.value > 0
+
+
+def _given(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def plan_harness(requested: Harness | None, argv: list[str]) -> HarnessPlan:
+    """Chooses the harness (``requested`` or auto-detected) and what it adds to ``argv``."""
+    if requested is None:
+        requested = Harness.GPU if real_driver_has_devices() else Harness.CPU
+        reason = (
+            "a CUDA driver with devices was found"
+            if requested is Harness.GPU
+            else ("no CUDA driver with devices was found")
+        )
+    else:
+        reason = f"--pd-harness {requested.value} was given"
+    if requested is Harness.GPU:
+        return HarnessPlan(Harness.GPU, reason, {}, ())
+
+    stub_dir = str(ensure_stub().parent)
+    library_path = os.pathsep.join(p for p in (stub_dir, os.environ.get("LD_LIBRARY_PATH")) if p)
+    extra: list[str] = []
+    flags = dict(CPU_SERVER_FLAGS)
+    if _flag_value(argv, "--disaggregation-mode") == "decode":
+        # a decoder backs up retracted requests' KV in pinned host memory unless told to
+        # keep plain CPU tensors; pinning needs the CUDA driver
+        flags["--disaggregation-decode-retraction-backup"] = "cpu_tensor"
+    for flag, value in flags.items():
+        if not _given(argv, flag):
+            extra += [flag] if value is None else [flag, value]
+    return HarnessPlan(
+        Harness.CPU,
+        f"{reason}: serving on SGLang's CPU engine with the stand-in driver {STUB_PATH}",
+        {"SGLANG_USE_CPU_ENGINE": "1", "LD_LIBRARY_PATH": library_path},
+        tuple(extra),
+    )

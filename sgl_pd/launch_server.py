@@ -1,0 +1,90 @@
+"""``python -m sgl_pd.launch_server``: SGLang's server with sgl_pd loaded.
+
+Takes every argument of ``python -m sglang.launch_server`` plus sgl_pd's own
+(``--pd-*``; ``--help`` lists both). On a host without a GPU it applies the CPU harness:
+the process re-executes itself once with the stand-in driver on the library path and
+SGLang's CPU flags added, and says so in its log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from sgl_pd.config import CONFIG_ENV, SglPdConfig, add_cli_args, config_from_args
+from sgl_pd.harness.cpu import Harness, plan_harness
+
+logger = logging.getLogger("sgl_pd.launch_server")
+
+# Set on the re-executed process so the harness is applied exactly once.
+_HARNESS_APPLIED_ENV = "SGL_PD_HARNESS_APPLIED"
+
+
+def _split_args(argv: list[str]) -> tuple[SglPdConfig, list[str]]:
+    """Separates sgl_pd's flags from SGLang's, which are passed on untouched."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_cli_args(parser)
+    ours, rest = parser.parse_known_args(argv)
+    return config_from_args(ours), rest
+
+
+def _print_help() -> None:
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs
+
+    load_plugins()  # so SGLang's choices include the sgl_pd backend
+    parser = argparse.ArgumentParser(
+        prog="python -m sgl_pd.launch_server",
+        description="SGLang server with sgl_pd disaggregated prefill/decode. "
+        "Select sgl_pd with --disaggregation-mode prefill|decode "
+        "--disaggregation-transfer-backend sgl_pd.",
+    )
+    ServerArgs.add_cli_args(parser)
+    add_cli_args(parser)
+    parser.print_help()
+
+
+def _serve(sglang_argv: list[str]) -> None:
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()  # registers sgl_pd here too; scheduler processes load it themselves
+    server_args = prepare_server_args(sglang_argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s")
+    config, sglang_argv = _split_args(argv)
+
+    if os.environ.get(_HARNESS_APPLIED_ENV) != "1":
+        requested = None if config.harness == "auto" else Harness(config.harness)
+        plan = plan_harness(requested, sglang_argv)
+        logger.info("harness: %s (%s)", plan.harness.value, plan.reason)
+        env = {**os.environ, **plan.env, CONFIG_ENV: config.to_json(), _HARNESS_APPLIED_ENV: "1"}
+        if plan.extra_args:
+            logger.info("adding SGLang flags: %s", " ".join(plan.extra_args))
+        # Re-execute so the dynamic loader sees LD_LIBRARY_PATH from the start.
+        sys.stdout.flush()
+        os.execve(
+            sys.executable,
+            [sys.executable, "-m", "sgl_pd.launch_server", *argv, *plan.extra_args],
+            env,
+        )
+
+    if "-h" in sglang_argv or "--help" in sglang_argv:
+        _print_help()
+        return
+    _serve(sglang_argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Real SGLang servers on CPU with the bundled model, shared by the end-to-end tests.
+
+Each fixture starts its servers on free ports, waits for readiness with a timeout and
+stops everything it started when the session ends, also after a failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from sgl_pd.cluster.local import PdCluster, Server, monolithic_server, pd_cluster
+
+# Small chunks so that prompts of a few hundred tokens are prefilled in several chunks.
+CHUNKED_PREFILL_SIZE = 64
+COMMON_ARGS = ["--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE), "--log-level", "info"]
+
+
+@pytest.fixture(scope="session")
+def mono(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with monolithic_server(tmp_path_factory.mktemp("mono"), extra=COMMON_ARGS) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdCluster]:
+    args = [*COMMON_ARGS, "--enable-metrics"]
+    with pd_cluster(
+        tmp_path_factory.mktemp("pd"), prefill_extra=args, decode_extra=args
+    ) as cluster:
+        yield cluster

@@ -1,0 +1,70 @@
+"""The CPU harness: the stand-in driver, the flags it adds, and the launcher's help."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+
+from sgl_pd.harness.build_stub import ensure_stub
+from sgl_pd.harness.cpu import CPU_SERVER_FLAGS, Harness, plan_harness
+
+
+def test_stub_exports_the_one_symbol_and_reports_no_device() -> None:
+    lib = ctypes.CDLL(str(ensure_stub()))
+    result = lib.cuPointerGetAttribute(None, 0, ctypes.c_ulonglong(0))
+    assert result == 100  # CUDA_ERROR_NO_DEVICE: nothing may mistake it for a driver
+    assert not hasattr(lib, "cuInit")
+
+
+def test_cpu_plan_adds_only_missing_flags_and_the_library_path() -> None:
+    plan = plan_harness(Harness.CPU, ["--device", "cpu", "--disable-cuda-graph"])
+    assert plan.harness is Harness.CPU
+    assert "--device" not in plan.extra_args and "--disable-cuda-graph" not in plan.extra_args
+    assert plan.extra_args == (
+        "--attention-backend",
+        "torch_native",
+        "--disable-overlap-schedule",
+    )
+    assert plan.env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert str(ensure_stub().parent) in plan.env["LD_LIBRARY_PATH"].split(":")
+
+
+def test_gpu_plan_changes_nothing() -> None:
+    plan = plan_harness(Harness.GPU, [])
+    assert plan.env == {} and plan.extra_args == ()
+
+
+def test_every_cpu_flag_is_an_sglang_flag() -> None:
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    known = {opt for action in parser._actions for opt in action.option_strings}
+    assert set(CPU_SERVER_FLAGS) <= known
+
+
+def test_launcher_help_lists_sglang_and_sgl_pd_flags() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "sgl_pd.launch_server", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    assert "--model-path" in out and "--disaggregation-mode" in out  # SGLang's
+    assert "--pd-harness" in out and "--pd-transport" in out  # ours
+    assert "sgl_pd" in out.split("--disaggregation-transfer-backend", 1)[1].split("\n", 1)[0]
+
+
+def test_launcher_rejects_a_bad_flag_value_without_a_traceback() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "sgl_pd.launch_server", "--pd-transport", "carrier-pigeon"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "invalid choice" in result.stderr and "Traceback" not in result.stderr
