@@ -98,7 +98,7 @@ class MetadataBuffers(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     def __post_init__(self) -> None:
         if not self.regions or len(self.regions) != len(self.row_bytes):
             raise InvalidMessage("metadata buffers need one row size per region")
-        if any(r.length < self.rows * n for r, n in zip(self.regions, self.row_bytes)):
+        if any(r.length < self.rows * n for r, n in zip(self.regions, self.row_bytes, strict=True)):
             raise InvalidMessage("metadata rows do not fit their regions")
 
 

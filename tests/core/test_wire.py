@@ -35,6 +35,7 @@ from sgl_pd.core.wire import (
     FrameCodec,
     Heartbeat,
     Message,
+    MetadataBuffers,
     PrefillRequest,
     RegisterAck,
     RegisterShard,
@@ -43,7 +44,6 @@ from sgl_pd.core.wire import (
     Role,
     SamplingParams,
     ShardRegistration,
-    MetadataBuffers,
     SlotArea,
     TransferRequest,
 )

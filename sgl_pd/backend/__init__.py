@@ -1,0 +1,7 @@
+"""sgl_pd as an SGLang disaggregation transfer backend (SGLang-version glue).
+
+SGLang has no backend registry: ``registration`` adds ``sgl_pd`` to SGLang's
+``TransferBackend`` enum and to ``get_kv_class``, so SGLang's own flags
+(``--disaggregation-mode prefill|decode --disaggregation-transfer-backend sgl_pd``)
+select the classes in this package.
+"""

@@ -1,0 +1,28 @@
+"""The prefill server's registry, started by SGLang at ``--disaggregation-bootstrap-port``.
+
+SGLang builds it in the HTTP front-end process (``start_disagg_service``); it holds the
+prefill ranks' registrations and answers decoders' queries (``sgl_pd.messenger.registry``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer, KVPoll
+
+from sgl_pd.messenger.registry import RegistryServer
+
+logger = logging.getLogger("sgl_pd.bootstrap")
+
+
+class SglPdBootstrapServer(BaseKVBootstrapServer):
+    def __init__(self, host: str, port: int) -> None:
+        bind_host = "0.0.0.0" if host in ("", "0.0.0.0", "::") else host
+        self._server = RegistryServer(bind_host, int(port))
+        logger.info("sgl_pd registry listening on %s:%d", bind_host, port)
+
+    def poll(self) -> int:
+        return KVPoll.Success
+
+    def close(self) -> None:
+        self._server.close()

@@ -1,0 +1,101 @@
+"""Describes SGLang's KV pool and metadata buffers (from ``KVArgs``) in the core's terms.
+
+SGLang hands a transfer backend flat lists: ``kv_data_ptrs`` holds every layer's K
+buffer, then every layer's V buffer (MHA/GQA), or one latent buffer per layer (MLA);
+each buffer is NHD, page after page (``kv_item_lens`` bytes per page). The core wants one
+region per (layer, part), layer-major, which is only a reordering of the same buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sgl_pd.core.layout import KvLayout, PageLayout
+from sgl_pd.core.regions import Region, RegionTable
+from sgl_pd.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class PoolDescription:
+    layout: KvLayout
+    local_heads: int  # KV heads this rank holds (1 for MLA)
+    kv: RegionTable  # this rank's KV regions, indexed by KvLayout.region_index
+    num_pages: int  # pages every region can hold
+    aux: tuple[Region, ...]  # metadata buffers (D9), one row per request slot
+    aux_item_bytes: tuple[int, ...]  # bytes of one row of each metadata buffer
+    aux_rows: int  # request slots in the metadata buffers
+
+
+def describe_pool(
+    kv_args: Any, is_mla: bool, heads: tuple[int, int] | None = None
+) -> PoolDescription:
+    """Reads SGLang's ``KVArgs`` (duck-typed: it is SGLang's class, not ours).
+
+    ``heads`` = (heads on this rank, heads in the model), for roles whose ``KVArgs``
+    does not carry them (SGLang's decoder fills them in only for its staging mode).
+    """
+    ptrs: list[int] = list(kv_args.kv_data_ptrs)
+    lens: list[int] = list(kv_args.kv_data_lens)
+    item_lens: list[int] = list(kv_args.kv_item_lens)
+    draft = int(getattr(kv_args, "num_draft_entries", 0) or 0)
+    if draft:
+        raise ConfigError(
+            "sgl_pd does not transfer a speculative draft model's KV yet; "
+            "serve without --speculative-algorithm"
+        )
+    page_size = int(kv_args.page_size)
+    if is_mla:
+        num_layers = len(ptrs)
+        local_heads, total_heads = 1, 1
+        order = list(range(num_layers))
+    else:
+        if len(ptrs) % 2:
+            raise ConfigError(f"expected K and V buffers per layer, got {len(ptrs)} buffers")
+        num_layers = len(ptrs) // 2
+        if heads is None:
+            local_heads, total_heads = int(kv_args.kv_head_num), int(kv_args.total_kv_head_num)
+        else:
+            local_heads, total_heads = heads
+        # core region order is (layer, K), (layer, V), ...; SGLang's is all K then all V
+        order = [i for layer in range(num_layers) for i in (layer, num_layers + layer)]
+    page_bytes = item_lens[0]
+    if any(n != page_bytes for n in item_lens):
+        raise ConfigError("KV buffers with different page sizes are not supported")
+    row_bytes = page_bytes // (page_size * local_heads)  # bytes per (token, head)
+    # The planner works in bytes: the layout records one-byte elements, so a head's row
+    # is `row_bytes` elements and both roles hash exactly the geometry they share.
+    if is_mla:
+        layout = KvLayout.mla(
+            num_layers=num_layers,
+            kv_lora_rank=row_bytes,
+            rope_dim=0,
+            page_size=page_size,
+            elem_bytes=1,
+            page_layout=PageLayout.NHD,
+        )
+    else:
+        layout = KvLayout.gqa(
+            num_layers=num_layers,
+            num_kv_heads=total_heads,
+            head_dim=row_bytes,
+            page_size=page_size,
+            elem_bytes=1,
+            page_layout=PageLayout.NHD,
+        )
+    num_pages = min(lens) // page_bytes
+    kv = RegionTable.for_layout(layout, tuple(Region(ptrs[i], lens[i]) for i in order))
+
+    aux_ptrs = list(kv_args.aux_data_ptrs)
+    aux_lens = list(kv_args.aux_data_lens)
+    aux_items = tuple(int(n) for n in kv_args.aux_item_lens)
+    aux_rows = min(length // item for length, item in zip(aux_lens, aux_items, strict=True))
+    return PoolDescription(
+        layout=layout,
+        local_heads=local_heads,
+        kv=kv,
+        num_pages=num_pages,
+        aux=tuple(Region(p, n) for p, n in zip(aux_ptrs, aux_lens, strict=True)),
+        aux_item_bytes=aux_items,
+        aux_rows=aux_rows,
+    )

@@ -1,0 +1,115 @@
+"""Decode side of one request, in SGLang's ``BaseKVReceiver`` terms."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll
+
+from sgl_pd.backend.decode_messenger import KvStatus
+from sgl_pd.errors import SglPdError
+
+logger = logging.getLogger("sgl_pd.receiver")
+
+
+class KvReceiveFailed(SglPdError):
+    """A request's KV did not arrive; SGLang aborts it with this message."""
+
+
+class SglPdKVReceiver(BaseKVReceiver):
+    # attributes SGLang's decode scheduler reads on every receiver
+    require_staging = False
+
+    def __init__(self, mgr: Any, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.bootstrap_room = int(bootstrap_room or 0)
+        self.abort_notified = False
+        self.conclude_state: int | None = None
+        self._requested = False
+        self._error: str | None = None
+
+    def init(self, prefill_dp_rank: int) -> None:
+        if prefill_dp_rank != 0:
+            self._fail(f"prefill data-parallel rank {prefill_dp_rank}: sgl_pd serves DP size 1")
+            return
+        self.kv_mgr.peers.lookup(self.bootstrap_addr)  # starts the lookup in the background
+
+    def poll(self) -> int:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        if not self._requested:
+            if self.kv_mgr.peers.lookup(self.bootstrap_addr) is not None:
+                return KVPoll.WaitingForInput
+            failure = self.kv_mgr.peers.failure(self.bootstrap_addr)
+            if failure is not None:
+                self._fail(str(failure))
+                return KVPoll.Failed
+            return KVPoll.Bootstrapping
+        status, error = self.kv_mgr.decode.poll(self.bootstrap_room)
+        if status is KvStatus.DONE:
+            self._conclude(KVPoll.Success)
+        elif status is KvStatus.FAILED:
+            self._fail(error or "transfer failed")
+        return self.conclude_state if self.conclude_state is not None else KVPoll.Transferring
+
+    def send_metadata(
+        self,
+        kv_indices: list[int],
+        aux_index: int | None = None,
+        state_indices: list[Any] | None = None,
+        decode_prefix_len: int | None = None,
+    ) -> None:
+        if state_indices and any(s is not None for s in state_indices):
+            self._fail("sgl_pd does not transfer extra model state (Mamba, SWA)")
+            return
+        if decode_prefix_len:
+            self._fail("sgl_pd does not resume from a decode-side prefix cache")
+            return
+        table = self.kv_mgr.peers.lookup(self.bootstrap_addr)
+        if table is None or aux_index is None:
+            self._fail("destination pages were sent before the prefiller was found")
+            return
+        try:
+            self.kv_mgr.decode.request(
+                self.bootstrap_room,
+                list(table.shards),
+                self.kv_mgr.registration,
+                np.asarray(kv_indices, dtype=np.int64),
+                int(aux_index),
+            )
+        except SglPdError as e:
+            self._fail(str(e))
+            return
+        self._requested = True
+
+    def failure_exception(self) -> None:
+        raise KvReceiveFailed(
+            f"KV of request {self.bootstrap_room} from {self.bootstrap_addr} did not arrive: "
+            f"{self._error or 'aborted'}"
+        )
+
+    def abort(self) -> None:
+        if self.conclude_state is None:
+            self._fail("aborted by the decode scheduler")
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """Nothing to notify: a prefill rank's late writes land in pages SGLang keeps until
+        this request is cleared, and its words carry the request id (ignored afterwards)."""
+
+    def clear(self) -> None:
+        self.kv_mgr.decode.forget(self.bootstrap_room)
+
+    def _fail(self, reason: str) -> None:
+        self._error = reason
+        self.conclude_state = KVPoll.Failed
+        # the prefiller may have restarted or gone: look it up afresh for the next request
+        self.kv_mgr.peers.invalidate(self.bootstrap_addr)
+        if self._requested:
+            self.kv_mgr.decode.fail(self.bootstrap_room, reason)
+        logger.warning("request %d: %s", self.bootstrap_room, reason)
+
+    def _conclude(self, state: int) -> None:
+        self.conclude_state = state

@@ -1,0 +1,83 @@
+"""Makes ``--disaggregation-transfer-backend sgl_pd`` select sgl_pd's classes in SGLang.
+
+SGLang 0.5.23 resolves a backend in two places: ``TransferBackend(<flag value>)`` (an
+enum) and the ``get_kv_class`` if-chain. We add one enum member and wrap the function.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from sgl_pd.config import BACKEND_NAME
+
+_MEMBER_NAME = "SGL_PD"
+
+
+def add_backend_member(enum_cls: type[enum.Enum]) -> enum.Enum:
+    """Adds the ``sgl_pd`` member to SGLang's ``TransferBackend`` (idempotent).
+
+    ``enum`` has no public way to extend an existing class; this uses the same
+    internals as ``aenum.extend_enum`` so ``TransferBackend("sgl_pd")``, equality and
+    ``.value`` behave like a built-in member everywhere SGLang compares them.
+    """
+    existing = enum_cls._value2member_map_.get(BACKEND_NAME)
+    if existing is not None:
+        return existing
+    member = object.__new__(enum_cls)
+    member._name_ = _MEMBER_NAME
+    member._value_ = BACKEND_NAME
+    enum_cls._member_map_[_MEMBER_NAME] = member
+    enum_cls._value2member_map_[BACKEND_NAME] = member
+    enum_cls._member_names_.append(_MEMBER_NAME)
+    type.__setattr__(enum_cls, _MEMBER_NAME, member)
+    return member
+
+
+def kv_class_around_hook(original: Any, transfer_backend: Any, class_type: Any) -> Any:
+    """``get_kv_class`` for our member; SGLang's own answer for every other backend."""
+    from sglang.srt.disaggregation.utils import KVClassType
+
+    if getattr(transfer_backend, "value", None) != BACKEND_NAME:
+        return original(transfer_backend, class_type)
+    if class_type == KVClassType.KVARGS:
+        return original(transfer_backend, class_type)
+
+    from sgl_pd.backend.bootstrap_server import SglPdBootstrapServer
+    from sgl_pd.backend.manager import SglPdKVManager
+    from sgl_pd.backend.receiver import SglPdKVReceiver
+    from sgl_pd.backend.sender import SglPdKVSender
+
+    return {
+        KVClassType.MANAGER: SglPdKVManager,
+        KVClassType.SENDER: SglPdKVSender,
+        KVClassType.RECEIVER: SglPdKVReceiver,
+        KVClassType.BOOTSTRAP_SERVER: SglPdBootstrapServer,
+    }[class_type]
+
+
+def register_backend() -> None:
+    from sglang.srt.arg_groups.choices import (
+        DISAGG_TRANSFER_BACKEND_CHOICES,
+        add_disagg_transfer_backend_choices,
+    )
+    from sglang.srt.disaggregation.utils import TransferBackend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if BACKEND_NAME not in DISAGG_TRANSFER_BACKEND_CHOICES:
+        add_disagg_transfer_backend_choices([BACKEND_NAME])
+    add_backend_member(TransferBackend)
+    HookRegistry.register(
+        "sglang.srt.disaggregation.utils.get_kv_class", kv_class_around_hook, HookType.AROUND
+    )
+    from sgl_pd.backend.pool_report import after_pool_check, after_run_batch
+
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler_components.invariant_checker."
+        "SchedulerInvariantChecker._check_all_pools",
+        after_pool_check,
+        HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.run_batch", after_run_batch, HookType.AFTER
+    )

@@ -1,0 +1,101 @@
+"""Prefill side of one request, in SGLang's ``BaseKVSender`` terms."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll, KVTransferMetric
+
+from sgl_pd.backend.prefill_messenger import TransferStatus
+from sgl_pd.errors import SglPdError
+
+logger = logging.getLogger("sgl_pd.sender")
+
+_POLL = {
+    TransferStatus.WAITING_FOR_DECODER: KVPoll.Bootstrapping,
+    TransferStatus.READY: KVPoll.WaitingForInput,
+    TransferStatus.DONE: KVPoll.Success,
+    TransferStatus.FAILED: KVPoll.Failed,
+}
+
+
+class KvTransferFailed(SglPdError):
+    """A request's KV could not be delivered; SGLang aborts it with this message."""
+
+
+class SglPdKVSender(BaseKVSender):
+    # SGLang's prefill moves page indices to pinned host memory for senders that accept
+    # device tensors; ours takes numpy indices, which keeps that CUDA-only path away.
+    supports_host_tensor_indices = False
+
+    def __init__(
+        self,
+        mgr: Any,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ) -> None:
+        self.kv_mgr = mgr
+        self.bootstrap_room = int(bootstrap_room)
+        self._messenger = mgr.prefill
+        self._messenger.track(self.bootstrap_room)
+        self._error: str | None = None
+        self._transferring = False
+        self._concluded: int | None = None
+        self._metric = KVTransferMetric()
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        self._messenger.expect(self.bootstrap_room, int(num_kv_indices), aux_index)
+
+    def send(
+        self,
+        kv_indices: npt.NDArray[np.int32],
+        state_indices: list[Any] | None = None,
+        num_kv_tokens: int | None = None,
+    ) -> None:
+        if state_indices and any(s is not None for s in state_indices):
+            raise KvTransferFailed("sgl_pd does not transfer extra model state (Mamba, SWA)")
+        pages = np.asarray(kv_indices, dtype=np.int64)
+        page_size = self.kv_mgr.layout.page_size
+        tokens = int(num_kv_tokens) if num_kv_tokens is not None else len(pages) * page_size
+        self._messenger.submit_chunk(self.bootstrap_room, pages, tokens)
+        self._transferring = True
+
+    def poll(self) -> int:
+        if self._concluded is not None:
+            return self._concluded
+        status = _POLL[self._messenger.status(self.bootstrap_room)]
+        if status == KVPoll.WaitingForInput and self._transferring:
+            status = KVPoll.Transferring
+        if status in (KVPoll.Success, KVPoll.Failed):
+            self._conclude(status)
+        return status
+
+    def _conclude(self, status: int) -> None:
+        self._concluded = status
+        if status == KVPoll.Failed:
+            self._error = self._messenger.error(self.bootstrap_room)
+        sent, seconds = self._messenger.forget(self.bootstrap_room)
+        self._metric = KVTransferMetric(transfer_latency_s=seconds, transfer_total_bytes=sent)
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        return self._metric
+
+    def failure_exception(self) -> None:
+        reason = self._error or self._messenger.error(self.bootstrap_room)
+        raise KvTransferFailed(
+            f"KV transfer of request {self.bootstrap_room} failed: {reason or 'aborted'}"
+        )
+
+    def abort(self) -> None:
+        self._messenger.abort(self.bootstrap_room, "aborted by the prefill scheduler")
+        if self._concluded is None:
+            self._error = "aborted by the prefill scheduler"
+            self._concluded = KVPoll.Failed
+            self._messenger.forget(self.bootstrap_room)
+
+    def clear(self) -> None:
+        self._messenger.forget(self.bootstrap_room)

@@ -1,0 +1,21 @@
+"""Entry point SGLang calls in every process (``sglang.srt.plugins`` group).
+
+Registering must be cheap and harmless for a server that does not select sgl_pd: it
+adds the backend to SGLang's choices and installs hooks that only act when
+``--disaggregation-transfer-backend sgl_pd`` is given.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sgl_pd.config import BACKEND_NAME
+
+logger = logging.getLogger("sgl_pd.plugin")
+
+
+def register() -> None:
+    from sgl_pd.backend.registration import register_backend
+
+    register_backend()
+    logger.info("sgl_pd plugin registered (transfer backend %r)", BACKEND_NAME)
