@@ -37,6 +37,8 @@ from sgl_pd.core.errors import CountingError
 from sgl_pd.core.regions import Region
 from sgl_pd.core.sharding import ShardingScheme, ShardLink, link_shards
 from sgl_pd.core.wire import (
+    Abort,
+    AbortReason,
     ChunkNotice,
     ErrorMsg,
     Message,
@@ -68,6 +70,7 @@ class _Track:
     links: tuple[ShardLink, ...]
     counter: CompletionCounter
     metadata_source: int  # the prefill rank that writes word 0
+    prefill_inboxes: tuple[str, ...]  # where an abort must go
     deadline_s: float
     started_s: float
     num_pages: int
@@ -166,6 +169,7 @@ class DecodeMessenger:
             links,
             counter,
             expectation.metadata_source,
+            tuple(peer.inbox for peer in prefills),
             now + self._timeout_s,
             now,
             len(dst_pages),
@@ -211,11 +215,18 @@ class DecodeMessenger:
                 return KvStatus.FAILED, track.error
             return KvStatus.TRANSFERRING, None
 
-    def fail(self, room: int, reason: str) -> None:
+    def fail(self, room: int, reason: str, abort: AbortReason = AbortReason.ERROR) -> None:
+        """Marks the request failed and tells its prefill ranks to stop writing it."""
         with self._lock:
             track = self._tracks.get(room)
-            if track is not None and track.error is None:
+            if track is None or track.done_s is not None:
+                return
+            if track.error is None:
                 track.error = reason
+            inboxes = track.prefill_inboxes
+        self._metrics.add_failure()
+        for inbox in inboxes:
+            self._send(inbox, Abort(request_id=room, reason=abort, detail=reason))
 
     def forget(self, room: int) -> None:
         with self._lock:

@@ -9,6 +9,7 @@ import numpy as np
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll
 
 from sgl_pd.backend.decode_messenger import KvStatus
+from sgl_pd.core.wire import AbortReason
 from sgl_pd.errors import SglPdError
 
 logger = logging.getLogger("sgl_pd.receiver")
@@ -93,7 +94,7 @@ class SglPdKVReceiver(BaseKVReceiver):
 
     def abort(self) -> None:
         if self.conclude_state is None:
-            self._fail("aborted by the decode scheduler")
+            self._fail("aborted by the decode scheduler", AbortReason.CLIENT)
 
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
         """Nothing to notify: a prefill rank's late writes land in pages SGLang keeps until
@@ -102,13 +103,13 @@ class SglPdKVReceiver(BaseKVReceiver):
     def clear(self) -> None:
         self.kv_mgr.decode.forget(self.bootstrap_room)
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str, abort: AbortReason = AbortReason.ERROR) -> None:
         self._error = reason
         self.conclude_state = KVPoll.Failed
         # the prefiller may have restarted or gone: look it up afresh for the next request
         self.kv_mgr.peers.invalidate(self.bootstrap_addr)
         if self._requested:
-            self.kv_mgr.decode.fail(self.bootstrap_room, reason)
+            self.kv_mgr.decode.fail(self.bootstrap_room, reason, abort)
         logger.warning("request %d: %s", self.bootstrap_room, reason)
 
     def _conclude(self, state: int) -> None:
