@@ -17,6 +17,7 @@ from sgl_pd.errors import ConfigError
 CONFIG_ENV = "SGL_PD_CONFIG"
 BACKEND_NAME = "sgl_pd"  # the value of SGLang's --disaggregation-transfer-backend that selects us
 TRANSPORTS = ("auto", "tcp", "rdma", "efa")
+KV_SEND_MODES = ("layerwise", "after-forward")
 
 
 @dataclass(frozen=True)
@@ -26,10 +27,13 @@ class SglPdConfig:
     advertise_host: str = ""  # address peers use to reach this server; "" = from --host
     bootstrap_timeout_s: float = 30.0  # finding a prefiller and its ranks
     transfer_timeout_s: float = 120.0  # a request's KV, from its destination pages to done
+    kv_send: str = "layerwise"  # when a prefiller sends a chunk's KV: per layer or after it
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"--pd-transport {self.transport!r}: choose one of {TRANSPORTS}")
+        if self.kv_send not in KV_SEND_MODES:
+            raise ConfigError(f"--pd-kv-send {self.kv_send!r}: choose one of {KV_SEND_MODES}")
         for name in ("bootstrap_timeout_s", "transfer_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
@@ -73,6 +77,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "is given, else tcp).",
     )
     group.add_argument(
+        "--pd-kv-send",
+        choices=KV_SEND_MODES,
+        default="layerwise",
+        help="When a prefiller sends a chunk's KV: layer by layer as the forward pass "
+        "writes it (layerwise), or once the forward pass has ended (after-forward, "
+        "SGLang's own behaviour).",
+    )
+    group.add_argument(
         "--pd-advertise-host",
         default="",
         help="Address other servers use to reach this one (default: --host, or this "
@@ -100,4 +112,5 @@ def config_from_args(args: argparse.Namespace) -> SglPdConfig:
         advertise_host=args.pd_advertise_host,
         bootstrap_timeout_s=args.pd_bootstrap_timeout,
         transfer_timeout_s=args.pd_transfer_timeout,
+        kv_send=args.pd_kv_send,
     )

@@ -248,7 +248,9 @@ class DecodeMessenger:
         self._check_done(track)
 
     def _count(self, track: _Track) -> None:
-        row = self._words[track.slot]
+        # A snapshot: prefill ranks keep writing into the live row while we scan it. A
+        # word caught half-written fails its request tag and is read again next poll.
+        row = self._words[track.slot].copy()
         for w in np.flatnonzero(row).tolist():
             if w in track.seen_words:
                 continue

@@ -17,6 +17,7 @@ from typing import Any
 from sglang.srt.disaggregation.base.conn import BaseKVManager
 
 from sgl_pd.backend.decode_messenger import DecodeMessenger
+from sgl_pd.backend.layerwise_glue import attach_messenger
 from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription, describe_pool
 from sgl_pd.backend.prefill_messenger import PrefillMessenger
@@ -35,6 +36,7 @@ from sgl_pd.core.wire import (
     TransferRequest,
 )
 from sgl_pd.errors import ConfigError, SglPdError
+from sgl_pd.layerwise.streamer import LayerStreamer
 from sgl_pd.messenger.inbox import Inbox
 from sgl_pd.messenger.link import LinkPool
 from sgl_pd.messenger.peers import PeerDirectory
@@ -122,18 +124,21 @@ class SglPdKVManager(BaseKVManager):
         self.links = LinkPool(self.codec.layout_hash)
         self.metrics = TransferMetrics(bool(server_args.enable_metrics), self.role.value)
         self.inbox = Inbox(host, self.codec, self._on_message, name=f"sgl-pd-inbox-{self.rank}")
+        self.streamer: LayerStreamer | None = None
 
         if self.role is Role.PREFILL:
+            layerwise = self.config.kv_send == "layerwise"
             self.prefill = PrefillMessenger(
                 rank=self.rank,
                 scheme=self.scheme,
                 pool=self.pool,
                 engine=self.engine,
-                layer_group_size=self.layout.num_layers,
+                layerwise=layerwise,
                 send_to_decoder=self._send,
                 metrics=self.metrics,
                 timeout_s=self.config.transfer_timeout_s,
             )
+            self.streamer = attach_messenger(self.prefill, layerwise)
             self.registration = self._registration(completion=None)
             self._bootstrap_addr = self._local_bootstrap_addr(server_args)
             threading.Thread(
@@ -177,7 +182,7 @@ class SglPdKVManager(BaseKVManager):
             layout=self.layout,
             num_pages=self.pool.num_pages,
             kv_regions=self.pool.kv.regions,
-            layer_group_size=self.layout.num_layers,
+            layer_group_size=(self.prefill.layer_group_size if self.role is Role.PREFILL else 1),
             metadata=MetadataBuffers(
                 regions=self.pool.aux, row_bytes=self.pool.aux_item_bytes, rows=self.pool.aux_rows
             ),
@@ -241,6 +246,8 @@ class SglPdKVManager(BaseKVManager):
     def close(self) -> None:
         self.inbox.close()
         if self.role is Role.PREFILL:
+            if self.streamer is not None:
+                self.streamer.stop(timeout_s=5.0)
             self.prefill.close()
         else:
             self.peers.close()

@@ -1,10 +1,18 @@
 """Prefill side of the messenger: which decoder pages each request goes to, and the
-thread that writes them (D2, D5, D9, D10, D12-D14).
+writes that fill them (D2, D5, D6, D9, D10, D12-D14).
 
-Threads: the inbox thread records decoder registrations and transfer requests
-(`on_message`); SGLang's scheduler thread adds chunks (`submit_chunk`) and polls; one
-worker thread per rank plans and writes every chunk, then the completion words. All
-request state sits behind one lock; the worker never holds it while writing.
+Two ways to send a chunk's KV:
+- after the forward (`submit_chunk`, SGLang's own behaviour): one write group per link
+  covers all layers, written by the worker thread once SGLang hands the chunk over;
+- layer by layer (`notice_chunk` before the forward, then `write_layers` from the layer
+  streamer as the progress counter advances): one write group per link and layer, so
+  only about one layer's transfer is left when the forward ends.
+
+Either way, once the last chunk is written and SGLang has filled the request's metadata
+row (its last `send`), the worker writes that row (D9) and tells each decoder how many
+chunks there were. Threads: the inbox thread records decoders' requests; SGLang's
+scheduler thread notices chunks and polls; the worker and the layer streamer write. All
+request state sits behind one lock, never held during a write.
 """
 
 from __future__ import annotations
@@ -20,11 +28,17 @@ import numpy as np
 
 from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription
-from sgl_pd.core.counting import WORD_BYTES, completion_word, links_into, metadata_word
+from sgl_pd.core.counting import (
+    WORD_BYTES,
+    completion_word,
+    expectation_for,
+    links_into,
+    metadata_word,
+)
 from sgl_pd.core.layout import KvLayout
 from sgl_pd.core.plan import TokenRange, plan_transfer
 from sgl_pd.core.regions import RegionTable
-from sgl_pd.core.sharding import ShardingScheme, link_shards
+from sgl_pd.core.sharding import ShardingScheme, ShardLink, link_shards
 from sgl_pd.core.wire import (
     ChunkNotice,
     ErrorCode,
@@ -39,9 +53,12 @@ from sgl_pd.transfer.engine import TransferEngine, Writes
 
 logger = logging.getLogger("sgl_pd.prefill")
 
+SendFn = Callable[[str, Message], None]  # (inbox endpoint, message): never blocks for long
+
 _STOP = object()
 
-SendFn = Callable[[str, Message], None]  # (inbox endpoint, message): never blocks for long
+# One INFO line per request when its transfer is done (times: time.monotonic(), seconds).
+TIMING_LINE_PREFIX = "sgl_pd transfer done:"
 
 
 class TransferStatus:
@@ -49,6 +66,23 @@ class TransferStatus:
     READY = "ready"  # destinations known, chunks may be sent
     DONE = "done"
     FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One prefill chunk of one request: the tokens it makes (and any cached prefix
+    before them that was not sent yet)."""
+
+    room: int
+    index: int  # chunk number of the request, from 0
+    tokens: TokenRange
+    src_pages: np.ndarray  # (pages,) this rank's page per logical page, up to the chunk's end
+    is_last: bool
+
+
+@dataclass(frozen=True)
+class _Metadata:
+    room: int
 
 
 @dataclass
@@ -59,15 +93,22 @@ class _Room:
     created_s: float
     requests: dict[int, TransferRequest] = field(default_factory=dict)  # by decoder rank
     decoder_tp: int | None = None
-    src_pages: list[int] = field(default_factory=list)  # this rank's page per logical page
     aux_index: int | None = None  # this rank's metadata row
     num_pages: int | None = None  # pages SGLang will send in all
-    chunks_submitted: int = 0
+    pages_sent: int = 0  # pages SGLang has handed to `send` so far
+    tokens_planned: int = 0  # tokens covered by chunks so far
+    src_pages: list[int] = field(default_factory=list)  # after-forward mode
+    chunks: int = 0
     chunks_done: int = 0
-    last_submitted: bool = False
+    send_complete: bool = False  # SGLang's last send: the metadata row is filled
+    last_chunk_done: bool = False
+    metadata_queued: bool = False
+    metadata_done: bool = False
     error: str | None = None
     bytes_sent: int = 0
     first_write_s: float | None = None
+    last_chunk_first_write_s: float | None = None  # layer-wise: before its forward ends
+    forward_end_s: float | None = None  # end of the forward of the last chunk
     done_s: float | None = None
 
     @property
@@ -76,17 +117,7 @@ class _Room:
             return TransferStatus.FAILED
         if self.decoder_tp is None or len(self.requests) < self.decoder_tp:
             return TransferStatus.WAITING_FOR_DECODER
-        if self.last_submitted and self.chunks_done == self.chunks_submitted:
-            return TransferStatus.DONE
-        return TransferStatus.READY
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    room: int
-    index: int  # chunk number of the request, from 0
-    tokens: TokenRange  # token positions the chunk covers
-    is_last: bool
+        return TransferStatus.DONE if self.metadata_done else TransferStatus.READY
 
 
 class PrefillMessenger:
@@ -97,18 +128,20 @@ class PrefillMessenger:
         scheme: ShardingScheme,
         pool: PoolDescription,
         engine: TransferEngine,
-        layer_group_size: int,
+        layerwise: bool,
         send_to_decoder: SendFn,
         metrics: TransferMetrics,
         timeout_s: float,
     ) -> None:
         self.rank = rank
-        self.timeout_s = timeout_s  # seconds a request may wait for its decoder
         self.scheme = scheme
         self.pool = pool
         self.layout: KvLayout = pool.layout
         self.engine = engine
-        self.layer_group_size = layer_group_size
+        self.layerwise = layerwise
+        # one completion word per layer when streaming layer by layer, else per chunk
+        self.layer_group_size = 1 if layerwise else self.layout.num_layers
+        self.timeout_s = timeout_s  # seconds a request may wait for its decoder
         self._send_to_decoder = send_to_decoder
         self._metrics = metrics
         self._words = CompletionWordWriter(engine)
@@ -126,23 +159,22 @@ class PrefillMessenger:
     def on_registration(self, registration: ShardRegistration) -> None:
         with self._lock:
             self._decoders[(registration.inbox, registration.rank)] = registration
-            # a restarted decoder rank replaces its old registration under the same inbox
-            # only if the port was reused; stale entries are harmless and small
 
     def on_transfer_request(self, request: TransferRequest) -> None:
-        decoder_inbox = request.decoder_inbox
+        key = (request.decoder_inbox, request.decoder_rank)
         with self._lock:
-            if (decoder_inbox, request.decoder_rank) not in self._decoders:
-                self._reply_error(
-                    decoder_inbox,
-                    request.request_id,
-                    ErrorCode.UNKNOWN_PEER,
-                    "transfer request from a decoder rank that never registered",
-                )
+            decoder = self._decoders.get(key)
+            if decoder is not None:
+                room = self._room(request.request_id)
+                room.requests[request.decoder_rank] = request
+                room.decoder_tp = decoder.scheme.tp_size
                 return
-            room = self._room(request.request_id)
-            room.requests[request.decoder_rank] = request
-            room.decoder_tp = self._decoders[(decoder_inbox, request.decoder_rank)].scheme.tp_size
+        self._reply_error(
+            request.decoder_inbox,
+            request.request_id,
+            ErrorCode.UNKNOWN_PEER,
+            "transfer request from a decoder rank that never registered",
+        )
 
     # -- scheduler thread -----------------------------------------------------------------
 
@@ -171,29 +203,59 @@ class PrefillMessenger:
             room = self._rooms.get(room_id)
             return None if room is None else room.error
 
-    def expect(self, room_id: int, num_pages: int, aux_index: int) -> None:
+    def expect(self, room_id: int, num_pages: int, aux_index: int | None) -> None:
         with self._lock:
             room = self._room(room_id)
             room.num_pages, room.aux_index = num_pages, aux_index
 
+    def notice_chunk(
+        self, room_id: int, src_pages: np.ndarray, end_token: int, is_last: bool
+    ) -> Chunk | None:
+        """Layer-wise mode, before the forward (D7): the chunk ending at `end_token`, with
+        the request's pages up to there. None when the request is not being sent."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+            if room is None or room.error is not None or end_token <= room.tokens_planned:
+                return None
+            chunk = Chunk(
+                room_id,
+                room.chunks,
+                TokenRange(room.tokens_planned, end_token),
+                np.asarray(src_pages, dtype=np.int64),
+                is_last,
+            )
+            room.chunks += 1
+            room.tokens_planned = end_token
+            return chunk
+
     def submit_chunk(self, room_id: int, pages: np.ndarray, num_tokens: int) -> None:
-        """Queues the next chunk of a request: its source pages and the tokens they hold."""
+        """SGLang's `send` of a chunk's pages, after its forward. After-forward mode
+        queues the chunk's writes; layer-wise mode only learns whether it was the last."""
         with self._lock:
             room = self._room(room_id)
             if room.error is not None:
                 return
-            start_token = len(room.src_pages) * self.layout.page_size
-            room.src_pages.extend(int(p) for p in pages)
-            is_last = room.num_pages is not None and len(room.src_pages) >= room.num_pages
-            chunk = _Chunk(
-                room_id,
-                room.chunks_submitted,
-                TokenRange(start_token, start_token + num_tokens),
-                is_last,
-            )
-            room.chunks_submitted += 1
-            room.last_submitted = is_last
-        self._jobs.put(chunk)
+            room.pages_sent += len(pages)
+            is_last = room.num_pages is not None and room.pages_sent >= room.num_pages
+            chunk = None
+            if not self.layerwise:
+                start = len(room.src_pages) * self.layout.page_size
+                room.src_pages.extend(int(p) for p in pages)
+                chunk = Chunk(
+                    room_id,
+                    room.chunks,
+                    TokenRange(start, start + num_tokens),
+                    np.asarray(room.src_pages, dtype=np.int64),
+                    is_last,
+                )
+                room.chunks += 1
+                room.tokens_planned = start + num_tokens
+            room.send_complete = is_last
+            queue_metadata = is_last and self._metadata_due(room)
+        if chunk is not None:
+            self._jobs.put(chunk)
+        if queue_metadata:
+            self._jobs.put(_Metadata(room_id))
 
     def abort(self, room_id: int, reason: str) -> None:
         with self._lock:
@@ -205,19 +267,36 @@ class PrefillMessenger:
         """Drops a finished request; returns (bytes sent, seconds from first write to done)."""
         with self._lock:
             room = self._rooms.pop(room_id, None)
-        if room is None:
-            return 0, None
-        elapsed = (
-            None
-            if room.first_write_s is None or room.done_s is None
-            else room.done_s - room.first_write_s
-        )
-        return room.bytes_sent, elapsed
+        if room is None or room.first_write_s is None or room.done_s is None:
+            return (0 if room is None else room.bytes_sent), None
+        return room.bytes_sent, room.done_s - room.first_write_s
 
     def close(self) -> None:
         self._jobs.put(_STOP)
         self._worker.join(timeout=10)
         self._words.close()
+
+    # -- layer streamer thread ----------------------------------------------------------
+
+    def write_layers(self, chunks: list[Chunk], layers: range) -> None:
+        """Layer-wise mode: the forward has finished `layers`; write them for every chunk."""
+        for chunk in chunks:
+            self._guarded(chunk.room, lambda c=chunk: self._write_chunk(c, layers))
+
+    def forward_done(self, chunks: list[Chunk]) -> None:
+        for chunk in chunks:
+            self._chunk_written(chunk)
+
+    # -- scheduler thread, after a forward ------------------------------------------------
+
+    def forward_finished(self, room_ids: list[int], at_s: float) -> None:
+        """The forward holding these requests' last chunk ended at `at_s` (monotonic):
+        what remains of their transfer after it is the exposed transfer time."""
+        with self._lock:
+            for room_id in room_ids:
+                room = self._rooms.get(room_id)
+                if room is not None and room.forward_end_s is None:
+                    room.forward_end_s = at_s
 
     # -- worker thread --------------------------------------------------------------------
 
@@ -226,109 +305,147 @@ class PrefillMessenger:
             job = self._jobs.get()
             if job is _STOP:
                 return
-            assert isinstance(job, _Chunk)
-            try:
-                self._write_chunk(job)
-            except SglPdError as e:
-                logger.error("request %d chunk %d failed: %s", job.room, job.index, e)
-                self._fail(job.room, str(e))
-            except Exception as e:  # a bug must fail the request, not kill the worker
-                logger.exception("request %d chunk %d failed", job.room, job.index)
-                self._fail(job.room, f"internal error: {e!r}")
+            if isinstance(job, Chunk):
+                all_layers = range(self.layout.num_layers)
+                if self._guarded(job.room, lambda j=job, ls=all_layers: self._write_chunk(j, ls)):
+                    self._chunk_written(job)
+            elif isinstance(job, _Metadata):
+                self._guarded(job.room, lambda j=job: self._write_metadata(j.room))
 
-    def _write_chunk(self, chunk: _Chunk) -> None:
+    def _guarded(self, room_id: int, write: Callable[[], None]) -> bool:
+        """Runs one write step; a failure fails the request, never the thread."""
+        try:
+            write()
+            return True
+        except SglPdError as e:
+            logger.error("request %d: %s", room_id, e)
+            self._fail(room_id, str(e))
+        except Exception as e:
+            logger.exception("request %d: internal error", room_id)
+            self._fail(room_id, f"internal error: {e!r}")
+        return False
+
+    # -- writing (worker or streamer thread) ----------------------------------------------
+
+    def _snapshot(
+        self, room_id: int, chunk: Chunk | None = None
+    ) -> tuple[dict[int, TransferRequest], dict[int, ShardRegistration]] | None:
+        """Lock-free copies of a request's destinations, stamping its first writes."""
         with self._lock:
-            room = self._rooms.get(chunk.room)
+            room = self._rooms.get(room_id)
             if room is None or room.error is not None:
-                return
-            requests = dict(room.requests)
-            src_pages = np.asarray(room.src_pages, dtype=np.int64)
-            aux_index = room.aux_index
+                return None
+            now = time.monotonic()
             if room.first_write_s is None:
-                room.first_write_s = time.monotonic()
-            decoders = {
-                rank: self._decoders[(req.decoder_inbox, rank)] for rank, req in requests.items()
-            }
+                room.first_write_s = now
+            if chunk is not None and chunk.is_last and room.last_chunk_first_write_s is None:
+                room.last_chunk_first_write_s = now
+            requests = dict(room.requests)
+            decoders = {r: self._decoders[(q.decoder_inbox, r)] for r, q in requests.items()}
+            return requests, decoders
+
+    def _write_chunk(self, chunk: Chunk, layers: range) -> None:
+        snapshot = self._snapshot(chunk.room, chunk)
+        if snapshot is None:
+            return
+        requests, decoders = snapshot
         sent = 0
         for decoder_rank, request in sorted(requests.items()):
             decoder = decoders[decoder_rank]
-            sent += self._write_to_decoder(chunk, request, decoder, src_pages, aux_index)
-        with self._lock:
-            room = self._rooms.get(chunk.room)
-            if room is None:
-                return
-            room.bytes_sent += sent
-            room.chunks_done += 1
-            if room.status == TransferStatus.DONE:
-                room.done_s = time.monotonic()
-        self._metrics.add_bytes(sent)
-
-    def _write_to_decoder(
-        self,
-        chunk: _Chunk,
-        request: TransferRequest,
-        decoder: ShardRegistration,
-        src_pages: np.ndarray,
-        aux_index: int | None,
-    ) -> int:
-        """Writes this rank's share of one chunk to one decoder rank; returns bytes."""
-        links = links_into(
-            link_shards(self.layout, self.scheme, decoder.scheme, request.request_id),
-            request.decoder_rank,
-        )
-        mine = [i for i, link in enumerate(links) if link.src_rank == self.rank]
-        dst_table = RegionTable.for_layout(self.layout, decoder.kv_regions)
-        slot_base = decoder.completion.region.base + (
-            request.completion_slot * decoder.completion.slot_bytes
-        )
-        sent = 0
-        if mine:
-            plan = plan_transfer(self.layout, links, src_pages, request.dst_pages, chunk.tokens)
-            groups = [
-                g for g in plan.groups(chunk.index, self.layer_group_size) if g.link_index in mine
-            ]
-            for group in groups:
-                batch = plan.batch(group.link_index, group.layers, self.pool.kv, dst_table)
-                writes = Writes.of(batch.src_addrs, batch.dst_addrs, batch.lengths)
-                word_addr = slot_base + group.word_offset
+            links = self._links(request, decoder)
+            mine = {i for i, link in enumerate(links) if link.src_rank == self.rank}
+            if not mine:
+                continue
+            plan = plan_transfer(
+                self.layout, links, chunk.src_pages, request.dst_pages, chunk.tokens, layers
+            )
+            dst_table = RegionTable.for_layout(self.layout, decoder.kv_regions)
+            assert decoder.completion is not None  # a decoder registration always has one
+            slot_base = decoder.completion.region.base + (
+                request.completion_slot * decoder.completion.slot_bytes
+            )
+            for group in plan.groups(chunk.index, self.layer_group_size):
+                if group.link_index not in mine:
+                    continue
                 if group.word_offset + WORD_BYTES > decoder.completion.slot_bytes:
                     raise SglPdError(
                         f"request {request.request_id} has more chunks than the decoder's "
                         "completion slot holds; raise --chunked-prefill-size"
                     )
+                batch = plan.batch(group.link_index, group.layers, self.pool.kv, dst_table)
+                writes = Writes.of(batch.src_addrs, batch.dst_addrs, batch.lengths)
                 self._words.send(
                     decoder.session,
                     writes,
-                    word_addr,
+                    slot_base + group.word_offset,
                     completion_word(request.request_id, group.index),
                 )
                 sent += writes.total_bytes
-        if chunk.is_last:
-            meta_source = min(links, key=lambda link: (link.head_lo, link.src_rank)).src_rank
-            if meta_source == self.rank:
-                sent += self._write_metadata(request, decoder, aux_index, slot_base)
+        with self._lock:
+            room = self._rooms.get(chunk.room)
+            if room is not None:
+                room.bytes_sent += sent
+        self._metrics.add_bytes(sent)
+
+    def _chunk_written(self, chunk: Chunk) -> None:
+        with self._lock:
+            room = self._rooms.get(chunk.room)
+            if room is None or room.error is not None:
+                return
+            room.chunks_done += 1
+            room.last_chunk_done |= chunk.is_last
+            queue_metadata = self._metadata_due(room)
+        if queue_metadata:
+            self._jobs.put(_Metadata(chunk.room))
+
+    def _metadata_due(self, room: _Room) -> bool:
+        """Lock held. The metadata row goes once the last chunk is written and filled."""
+        if room.metadata_queued or not (room.send_complete and room.last_chunk_done):
+            return False
+        room.metadata_queued = True
+        return True
+
+    def _write_metadata(self, room_id: int) -> None:
+        """D9: the metadata row (first token, logprobs, ...) to each decoder rank whose
+        metadata this rank sends, then the last chunk's notice to every decoder rank."""
+        snapshot = self._snapshot(room_id)
+        if snapshot is None:
+            return
+        requests, decoders = snapshot
+        with self._lock:
+            room = self._rooms[room_id]
+            aux_index, last_chunk, tokens = room.aux_index, room.chunks - 1, room.tokens_planned
+        sent = 0
+        for decoder_rank, request in sorted(requests.items()):
+            decoder = decoders[decoder_rank]
+            links = self._links(request, decoder)
+            if expectation_for(links, 1).metadata_source == self.rank:
+                sent += self._write_metadata_row(request, decoder, aux_index)
             self._send_to_decoder(
                 decoder.inbox,
                 ChunkNotice(
                     request_id=request.request_id,
-                    chunk_index=chunk.index,
-                    token_start=chunk.tokens.start,
-                    token_stop=chunk.tokens.stop,
+                    chunk_index=last_chunk,
+                    token_start=0,
+                    token_stop=max(1, tokens),
                     page_ids=(),
                     is_last=True,
                 ),
             )
-        return sent
+        with self._lock:
+            room = self._rooms.get(room_id)
+            if room is None:
+                return
+            room.bytes_sent += sent
+            room.metadata_done = True
+            room.done_s = time.monotonic()
+            self._log_timing(room)
+        self._metrics.add_bytes(sent)
 
-    def _write_metadata(
-        self,
-        request: TransferRequest,
-        decoder: ShardRegistration,
-        aux_index: int | None,
-        slot_base: int,
+    def _write_metadata_row(
+        self, request: TransferRequest, decoder: ShardRegistration, aux_index: int | None
     ) -> int:
-        """D9: this rank's metadata row (first token, logprobs, ...) to the decoder's row."""
-        if aux_index is None or decoder.metadata is None:
+        if aux_index is None or decoder.metadata is None or decoder.completion is None:
             raise SglPdError(f"request {request.request_id}: no metadata row on one side")
         src, dst, lengths = [], [], []
         for mine, theirs, item in zip(
@@ -338,13 +455,40 @@ class PrefillMessenger:
             dst.append(theirs.base + request.metadata_slot * item)
             lengths.append(item)
         writes = Writes.of(src, dst, lengths)
+        slot_base = decoder.completion.region.base + (
+            request.completion_slot * decoder.completion.slot_bytes
+        )
         self._words.send(decoder.session, writes, slot_base, metadata_word(request.request_id))
         return writes.total_bytes
+
+    def _links(self, request: TransferRequest, decoder: ShardRegistration) -> tuple[ShardLink, ...]:
+        return links_into(
+            link_shards(self.layout, self.scheme, decoder.scheme, request.request_id),
+            request.decoder_rank,
+        )
+
+    def _log_timing(self, room: _Room) -> None:
+        """Lock held. One line per request: what layer-wise streaming hides is visible here."""
+        exposed = "" if room.forward_end_s is None else f" forward_end={room.forward_end_s:.6f}"
+        logger.info(
+            "%s room=%d mode=%s tokens=%d chunks=%d bytes=%d first_write=%.6f "
+            "last_chunk_first_write=%.6f%s done=%.6f",
+            TIMING_LINE_PREFIX,
+            room.room,
+            "layerwise" if self.layerwise else "after_forward",
+            room.tokens_planned,
+            room.chunks,
+            room.bytes_sent,
+            room.first_write_s or 0.0,
+            room.last_chunk_first_write_s or 0.0,
+            exposed,
+            room.done_s or 0.0,
+        )
 
     def _fail(self, room_id: int, reason: str) -> None:
         with self._lock:
             room = self._rooms.get(room_id)
-            if room is None:
+            if room is None or room.error is not None:
                 return
             room.error = reason
             targets = [(req.decoder_inbox, req.request_id) for req in room.requests.values()]

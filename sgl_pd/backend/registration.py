@@ -81,3 +81,20 @@ def register_backend() -> None:
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.run_batch", after_run_batch, HookType.AFTER
     )
+    from sgl_pd.backend import layerwise_glue
+
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.load_model",
+        layerwise_glue.after_load_model,
+        HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.run_batch",
+        layerwise_glue.before_run_batch,
+        HookType.BEFORE,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.run_batch",
+        layerwise_glue.after_run_batch,
+        HookType.AFTER,
+    )

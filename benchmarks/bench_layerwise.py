@@ -1,0 +1,204 @@
+"""Exposed KV transfer time: layer-wise streaming against sending after the forward pass.
+
+Starts a local prefill + decode + router cluster (bundled model, CPU) once per mode, sends
+prompts of 512, 2k and 8k tokens (each prefilled in one chunk), and reads the prefill
+messenger's own timestamps (time.monotonic, shared by all processes of this machine):
+
+    exposed transfer = KV transfer done - end of the prompt's forward pass
+
+i.e. the part of the transfer the forward pass did not hide, which is what disaggregation
+adds to the time to first token. One layer's transfer time is estimated from the
+after-forward runs (all layers are written back to back there): (done - first write of
+the last chunk) / layers. TTFT through the router is printed alongside.
+
+    python benchmarks/bench_layerwise.py [--quick] [--out benchmarks/out]
+
+Prints a table, writes a PNG plot, and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from sgl_pd.backend.prefill_messenger import TIMING_LINE_PREFIX
+from sgl_pd.cluster.local import pd_cluster
+from sgl_pd.models import TINY_LLAMA_PATH
+
+MODES = ("layerwise", "after-forward")
+NUM_LAYERS = json.loads((TINY_LLAMA_PATH / "config.json").read_text())["num_hidden_layers"]
+SERVER_ARGS = [
+    "--chunked-prefill-size", "16384",  # one chunk per prompt: the forward is one pass
+    "--max-prefill-tokens", "16384",
+    "--log-level", "info",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Sample:
+    mode: str
+    tokens: int
+    exposed_ms: float  # done - forward end
+    last_chunk_ms: float  # done - first write of the last chunk
+    ttft_ms: float
+
+
+def prompt_ids(num_tokens: int) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA_PATH)
+    text = "Count: " + " ".join(str(i) for i in range(1, num_tokens))
+    return list(tokenizer(text).input_ids[:num_tokens])
+
+
+def ttft_ms(url: str, ids: list[int]) -> float:
+    start = time.perf_counter()
+    with requests.post(
+        f"{url}/generate",
+        json={
+            "input_ids": ids,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 2},
+            "stream": True,
+        },
+        stream=True,
+        timeout=600,
+    ) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                return (time.perf_counter() - start) * 1e3
+    raise RuntimeError("the stream ended without a token")
+
+
+def timing_lines(log: Path) -> list[dict[str, float]]:
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        if TIMING_LINE_PREFIX in line:
+            fields = dict(re.findall(r"(\w+)=([0-9.]+)", line.split(TIMING_LINE_PREFIX, 1)[1]))
+            out.append({k: float(v) for k, v in fields.items()})
+    return out
+
+
+def run_mode(mode: str, sizes: list[int], reps: int, log_dir: Path) -> list[Sample]:
+    args = [*SERVER_ARGS, "--pd-kv-send", mode]
+    samples = []
+    with pd_cluster(log_dir / mode, prefill_extra=args, decode_extra=SERVER_ARGS) as cluster:
+        log = cluster.prefill.process.log_path
+        for tokens in sizes:
+            ids = prompt_ids(tokens)
+            ttft_ms(cluster.router_url, ids)  # warm-up: first use of this length
+            for rep in range(reps):
+                seen = len(timing_lines(log))
+                ttft = ttft_ms(cluster.router_url, ids)
+                deadline = time.monotonic() + 30
+                while len(timing_lines(log)) <= seen and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                line = timing_lines(log)[-1]
+                sample = Sample(
+                    mode,
+                    tokens,
+                    (line["done"] - line["forward_end"]) * 1e3,
+                    (line["done"] - line["last_chunk_first_write"]) * 1e3,
+                    ttft,
+                )
+                samples.append(sample)
+                print(
+                    f"  {mode:13s} {tokens:6d} tokens  rep {rep + 1}/{reps}: exposed "
+                    f"{sample.exposed_ms:8.2f} ms  TTFT {ttft:8.1f} ms",
+                    flush=True,
+                )
+    return samples
+
+
+def plot(rows: dict[tuple[str, int], dict[str, float]], sizes: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for mode, marker in zip(MODES, ("o", "s"), strict=True):
+        ax.plot(
+            sizes,
+            [rows[(mode, n)]["exposed_ms"] for n in sizes],
+            marker=marker,
+            label=f"{mode}: exposed transfer",
+        )
+    ax.plot(
+        sizes,
+        [rows[("after-forward", n)]["layer_ms"] for n in sizes],
+        linestyle="--",
+        color="grey",
+        label="one layer's transfer",
+    )
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(n) for n in sizes])
+    ax.set_xlabel("prompt tokens (one prefill chunk)")
+    ax.set_ylabel("ms (median)")
+    ax.set_title("KV transfer left after the prefill forward pass (CPU, TCP loopback)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="512 and 2k tokens, 2 repetitions")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    args = parser.parse_args(argv)
+    sizes = [512, 2048] if args.quick else [512, 2048, 8192]
+    reps = 2 if args.quick else 5
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="bench_layerwise_"))
+    print(f"[bench] {NUM_LAYERS} layers, prompts {sizes}, {reps} reps; logs in {log_dir}")
+
+    samples = [s for mode in MODES for s in run_mode(mode, sizes, reps, log_dir)]
+    rows: dict[tuple[str, int], dict[str, float]] = {}
+    for mode in MODES:
+        for n in sizes:
+            mine = [s for s in samples if s.mode == mode and s.tokens == n]
+            rows[(mode, n)] = {
+                "exposed_ms": statistics.median(s.exposed_ms for s in mine),
+                "layer_ms": statistics.median(s.last_chunk_ms for s in mine) / NUM_LAYERS,
+                "ttft_ms": statistics.median(s.ttft_ms for s in mine),
+            }
+    print("\n tokens  exposed ms layer-wise  exposed ms after-forward  one layer ms  ratio  "
+          "TTFT ms lw / af")  # fmt: skip
+    for n in sizes:
+        lw, af = rows[("layerwise", n)], rows[("after-forward", n)]
+        print(
+            f" {n:6d}  {lw['exposed_ms']:19.2f}  {af['exposed_ms']:23.2f}  "
+            f"{af['layer_ms']:12.2f}  {af['exposed_ms'] / max(lw['exposed_ms'], 1e-3):5.1f}  "
+            f"{lw['ttft_ms']:7.0f} / {af['ttft_ms']:.0f}"
+        )
+    png = args.out / "layerwise.png"
+    plot(rows, sizes, png)
+    print(f"\nplot: {png}")
+    largest = sizes[-1]
+    lw, af = rows[("layerwise", largest)], rows[("after-forward", largest)]
+    print(
+        json.dumps(
+            {
+                "prompt_tokens": largest,
+                "exposed_ms_layerwise": round(lw["exposed_ms"], 3),
+                "exposed_ms_after_forward": round(af["exposed_ms"], 3),
+                "layer_transfer_ms": round(af["layer_ms"], 3),
+                "ratio": round(af["exposed_ms"] / max(lw["exposed_ms"], 1e-3), 2),
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

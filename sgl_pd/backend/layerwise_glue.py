@@ -1,0 +1,175 @@
+"""SGLang hooks for layer-wise KV streaming on a prefill server (D6, D7, D8).
+
+- After the model loads, a forward hook on every layer's attention output projection
+  records the layers done into a progress counter (`sgl_pd.layerwise.progress`). On a GPU
+  the record is a device-to-pinned-host copy enqueued on the forward stream, so it is
+  captured into CUDA graphs and replays with them; no Python runs inside a graph.
+- Before a prefill batch runs, the scheduler tells the messenger which requests, token
+  ranges and pages the batch covers (chunk notices) and hands them to the layer streamer
+  under a new forward generation.
+- The streamer's thread polls the counter and writes each newly finished layer of every
+  chunk; after the last layer of a request's last chunk, the metadata follows (D9).
+
+The hooks are installed in every SGLang process that loads the plugin, and act only in a
+prefill server whose transfer backend is sgl_pd with ``--pd-kv-send layerwise``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Any
+
+from sgl_pd.config import BACKEND_NAME, SglPdConfig
+from sgl_pd.core.clock import SystemClock
+from sgl_pd.layerwise.progress import CudaProgress, HostProgress, ProgressCounter
+from sgl_pd.layerwise.streamer import ForwardJob, LayerStreamer
+
+logger = logging.getLogger("sgl_pd.layerwise")
+
+# "model.layers.12.self_attn.o_proj" -> 12 (Llama, Qwen, DeepSeek: the attention output
+# projection, after which the layer's KV entries are written and TP ranks are in step)
+_O_PROJ = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|attn|attention)\.o_proj$")
+
+
+class _Process:
+    """This process's layer-wise state: one model, one counter, one streamer."""
+
+    counter: ProgressCounter | None = None
+    streamer: LayerStreamer | None = None
+    messenger: Any = None  # PrefillMessenger, once the KV manager exists
+    generation = 0
+
+
+_process = _Process()
+
+
+def _is_sgl_pd_prefill(server_args: Any) -> bool:
+    return (
+        str(getattr(server_args, "disaggregation_mode", "null")) == "prefill"
+        and str(getattr(server_args, "disaggregation_transfer_backend", "")) == BACKEND_NAME
+    )
+
+
+def layerwise_enabled(server_args: Any) -> bool:
+    return _is_sgl_pd_prefill(server_args) and SglPdConfig.from_environment().kv_send == (
+        "layerwise"
+    )
+
+
+def install_progress_hooks(model: Any, counter_for: Any) -> ProgressCounter:
+    """Registers a forward hook on each layer's o_proj; returns the counter they feed."""
+    hooked: dict[int, Any] = {}
+    for name, module in model.named_modules():
+        match = _O_PROJ.search(name)
+        if match:
+            hooked[int(match.group(1))] = module
+    if not hooked or sorted(hooked) != list(range(len(hooked))):
+        raise RuntimeError(
+            f"layer-wise streaming found attention output projections for layers "
+            f"{sorted(hooked)}; serve with --pd-kv-send after-forward for this model"
+        )
+    counter: ProgressCounter = counter_for(len(hooked))
+    for layer, module in hooked.items():
+        module.register_forward_hook(
+            lambda _m, _inputs, _output, layer=layer: counter.record_layer(layer)
+        )
+    return counter
+
+
+def after_load_model(result: Any, model_runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER hook of ``ModelRunner.load_model``."""
+    server_args = model_runner.server_args
+    if not layerwise_enabled(server_args):
+        return result
+    on_cpu = str(server_args.device) == "cpu"
+
+    def counter_for(num_layers: int) -> ProgressCounter:
+        if on_cpu:
+            return HostProgress(num_layers)
+        return CudaProgress(num_layers)
+
+    _process.counter = install_progress_hooks(model_runner.model, counter_for)
+    logger.info(
+        "layer-wise KV streaming: progress counter on %d layers (%s)",
+        _process.counter.num_layers,
+        "host" if on_cpu else "pinned host memory, CUDA-graph safe",
+    )
+    return result
+
+
+def attach_messenger(messenger: Any, layerwise: bool) -> LayerStreamer | None:
+    """Called by the prefill KV manager; in layer-wise mode, starts the streamer that
+    feeds `messenger` from the progress counter."""
+    _process.messenger = messenger
+    if not layerwise:
+        return None
+    if _process.counter is None:
+        raise RuntimeError("layer-wise streaming needs the progress hooks installed first")
+    streamer = LayerStreamer(
+        _process.counter,
+        lambda job, layers: messenger.write_layers(job.payload, layers),
+        lambda job: messenger.forward_done(job.payload),
+        clock=SystemClock(),
+    )
+    streamer.start()
+    _process.streamer = streamer
+    return streamer
+
+
+def _our_requests(batch: Any) -> list[Any]:
+    from sgl_pd.backend.sender import SglPdKVSender
+
+    return [
+        req
+        for req in getattr(batch, "reqs", None) or []
+        if isinstance(getattr(req, "disagg_kv_sender", None), SglPdKVSender)
+    ]
+
+
+def before_run_batch(scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE hook of ``Scheduler.run_batch``: chunk notices for the coming forward (D7)."""
+    messenger, streamer, counter = _process.messenger, _process.streamer, _process.counter
+    if messenger is None or streamer is None or counter is None:
+        return None
+    if batch is None or not batch.forward_mode.is_extend():
+        return None
+    from sglang.srt.mem_cache.common import kv_to_page_indices
+
+    page_size = messenger.layout.page_size
+    chunks = []
+    for req in _our_requests(batch):
+        end = int(req.extend_end)
+        tokens = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :end]
+        chunk = messenger.notice_chunk(
+            int(req.disagg_kv_sender.bootstrap_room),
+            kv_to_page_indices(tokens, page_size),
+            end,
+            is_last=end >= len(req.origin_input_ids),
+        )
+        if chunk is not None:
+            chunks.append(chunk)
+    _process.generation += 1
+    counter.begin_forward(_process.generation)
+    streamer.submit(ForwardJob(_process.generation, chunks))
+    return None
+
+
+def after_run_batch(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER hook of ``Scheduler.run_batch``: when each last chunk's forward ended (both
+    modes), so the messenger can log the transfer time left after it."""
+    if batch is None or not batch.forward_mode.is_extend():
+        return result
+    messenger = _process.messenger
+    if messenger is None:
+        return result
+    now = time.monotonic()
+    finished = [
+        int(req.disagg_kv_sender.bootstrap_room)
+        for req in _our_requests(batch)
+        if int(req.extend_end) >= len(req.origin_input_ids)
+    ]
+    if finished:
+        messenger.forward_finished(finished, now)
+    return result
