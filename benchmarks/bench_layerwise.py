@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import tempfile
@@ -30,8 +29,8 @@ from pathlib import Path
 
 import requests
 
-from sgl_pd.backend.prefill_messenger import TIMING_LINE_PREFIX
 from sgl_pd.cluster.local import pd_cluster
+from sgl_pd.cluster.logs import timing_lines
 from sgl_pd.models import TINY_LLAMA_PATH
 
 MODES = ("layerwise", "after-forward")
@@ -79,15 +78,6 @@ def ttft_ms(url: str, ids: list[int]) -> float:
     raise RuntimeError("the stream ended without a token")
 
 
-def timing_lines(log: Path) -> list[dict[str, float]]:
-    out = []
-    for line in log.read_text(errors="replace").splitlines():
-        if TIMING_LINE_PREFIX in line:
-            fields = dict(re.findall(r"(\w+)=([0-9.]+)", line.split(TIMING_LINE_PREFIX, 1)[1]))
-            out.append({k: float(v) for k, v in fields.items()})
-    return out
-
-
 def run_mode(mode: str, sizes: list[int], reps: int, log_dir: Path) -> list[Sample]:
     args = [*SERVER_ARGS, "--pd-kv-send", mode]
     samples = []
@@ -103,11 +93,12 @@ def run_mode(mode: str, sizes: list[int], reps: int, log_dir: Path) -> list[Samp
                 while len(timing_lines(log)) <= seen and time.monotonic() < deadline:
                     time.sleep(0.05)
                 line = timing_lines(log)[-1]
+                done, forward_end = float(line["done"]), float(line["forward_end"])
                 sample = Sample(
                     mode,
                     tokens,
-                    (line["done"] - line["forward_end"]) * 1e3,
-                    (line["done"] - line["last_chunk_first_write"]) * 1e3,
+                    (done - forward_end) * 1e3,
+                    (done - float(line["last_chunk_first_write"])) * 1e3,
                     ttft,
                 )
                 samples.append(sample)

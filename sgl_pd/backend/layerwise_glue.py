@@ -40,6 +40,9 @@ class _Process:
     streamer: LayerStreamer | None = None
     messenger: Any = None  # PrefillMessenger, once the KV manager exists
     generation = 0
+    # seconds between counter polls during a forward: a GPU layer takes ~0.4 ms, so poll
+    # often; a CPU layer takes milliseconds, and each poll takes the GIL from the forward
+    poll_interval_s = 20e-6
 
 
 _process = _Process()
@@ -91,6 +94,7 @@ def after_load_model(result: Any, model_runner: Any, *args: Any, **kwargs: Any) 
         return CudaProgress(num_layers)
 
     _process.counter = install_progress_hooks(model_runner.model, counter_for)
+    _process.poll_interval_s = 500e-6 if on_cpu else 20e-6
     logger.info(
         "layer-wise KV streaming: progress counter on %d layers (%s)",
         _process.counter.num_layers,
@@ -112,6 +116,7 @@ def attach_messenger(messenger: Any, layerwise: bool) -> LayerStreamer | None:
         lambda job, layers: messenger.write_layers(job.payload, layers),
         lambda job: messenger.forward_done(job.payload),
         clock=SystemClock(),
+        poll_interval_s=_process.poll_interval_s,
     )
     streamer.start()
     _process.streamer = streamer

@@ -109,6 +109,7 @@ class _Room:
     first_write_s: float | None = None
     last_chunk_first_write_s: float | None = None  # layer-wise: before its forward ends
     forward_end_s: float | None = None  # end of the forward of the last chunk
+    last_send_s: float | None = None  # SGLang's last send: its metadata row is filled
     done_s: float | None = None
 
     @property
@@ -251,6 +252,8 @@ class PrefillMessenger:
                 room.chunks += 1
                 room.tokens_planned = start + num_tokens
             room.send_complete = is_last
+            if is_last:
+                room.last_send_s = time.monotonic()
             queue_metadata = is_last and self._metadata_due(room)
         if chunk is not None:
             self._jobs.put(chunk)
@@ -364,6 +367,9 @@ class PrefillMessenger:
             slot_base = decoder.completion.region.base + (
                 request.completion_slot * decoder.completion.slot_bytes
             )
+            # every group of these layers in one data batch, then their words in one more:
+            # a word still follows all the data it stands for
+            parts, words = [], []
             for group in plan.groups(chunk.index, self.layer_group_size):
                 if group.link_index not in mine:
                     continue
@@ -373,14 +379,16 @@ class PrefillMessenger:
                         "completion slot holds; raise --chunked-prefill-size"
                     )
                 batch = plan.batch(group.link_index, group.layers, self.pool.kv, dst_table)
-                writes = Writes.of(batch.src_addrs, batch.dst_addrs, batch.lengths)
-                self._words.send(
-                    decoder.session,
-                    writes,
-                    slot_base + group.word_offset,
-                    completion_word(request.request_id, group.index),
+                parts.append(Writes.of(batch.src_addrs, batch.dst_addrs, batch.lengths))
+                words.append(
+                    (
+                        slot_base + group.word_offset,
+                        completion_word(request.request_id, group.index),
+                    )
                 )
-                sent += writes.total_bytes
+            writes = Writes.concat(parts)
+            self._words.send_many(decoder.session, writes, words)
+            sent += writes.total_bytes
         with self._lock:
             room = self._rooms.get(chunk.room)
             if room is not None:
@@ -470,6 +478,7 @@ class PrefillMessenger:
     def _log_timing(self, room: _Room) -> None:
         """Lock held. One line per request: what layer-wise streaming hides is visible here."""
         exposed = "" if room.forward_end_s is None else f" forward_end={room.forward_end_s:.6f}"
+        exposed += f" last_send={room.last_send_s or 0.0:.6f}"
         logger.info(
             "%s room=%d mode=%s tokens=%d chunks=%d bytes=%d first_write=%.6f "
             "last_chunk_first_write=%.6f%s done=%.6f",

@@ -79,12 +79,12 @@ def stream_chat(base_url: str, message: str, max_tokens: int = 32) -> Completion
     return Completion("".join(parts), (first or end) - start, end - start)
 
 
-def generate_ids(base_url: str, prompt: str, max_new_tokens: int = 16) -> list[int]:
-    """Greedy output token ids through SGLang's native ``/generate``."""
+def generate_ids(base_url: str, prompt: str | list[int], max_new_tokens: int = 16) -> list[int]:
+    """Greedy output token ids through SGLang's native ``/generate`` (text or token ids)."""
     response = requests.post(
         f"{base_url}/generate",
         json={
-            "text": prompt,
+            ("text" if isinstance(prompt, str) else "input_ids"): prompt,
             "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
         },
         timeout=REQUEST_TIMEOUT_S,

@@ -77,18 +77,34 @@ class CompletionWordWriter:
     def send(self, peer: str, writes: Writes, word_addr: int, value: int) -> None:
         """Writes `writes`, waits for them, then writes `value` as a uint64 into the peer at
         `word_addr` (the same contract as `write_with_completion`)."""
-        self._engine.write(peer, writes)  # raises: no word is sent
+        self.send_many(peer, writes, [(word_addr, value)])
+
+    def send_many(self, peer: str, writes: Writes, words: list[tuple[int, int]]) -> None:
+        """Writes `writes`, waits for them, then every (peer address, value) word in one
+        batch: the words of several groups cost one round trip, not one each."""
+        if len(writes):
+            self._engine.write(peer, writes)  # raises: no word is sent
+        slots: list[int] = []
         try:
-            slot = self._free.get(timeout=self._wait_s)
+            for _ in words:
+                slots.append(self._free.get(timeout=self._wait_s))
         except queue.Empty as e:
+            for slot in slots:
+                self._free.put(slot)
             raise TransferError(
                 f"no free completion-word slot within {self._wait_s:g} s "
                 f"({self._words.shape[0]} slots; failed word writes retire theirs)"
             ) from e
-        self._words[slot] = value
-        word = Writes.single(self._base + slot * WORD_BYTES, word_addr, WORD_BYTES)
-        self._engine.write(peer, word)  # on failure the slot stays retired
-        self._free.put(slot)
+        for slot, (_, value) in zip(slots, words, strict=True):
+            self._words[slot] = value
+        batch = Writes.of(
+            [self._base + slot * WORD_BYTES for slot in slots],
+            [addr for addr, _ in words],
+            WORD_BYTES,
+        )
+        self._engine.write(peer, batch)  # on failure the slots stay retired
+        for slot in slots:
+            self._free.put(slot)
 
     def close(self) -> None:
         with self._lock:

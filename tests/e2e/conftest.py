@@ -1,7 +1,7 @@
 """Real SGLang servers on CPU with the bundled model, shared by the end-to-end tests.
 
 Each fixture starts its servers on free ports, waits for readiness with a timeout and
-stops everything it started when the session ends, also after a failure.
+stops everything it started when its scope ends, also after a failure.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from sgl_pd.cluster.local import PdCluster, Server, monolithic_server, pd_cluster
 
 # Small chunks so that prompts of a few hundred tokens are prefilled in several chunks.
-CHUNKED_PREFILL_SIZE = 64
+CHUNKED_PREFILL_SIZE = 128
 COMMON_ARGS = ["--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE), "--log-level", "info"]
 
 
@@ -23,10 +23,11 @@ def mono(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield server
 
 
-@pytest.fixture(scope="session")
-def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdCluster]:
+def start_pd(tmp_path_factory: pytest.TempPathFactory, kv_send: str) -> Iterator[PdCluster]:
     args = [*COMMON_ARGS, "--enable-metrics"]
     with pd_cluster(
-        tmp_path_factory.mktemp("pd"), prefill_extra=args, decode_extra=args
+        tmp_path_factory.mktemp(f"pd-{kv_send}"),
+        prefill_extra=[*args, "--pd-kv-send", kv_send],
+        decode_extra=args,
     ) as cluster:
         yield cluster

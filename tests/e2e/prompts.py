@@ -19,3 +19,14 @@ def varied_prompts(count: int, seed: int = 7) -> list[str]:
             start = rng.randrange(1, 500)
             prompts.append("Count: " + " ".join(str(start + k) for k in range(length)))
     return prompts
+
+
+def long_prompt_ids(num_tokens: int) -> list[int]:
+    """Token ids of a counting text cut to exactly `num_tokens` tokens."""
+    from transformers import AutoTokenizer
+
+    from sgl_pd.models import TINY_LLAMA_PATH
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA_PATH)
+    text = "Count: " + " ".join(str(i) for i in range(1, num_tokens))
+    return list(tokenizer(text).input_ids[:num_tokens])
