@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import zmq
 
 from sgl_pd.messenger.errors import AddressInUse, BindError, InvalidAddress
@@ -53,3 +56,53 @@ class ContextOwner:
         """Call only once every socket made from the context is closed (else term() waits)."""
         if self._owned and not self.context.closed:
             self.context.term()
+
+
+class RouterThread:
+    """A ROUTER socket bound on the constructing thread (so a bind error reaches the
+    caller), then used and closed only by one named thread running `_run(sock)`, which
+    must return soon after `_stop` is set. Subclasses set their own state, then `_start`."""
+
+    def __init__(
+        self, host: str, port: int, context: ZmqContext | None, rcv_hwm: int | None = None
+    ) -> None:
+        """Binds tcp://host:port (0: a free port). Raises `AddressInUse` / `BindError`."""
+        self._ctx = ContextOwner(context)
+        sock = self._ctx.context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if rcv_hwm is not None:
+            sock.setsockopt(zmq.RCVHWM, rcv_hwm)
+        try:
+            self._port = bind(sock, host, port)
+        except BaseException:
+            sock.close(linger=0)
+            self._ctx.release()
+            raise
+        self._sock = sock
+        self._stop = threading.Event()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def _start(self, thread_name: str) -> None:
+        self._thread = threading.Thread(
+            target=self._run, args=(self._sock,), name=thread_name, daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, sock: ZmqSocket) -> None:
+        raise NotImplementedError
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread (it closes the socket, freeing the port) and wait; idempotent."""
+        if self._closed or self._thread is None:
+            return
+        self._closed = True
+        self._stop.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            # A handler is stuck: terminating the context would wait for it forever.
+            logging.getLogger(__name__).error(
+                "%s: thread did not stop within %.1f s", self._thread.name, timeout_s
+            )
+            return
+        self._ctx.release()

@@ -13,14 +13,13 @@ must not block (hand work to a queue); its exceptions are logged and counted, ne
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 
 import zmq
 
 from sgl_pd.core.errors import WireError
 from sgl_pd.core.wire import FrameCodec, Message
-from sgl_pd.messenger._sockets import POLL_S, ContextOwner, ZmqContext, ZmqSocket, bind
+from sgl_pd.messenger._sockets import POLL_S, RouterThread, ZmqContext, ZmqSocket
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +35,7 @@ def _peer_address(frame: zmq.Frame) -> str:
         return "?"
 
 
-class Inbox:
+class Inbox(RouterThread):
     """ROUTER bound to tcp://host:<free port>, delivering decoded messages to `on_message`."""
 
     def __init__(
@@ -51,28 +50,14 @@ class Inbox:
     ) -> None:
         """`codec` is used only by the inbox thread afterwards. `advertise_host` goes into
         `endpoint` when `host` is a wildcard such as 0.0.0.0. Raises `BindError`."""
+        super().__init__(host, 0, context, rcv_hwm=RCV_HWM)
         self._name = name
         self._codec = codec
         self._on_message = on_message
-        self._ctx = ContextOwner(context)
-        sock = self._ctx.context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, RCV_HWM)
-        try:
-            port = bind(sock, host, 0)
-        except BaseException:
-            sock.close(linger=0)
-            self._ctx.release()
-            raise
-        self._endpoint = f"tcp://{advertise_host or host}:{port}"
+        self._endpoint = f"tcp://{advertise_host or host}:{self._port}"
         self._bad_frames = 0  # written by the inbox thread only
         self._handler_errors = 0  # written by the inbox thread only
-        self._stop = threading.Event()
-        self._closed = False
-        self._thread = threading.Thread(
-            target=self._run, args=(sock,), name=f"sgl-pd-inbox-{name}", daemon=True
-        )
-        self._thread.start()
+        self._start(f"sgl-pd-inbox-{name}")
 
     @property
     def endpoint(self) -> str:
@@ -88,19 +73,6 @@ class Inbox:
     def handler_errors(self) -> int:
         """Messages whose handler raised."""
         return self._handler_errors
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread (it closes the socket) and wait for it; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._stop.set()
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            # A handler is stuck: terminating the context would wait for it forever.
-            logger.error("inbox %s: thread did not stop within %.1f s", self._name, timeout_s)
-            return
-        self._ctx.release()
 
     def __enter__(self) -> Inbox:
         return self

@@ -36,9 +36,9 @@ from sgl_pd.core.wire import (
 from sgl_pd.messenger._sockets import (
     POLL_S,
     ContextOwner,
+    RouterThread,
     ZmqContext,
     ZmqSocket,
-    bind,
     tcp_endpoint,
 )
 from sgl_pd.messenger.errors import (
@@ -56,31 +56,18 @@ RETRY_INTERVAL_S = 0.5  # pause after a NOT_READY answer before asking again
 ATTEMPT_TIMEOUT_S = 2.0  # one attempt waits this long for a reply before a fresh one
 
 
-class RegistryServer:
+class RegistryServer(RouterThread):
     """Answers `RegisterShard` with `RegisterAck` and `RegistryQuery` with `RegistryReply`
     (or `ErrorMsg(NOT_READY)` until every rank of the announced TP size registered)."""
 
     def __init__(self, host: str, port: int, *, context: ZmqContext | None = None) -> None:
         """Binds tcp://host:port (0: a free port). Raises `AddressInUse` / `BindError`."""
-        self._ctx = ContextOwner(context)
-        sock = self._ctx.context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            self._port = bind(sock, host, port)
-        except BaseException:
-            sock.close(linger=0)
-            self._ctx.release()
-            raise
+        super().__init__(host, port, context)
         self._host = host
         self._codec = FrameCodec(REGISTRY_LAYOUT_HASH)  # registry thread only
         self._shards: dict[int, RegisterShard] = {}  # by rank; registry thread only
         self._bad_frames = 0  # written by the registry thread only
-        self._stop = threading.Event()
-        self._closed = False
-        self._thread = threading.Thread(
-            target=self._run, args=(sock,), name=f"sgl-pd-registry-{self._port}", daemon=True
-        )
-        self._thread.start()
+        self._start(f"sgl-pd-registry-{self._port}")
 
     @property
     def address(self) -> str:
@@ -94,18 +81,6 @@ class RegistryServer:
     @property
     def bad_frames(self) -> int:
         return self._bad_frames
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread (it closes the socket, freeing the port); idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._stop.set()
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            logger.error("registry %s: thread did not stop within %.1f s", self.address, timeout_s)
-            return
-        self._ctx.release()
 
     def __enter__(self) -> RegistryServer:
         return self
