@@ -20,7 +20,10 @@ READY_TIMEOUT_S = 300.0  # a cold CPU start imports torch and SGLang: about a mi
 # Small pools: the bundled model is tiny and CI machines have 2 cores. Pages stay at
 # SGLang's default size (1 token on CPU) unless a caller overrides it.
 DEFAULT_SERVER_ARGS: tuple[str, ...] = (
-    "--mem-fraction-static", "0.05",
+    # SGLang's CPU engine measures free host memory around the weight load; a fraction
+    # too small fails when other processes start at the same time. The pool itself is
+    # capped by --max-total-tokens (64 MB for the bundled model).
+    "--mem-fraction-static", "0.2",
     "--max-total-tokens", "32768",
     "--max-running-requests", "64",
     "--log-level", "warning",
@@ -74,7 +77,9 @@ def pd_server_args(role: str, bootstrap_port: int | None = None) -> list[str]:
     return args
 
 
-def router_argv(port: int, prefill_url: str, bootstrap_port: int, decode_url: str) -> list[str]:
+def router_argv(
+    port: int, prometheus_port: int, prefill_url: str, bootstrap_port: int, decode_url: str
+) -> list[str]:
     return python_module_argv(
         "sglang_router.launch_router",
         "--pd-disaggregation",
@@ -82,6 +87,7 @@ def router_argv(port: int, prefill_url: str, bootstrap_port: int, decode_url: st
         "--decode", decode_url,
         "--host", HOST,
         "--port", str(port),
+        "--prometheus-port", str(prometheus_port),  # its default, 29000, allows one router
         "--policy", "round_robin",
         # find the workers healthy within a second, not after the default minute
         "--health-check-interval-secs", "1",
@@ -101,7 +107,7 @@ def pd_cluster(
 
     The two servers start side by side; the router starts once both answer.
     """
-    prefill_port, decode_port, bootstrap_port, router_port = free_ports(4)
+    prefill_port, decode_port, bootstrap_port, router_port, metrics_port = free_ports(5)
     prefill = ManagedProcess(
         "prefill",
         server_argv(
@@ -117,7 +123,7 @@ def pd_cluster(
     prefill_url, decode_url = f"http://{HOST}:{prefill_port}", f"http://{HOST}:{decode_port}"
     router = ManagedProcess(
         "router",
-        router_argv(router_port, prefill_url, bootstrap_port, decode_url),
+        router_argv(router_port, metrics_port, prefill_url, bootstrap_port, decode_url),
         log_dir / "router.log",
     )
     with managed([prefill, decode, router]):
