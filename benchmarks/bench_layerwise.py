@@ -38,6 +38,9 @@ NUM_LAYERS = json.loads((TINY_LLAMA_PATH / "config.json").read_text())["num_hidd
 SERVER_ARGS = [
     "--chunked-prefill-size", "16384",  # one chunk per prompt: the forward is one pass
     "--max-prefill-tokens", "16384",
+    # a cached prefix would be sent before the forward and the forward would shrink to the
+    # uncached tail: every prompt must be computed whole to compare the two modes
+    "--disable-radix-cache",
     "--log-level", "info",
 ]  # fmt: skip
 
@@ -51,12 +54,16 @@ class Sample:
     ttft_ms: float
 
 
-def prompt_ids(num_tokens: int) -> list[int]:
+def prompt_ids(num_tokens: int, start: int) -> list[int]:
+    """A counting prompt of exactly `num_tokens` tokens; `start` makes each one distinct."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA_PATH)
-    text = "Count: " + " ".join(str(i) for i in range(1, num_tokens))
-    return list(tokenizer(text).input_ids[:num_tokens])
+    text = "Count: " + " ".join(str(start + i) for i in range(num_tokens // 2))
+    ids = list(tokenizer(text).input_ids[:num_tokens])
+    if len(ids) != num_tokens:
+        raise ValueError(f"prompt has {len(ids)} tokens, wanted {num_tokens}")
+    return ids
 
 
 def ttft_ms(url: str, ids: list[int]) -> float:
@@ -84,11 +91,10 @@ def run_mode(mode: str, sizes: list[int], reps: int, log_dir: Path) -> list[Samp
     with pd_cluster(log_dir / mode, prefill_extra=args, decode_extra=SERVER_ARGS) as cluster:
         log = cluster.prefill.process.log_path
         for tokens in sizes:
-            ids = prompt_ids(tokens)
-            ttft_ms(cluster.router_url, ids)  # warm-up: first use of this length
+            ttft_ms(cluster.router_url, prompt_ids(tokens, 1))  # warm-up for this length
             for rep in range(reps):
                 seen = len(timing_lines(log))
-                ttft = ttft_ms(cluster.router_url, ids)
+                ttft = ttft_ms(cluster.router_url, prompt_ids(tokens, 1000 * (rep + 2)))
                 deadline = time.monotonic() + 30
                 while len(timing_lines(log)) <= seen and time.monotonic() < deadline:
                     time.sleep(0.05)
