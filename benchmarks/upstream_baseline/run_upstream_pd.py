@@ -35,7 +35,7 @@ import requests
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from sgl_pd.cluster.local import router_argv  # noqa: E402
+from sgl_pd.cluster.local import router_argv, serving_pd  # noqa: E402
 from sgl_pd.cluster.processes import ManagedProcess, free_ports, managed  # noqa: E402
 from sgl_pd.harness.cpu import Harness, plan_harness  # noqa: E402
 from sgl_pd.models import TINY_LLAMA_PATH  # noqa: E402
@@ -174,13 +174,7 @@ def run_pd(copy_root: Path, log_dir: Path, max_new_tokens: int) -> list[str]:
         router_argv(router_port, metrics_port, prefill_url, bootstrap_port, decode_url),
         log_dir / "router.log",
     )
-    with managed([prefill, decode, router]):
-        prefill.start()
-        decode.start()
-        prefill.wait_http_ready(f"{prefill_url}/health", READY_TIMEOUT_S)
-        decode.wait_http_ready(f"{decode_url}/health", READY_TIMEOUT_S)
-        router.start()
-        router.wait_http_ready(f"{router_url}/readiness", 60.0)
+    with serving_pd(prefill, prefill_url, decode, decode_url, router, router_url):
         print(f"[baseline] PD up: router {router_url}, prefill {prefill_url}, decode {decode_url}")
         return run_prompts(router_url, "upstream-pd", max_new_tokens)
 

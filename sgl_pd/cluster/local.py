@@ -97,6 +97,27 @@ def router_argv(
 
 
 @contextlib.contextmanager
+def serving_pd(
+    prefill: ManagedProcess,
+    prefill_url: str,
+    decode: ManagedProcess,
+    decode_url: str,
+    router: ManagedProcess,
+    router_url: str,
+) -> Iterator[None]:
+    """Starts a PD pair side by side and the router once both answer; stops all three on
+    exit, whatever happened inside."""
+    with managed([prefill, decode, router]):
+        prefill.start()
+        decode.start()
+        prefill.wait_http_ready(f"{prefill_url}/health", READY_TIMEOUT_S)
+        decode.wait_http_ready(f"{decode_url}/health", READY_TIMEOUT_S)
+        router.start()
+        router.wait_http_ready(f"{router_url}/readiness", 60.0)  # both workers healthy
+        yield
+
+
+@contextlib.contextmanager
 def pd_cluster(
     log_dir: Path,
     model: Path = TINY_LLAMA_PATH,
@@ -126,14 +147,8 @@ def pd_cluster(
         router_argv(router_port, metrics_port, prefill_url, bootstrap_port, decode_url),
         log_dir / "router.log",
     )
-    with managed([prefill, decode, router]):
-        prefill.start()
-        decode.start()
-        prefill.wait_http_ready(f"{prefill_url}/health", READY_TIMEOUT_S)
-        decode.wait_http_ready(f"{decode_url}/health", READY_TIMEOUT_S)
-        router.start()
-        router_url = f"http://{HOST}:{router_port}"
-        router.wait_http_ready(f"{router_url}/readiness", 60.0)  # both workers healthy
+    router_url = f"http://{HOST}:{router_port}"
+    with serving_pd(prefill, prefill_url, decode, decode_url, router, router_url):
         yield PdCluster(
             router_url,
             Server(prefill_url, prefill),

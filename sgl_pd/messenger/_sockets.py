@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Self
 
 import zmq
 
@@ -91,6 +92,12 @@ class RouterThread:
 
     def _run(self, sock: ZmqSocket) -> None:
         raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the thread (it closes the socket, freeing the port) and wait; idempotent."""

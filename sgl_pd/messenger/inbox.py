@@ -74,12 +74,6 @@ class Inbox(RouterThread):
         """Messages whose handler raised."""
         return self._handler_errors
 
-    def __enter__(self) -> Inbox:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- inbox thread -----------------------------------------------------------------
 
     def _run(self, sock: ZmqSocket) -> None:

@@ -82,12 +82,6 @@ class RegistryServer(RouterThread):
     def bad_frames(self) -> int:
         return self._bad_frames
 
-    def __enter__(self) -> RegistryServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- registry thread ---------------------------------------------------------------
 
     def _run(self, sock: ZmqSocket) -> None:
