@@ -448,7 +448,10 @@ class PrefillMessenger:
             room.metadata_done = True
             room.done_s = time.monotonic()
             self._log_timing(room)
+            pages = room.num_pages or 0
+            seconds = room.done_s - (room.first_write_s or room.done_s)
         self._metrics.add_bytes(sent)
+        self._metrics.add_request(pages, seconds)
 
     def _write_metadata_row(
         self, request: TransferRequest, decoder: ShardRegistration, aux_index: int | None

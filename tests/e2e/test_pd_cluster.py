@@ -75,6 +75,8 @@ def test_metrics_report_transfers(pd: PdCluster) -> None:
     text = requests.get(f"{pd.prefill.url}/metrics", timeout=30).text
     sent = re.search(r'^sgl_pd_transfer_bytes_total\{role="prefill"\} ([0-9.e+]+)$', text, re.M)
     assert sent is not None and float(sent.group(1)) > 0
+    served = re.search(r'^sgl_pd_transfer_pages_total\{role="prefill"\} ([0-9.e+]+)$', text, re.M)
+    assert served is not None and float(served.group(1)) > 0
     text = requests.get(f"{pd.decode.url}/metrics", timeout=30).text
     done = re.search(r'^sgl_pd_transfer_requests_total\{role="decode"\} ([0-9.e+]+)$', text, re.M)
     assert done is not None and float(done.group(1)) >= 1
