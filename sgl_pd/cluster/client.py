@@ -33,16 +33,22 @@ def complete(base_url: str, prompt: str, max_tokens: int = 32) -> str:
     return str(response.json()["choices"][0]["text"])
 
 
+def _chat_body(message: str, max_tokens: int, *, stream: bool) -> dict[str, object]:
+    """One user turn, greedy."""
+    return {
+        "model": "default",
+        "messages": [{"role": "user", "content": message}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    }
+
+
 def chat(base_url: str, message: str, max_tokens: int = 32) -> str:
     """Greedy chat completion through ``/v1/chat/completions``."""
     response = requests.post(
         f"{base_url}/v1/chat/completions",
-        json={
-            "model": "default",
-            "messages": [{"role": "user", "content": message}],
-            "max_tokens": max_tokens,
-            "temperature": 0,
-        },
+        json=_chat_body(message, max_tokens, stream=False),
         timeout=REQUEST_TIMEOUT_S,
     )
     response.raise_for_status()
@@ -56,13 +62,7 @@ def stream_chat(base_url: str, message: str, max_tokens: int = 32) -> Completion
     parts: list[str] = []
     with requests.post(
         f"{base_url}/v1/chat/completions",
-        json={
-            "model": "default",
-            "messages": [{"role": "user", "content": message}],
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "stream": True,
-        },
+        json=_chat_body(message, max_tokens, stream=True),
         stream=True,
         timeout=REQUEST_TIMEOUT_S,
     ) as response:
