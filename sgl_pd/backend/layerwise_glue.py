@@ -156,6 +156,9 @@ def before_run_batch(scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> N
         if chunk is not None:
             chunks.append(chunk)
     _process.generation += 1
+    # On a GPU this enqueues on the current stream, which must be the forward's: with
+    # SGLang's overlap scheduler the forward runs on another stream, and the generation
+    # could then change under the previous forward's last layers (not yet verified on GPU).
     counter.begin_forward(_process.generation)
     streamer.submit(ForwardJob(_process.generation, chunks))
     return None
