@@ -2,7 +2,8 @@
 
 Registering must be cheap and harmless for a server that does not select sgl_pd: it
 adds the backend to SGLang's choices and installs hooks that only act when
-``--disaggregation-transfer-backend sgl_pd`` is given.
+``--disaggregation-transfer-backend sgl_pd`` is given - except one INFO log line per
+change of an idle server's KV pool (``backend/pool_report.py``), useful everywhere.
 """
 
 from __future__ import annotations

@@ -104,9 +104,9 @@ class DecodeMessenger:
         self._lock = threading.Lock()
         self._tracks: dict[int, _Track] = {}
         self._sealed: dict[int, int] = {}  # room -> chunks, from a notice that came early
-        self._greeted: set[tuple[str, int]] = (
-            set()
-        )  # (prefill inbox, instance) sent our registration
+        # (prefill inbox, instance) that has our registration; a restarted prefill rank is a
+        # new instance and is greeted again. Scheduler thread only.
+        self._greeted: set[tuple[str, int]] = set()
 
     @property
     def completion_area(self) -> SlotArea:
@@ -232,11 +232,6 @@ class DecodeMessenger:
         with self._lock:
             self._tracks.pop(room, None)
             self._sealed.pop(room, None)
-
-    def forget_peer(self, inbox: str) -> None:
-        """A prefill rank restarted: greet its new instance again."""
-        with self._lock:
-            self._greeted = {key for key in self._greeted if key[0] != inbox}
 
     # -- helpers (lock held) --------------------------------------------------------------
 
