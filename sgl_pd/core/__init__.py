@@ -6,7 +6,7 @@ Imports only the standard library, numpy and msgspec (the wire codec); a test en
     regions    RegionTable: a shard's registered (base, length) per (layer, part)
     sharding   ShardingScheme, link_shards: who sends which heads to whom (D12-D14)
     plan       plan_transfer -> TransferPlan: coalesced writes, per-layer address batches
-    counting   write groups, completion words, CompletionCounter (D10)
+    counting   write groups, per-source count words, CompletionCounter (D10)
     wire       tagged msgspec messages in checked frames (FrameCodec)
     states     request state machines of both roles, clock-driven timeouts
     clock      Clock protocol, SystemClock, ManualClock

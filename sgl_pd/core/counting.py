@@ -1,26 +1,31 @@
-"""Completion by counting (D10): write groups, completion words and the decoder's counter.
+"""Completion by counting (D10): write groups, per-source count words, the decoder's counter.
 
 Mooncake has no receiver-side counter, so the unit counted is a *write group*: all data
-writes of one (source shard, destination shard, chunk, layer group). After the transfer
-engine reports a group's writes complete (`batch_transfer_sync_write` returned), the source
-writes one 8-byte *completion word* into the request's completion slot in the decoder's
-registered memory. Ordering argument: the word is posted only after the data writes have
-completed, so a visible word implies the group's data has landed (on fabrics where a
-completion does not prove GPU visibility, e.g. EFA, the edge must add a fence/flush first).
+writes of one (source shard, destination shard, chunk, layer group). The decoder cannot
+count data writes themselves (coalescing depends on the *source* page ids, which it never
+sees), but groups depend only on what it knows - the prefiller's scheme, its own, the
+request seed, the layer grouping and the chunk count:
 
-The decoder cannot count data writes themselves: coalescing depends on the contiguity of
-the *source* page ids, which it never sees. Groups depend only on what it knows - the
-prefiller's scheme, its own, the request seed, the layer grouping and the chunk count:
+    groups per chunk from one source = its links into this destination * num_layer_groups
 
-    groups per chunk = len(links) * num_layer_groups,  independent of pages and tokens
+Count words. Each decoder rank keeps one slot of SLOT_WORDS 8-byte words per request in
+registered memory. Word METADATA_WORD holds the metadata word (D9), written once by the
+source `expectation_for` names. Word 1 + src_rank holds that source's *count*: how many of
+the request's groups it has finished into this destination rank so far. A source sends the
+groups of one (request, destination rank) serially from one thread and writes its count
+after each finished data batch, so the value it writes only grows; the decoder needs just
+the latest value it reads, never every write.
 
-Numbering, shared by both sides (G layer groups, L links sorted by (src, dst)):
-    index = (chunk * G + g) * L + link_index           completion word index - 1
-    seq   = (chunk * G + g) * L_src + j                 per-source sequence number,
-                                                         j = rank of the link among its source's
-Slot layout: word 0 = metadata (D9) written once by `metadata_source`; word 1 + index = group.
-A word holds (tag << 32) | (index + 1), tag = low 32 bits of the request id, so a late word
-from an earlier request that used the slot is recognised and ignored.
+Ordering argument. A count c is written only after the data batches of its first c groups
+have completed (`batch_transfer_sync_write` returned), and that word write is itself
+waited for before the next batch starts. So a visible count c implies those groups' data
+has landed, and an older (lower) count cannot land after a newer one. On fabrics where a
+completion does not prove GPU visibility (EFA) the edge must add a fence/flush first.
+
+A word holds (tag << 32) | count, tag = low 32 bits of the request id, so a late word from
+an earlier request that used the slot is recognised and ignored (the counter keeps the
+highest count it saw). The slot size depends only on the number of source ranks, never on
+chunks or layers: a prompt of any length fits.
 """
 
 from __future__ import annotations
@@ -39,40 +44,21 @@ from sgl_pd.core.sharding import ShardingScheme, ShardLink, link_shards, metadat
 
 WORD_BYTES = 8
 METADATA_WORD = 0  # word index of the metadata completion inside a slot
-_TAG_MASK = 0xFFFF_FFFF
+MAX_SOURCE_RANKS = 255  # prefill TP ranks a slot can count
+SLOT_WORDS = 1 + MAX_SOURCE_RANKS  # words per request slot on the decoder (2 KiB)
+_TAG_MASK = 0xFFFF_FFFF  # low 32 bits: the count; also the metadata word's low half
 
 
 @dataclass(frozen=True)
 class WriteGroup:
-    """One completion signal: the writes of one link for one chunk and one layer group."""
+    """One unit of counting: the writes of one link for one chunk and one layer group."""
 
     src_rank: int
     dst_rank: int
     chunk_index: int
     layer_group: int
     layers: range
-    link_index: int
-    seq: int  # per-source sequence number
-    index: int  # per-request group number; the completion word is 1 + index
-
-    @property
-    def word_offset(self) -> int:
-        """Byte offset of this group's completion word inside the request's slot."""
-        return (1 + self.index) * WORD_BYTES
-
-
-def _source_positions(links: tuple[ShardLink, ...]) -> tuple[tuple[int, int], ...]:
-    """(j, L_src) of every link: its rank among its source's links and their number."""
-    totals: dict[int, int] = {}
-    for link in links:
-        totals[link.src_rank] = totals.get(link.src_rank, 0) + 1
-    seen: dict[int, int] = {}
-    out = []
-    for link in links:
-        j = seen.get(link.src_rank, 0)
-        seen[link.src_rank] = j + 1
-        out.append((j, totals[link.src_rank]))
-    return tuple(out)
+    link_index: int  # index of the link in the tuple the groups were made from
 
 
 def chunk_groups(
@@ -81,53 +67,46 @@ def chunk_groups(
     """Every group of one chunk, in issue order (layer group, then link)."""
     if chunk_index < 0:
         raise CountingError(f"chunk index must be >= 0, got {chunk_index}")
-    positions = _source_positions(links)
-    num_groups, num_links = len(layer_groups), len(links)
-    out = []
-    for g, layers in enumerate(layer_groups):
-        step = chunk_index * num_groups + g
-        for li, (link, (j, per_src)) in enumerate(zip(links, positions, strict=True)):
-            out.append(
-                WriteGroup(
-                    link.src_rank,
-                    link.dst_rank,
-                    chunk_index,
-                    g,
-                    layers,
-                    li,
-                    step * per_src + j,
-                    step * num_links + li,
-                )
-            )
-    return tuple(out)
+    return tuple(
+        WriteGroup(link.src_rank, link.dst_rank, chunk_index, g, layers, li)
+        for g, layers in enumerate(layer_groups)
+        for li, link in enumerate(links)
+    )
 
 
-def locate_group(index: int, links: tuple[ShardLink, ...]) -> tuple[int, int]:
-    """(src_rank, seq) of group `index`: what a decoder does with a completion word."""
-    if index < 0:
-        raise CountingError(f"group index must be >= 0, got {index}")
-    step, li = divmod(index, len(links))
-    j, per_src = _source_positions(links)[li]
-    return links[li].src_rank, step * per_src + j
+def source_word_index(src_rank: int) -> int:
+    """Index of source `src_rank`'s count word inside a request slot."""
+    if not 0 <= src_rank < MAX_SOURCE_RANKS:
+        raise CountingError(
+            f"source rank {src_rank} outside [0, {MAX_SOURCE_RANKS}): a slot counts at most"
+            f" {MAX_SOURCE_RANKS} prefill ranks"
+        )
+    return 1 + src_rank
 
 
-def completion_word(request_id: int, index: int) -> int:
-    """The 64-bit word a source writes after group `index` of `request_id` completed."""
-    if not 0 <= index < _TAG_MASK:
-        raise CountingError(f"group index {index} does not fit a completion word")
-    return ((request_id & _TAG_MASK) << 32) | (index + 1)
+def source_word_offset(src_rank: int) -> int:
+    """Byte offset of source `src_rank`'s count word inside a request slot."""
+    return source_word_index(src_rank) * WORD_BYTES
+
+
+def count_word(request_id: int, count: int) -> int:
+    """The 64-bit word a source writes once `count` groups of `request_id` have completed."""
+    if not 1 <= count < _TAG_MASK:
+        raise CountingError(f"count {count} does not fit a count word: need 1 <= count < 2**32-1")
+    return ((request_id & _TAG_MASK) << 32) | count
 
 
 def metadata_word(request_id: int) -> int:
     return ((request_id & _TAG_MASK) << 32) | _TAG_MASK
 
 
-def parse_completion_word(word: int, request_id: int) -> int | None:
-    """Group index carried by `word`, or None if the word is empty or from another request."""
+def parse_count_word(word: int, request_id: int) -> int | None:
+    """Count carried by `word`, or None if it is empty, the metadata value, or another
+    request's (a late word from an earlier user of the slot)."""
     if word == 0 or (word >> 32) != (request_id & _TAG_MASK):
         return None
     low = word & _TAG_MASK
-    return None if low in (0, _TAG_MASK) else low - 1
+    return None if low in (0, _TAG_MASK) else low
 
 
 @dataclass(frozen=True)
@@ -145,11 +124,6 @@ class Expectation:
         """Groups of the whole request (the metadata word not included)."""
         return num_chunks * self.groups_per_chunk
 
-    def max_chunks(self, slot_bytes: int) -> int:
-        """Most chunks whose completion words fit a slot of `slot_bytes` (word 0: metadata).
-        A prefiller must not split a request into more; pass it as the counter's limit."""
-        return (slot_bytes // WORD_BYTES - 1) // self.groups_per_chunk
-
 
 def expected_groups(
     layout: KvLayout,
@@ -158,7 +132,7 @@ def expected_groups(
     seed: int,
     layer_group_size: int,
 ) -> Expectation:
-    """Decoder-side count of the groups each prefill shard sends per chunk."""
+    """Groups each prefill shard sends per chunk, over every destination rank together."""
     links = link_shards(layout, prefill, decode, seed)
     num_groups = len(layout.layer_groups(layer_group_size))
     per_src: dict[int, int] = {}
@@ -168,70 +142,67 @@ def expected_groups(
 
 
 class CompletionCounter:
-    """Counts one request's completions per source shard, in any order.
+    """One request's progress on one decoder rank: the latest count of every source.
 
-    Before the last chunk is known (`seal`), sequence numbers up to `max_chunks` chunks are
-    accepted; sealing checks nothing beyond the real total was already counted.
+    Counts may be observed in any interleaving across sources, and any count may be missed
+    (only the latest matters), but one source's counts never go down. Before the chunk
+    count is known (`seal`) any count is accepted; sealing checks none exceeds its total.
     """
 
-    def __init__(
-        self,
-        expectation: Expectation,
-        *,
-        max_chunks: int,
-        expect_metadata: bool = True,
-    ) -> None:
-        if max_chunks < 1:
-            raise CountingError(f"max_chunks must be >= 1, got {max_chunks}")
+    def __init__(self, expectation: Expectation, *, expect_metadata: bool = True) -> None:
+        for src, _ in expectation.per_chunk:
+            source_word_index(src)  # raises for a rank a slot cannot count
         self._per_chunk: Mapping[int, int] = dict(expectation.per_chunk)
-        self._seen: dict[int, set[int]] = {src: set() for src in self._per_chunk}
+        self._counts: dict[int, int] = dict.fromkeys(self._per_chunk, 0)
         self._metadata_source = expectation.metadata_source
-        self._chunk_limit = max_chunks
-        self._sealed = False
+        self._num_chunks: int | None = None  # set by `seal`
         self._metadata_pending = expect_metadata
 
     @property
     def received(self) -> int:
-        return sum(len(s) for s in self._seen.values())
+        """Groups counted so far, over every source."""
+        return sum(self._counts.values())
 
     @property
     def expected(self) -> int | None:
         """Total groups once sealed, else None."""
-        if not self._sealed:
+        if self._num_chunks is None:
             return None
-        return self._chunk_limit * sum(self._per_chunk.values())
+        return self._num_chunks * sum(self._per_chunk.values())
 
     @property
     def is_complete(self) -> bool:
-        return self._sealed and not self._metadata_pending and self.received == self.expected
+        return not self._metadata_pending and self.received == self.expected
 
     def seal(self, num_chunks: int) -> None:
         """The request has exactly `num_chunks` chunks (from the last chunk notice)."""
-        if num_chunks < 1 or num_chunks > self._chunk_limit:
-            raise CompletionOverflow(f"{num_chunks} chunks, the limit is {self._chunk_limit}")
-        if self._sealed and num_chunks != self._chunk_limit:
-            raise CountingError(f"sealed twice: {self._chunk_limit} then {num_chunks} chunks")
-        for src, seen in self._seen.items():
-            limit = num_chunks * self._per_chunk[src]
-            if seen and max(seen) >= limit:
+        if num_chunks < 1:
+            raise CountingError(f"a request has at least one chunk, got {num_chunks}")
+        if self._num_chunks is not None and num_chunks != self._num_chunks:
+            raise CountingError(f"sealed twice: {self._num_chunks} then {num_chunks} chunks")
+        for src, count in self._counts.items():
+            total = num_chunks * self._per_chunk[src]
+            if count > total:
                 raise CompletionOverflow(
-                    f"source {src} sent group {max(seen)} but only {limit} exist"
+                    f"source {src} counted {count} groups but {num_chunks} chunks hold {total}"
                 )
-        self._chunk_limit, self._sealed = num_chunks, True
+        self._num_chunks = num_chunks
 
-    def record(self, src_rank: int, seq: int) -> bool:
-        """Count one group; returns `is_complete`."""
-        if src_rank not in self._seen:
+    def observe(self, src_rank: int, count: int) -> bool:
+        """Takes the latest count read from `src_rank`'s word; returns `is_complete`."""
+        last = self._counts.get(src_rank)
+        if last is None:
             raise UnknownSource(
-                f"source {src_rank} has no link here (expected {sorted(self._seen)})"
+                f"source {src_rank} has no link here (expected {sorted(self._counts)})"
             )
-        limit = self._chunk_limit * self._per_chunk[src_rank]
-        if not 0 <= seq < limit:
-            raise CompletionOverflow(f"source {src_rank} group {seq} outside [0, {limit})")
-        seen = self._seen[src_rank]
-        if seq in seen:
-            raise DuplicateCompletion(f"source {src_rank} group {seq} counted twice")
-        seen.add(seq)
+        if count < last:
+            raise CountingError(f"source {src_rank} count went down from {last} to {count}")
+        if self._num_chunks is not None and count > self._num_chunks * self._per_chunk[src_rank]:
+            raise CompletionOverflow(
+                f"source {src_rank} counted {count} groups, only"
+                f" {self._num_chunks * self._per_chunk[src_rank]} exist"
+            )
+        self._counts[src_rank] = count
         return self.is_complete
 
     def record_metadata(self, src_rank: int) -> bool:
@@ -246,10 +217,11 @@ class CompletionCounter:
 
 
 def links_into(links: tuple[ShardLink, ...], dst_rank: int) -> tuple[ShardLink, ...]:
-    """The links of one destination rank, in the order both sides number its groups.
+    """The links of one destination rank: what its prefill sources send it, and so which
+    count words it watches.
 
-    In the router flow each decoder rank asks for its own pages, so the prefiller numbers
-    the groups of each destination rank separately and both sides use these links.
+    In the router flow each decoder rank asks for its own pages, so a source counts the
+    groups of each destination rank separately and both sides use these links.
     """
     into = tuple(link for link in links if link.dst_rank == dst_rank)
     if not into:

@@ -2,8 +2,9 @@
 
 Mooncake has no receiver-side counter (RDMA immediates are not exposed), and its notify is a
 message sent after the fact. So each source, once its data batch has *completed*, writes one
-small word (a sequence number or counter value) into the receiver's registered memory. The
-receiver polls its own memory and counts words; it never waits for a message.
+8-byte word into the receiver's registered memory: in sgl_pd its own count of finished
+groups for the request (`sgl_pd.core.counting`), which only grows. The receiver polls its
+own memory and reads counts; it never waits for a message.
 
 Ordering argument. The completion word is issued only after the data batch reported success
 to the sender, and it is a separate batch:
@@ -19,19 +20,31 @@ to the sender, and it is a separate batch:
   the payload is visible in GPU memory. There the word alone is not enough: the receiver
   must also fence (or the sender must use delivery-complete semantics) before trusting the
   payload. Treat EFA as unproven until measured.
+
+Staging slots. A word's value must sit in registered local memory while its write is in
+flight, so `CompletionWordWriter` owns a registered array of slots. A slot goes back to the
+free list when its write completed. When the write failed (or timed out) the engine may
+still read the slot later, so it rests in quarantine for `quarantine_s` seconds (default
+twice Mooncake's 30 s transfer timeout) and is reclaimed lazily, the next time slots are
+asked for: a dead decoder costs a few slots for a minute, never the writer for good.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
+import time
+from collections import deque
 
 import numpy as np
 
+from sgl_pd.core.clock import Clock, SystemClock
 from sgl_pd.transfer.engine import TransferEngine, Writes
 from sgl_pd.transfer.errors import TransferError
 
 WORD_BYTES = 8  # bytes per completion word (one little-endian uint64)
+# Seconds a slot rests after a failed word write: twice Mooncake's 30 s transfer timeout,
+# after which the engine no longer reads a timed-out batch's source.
+QUARANTINE_S = 60.0
 
 
 def write_with_completion(
@@ -51,28 +64,50 @@ def write_with_completion(
 class CompletionWordWriter:
     """Owns a registered array of word slots that hold completion values while in flight.
 
-    Each `send` takes its own slot, so several threads may send at once. A slot whose word
-    write failed is never reused: the engine may still read it later (a timed-out batch can
-    be in flight), and a reused slot would deliver a new value to an old destination.
+    Each `send` takes its own slots, so several threads may send at once. A slot whose word
+    write failed is quarantined for `quarantine_s` seconds of `clock` before it is reused:
+    the engine may still read it until the failed batch's transfer timeout has passed, and
+    a slot reused too early would deliver a new value to an old destination.
     """
 
-    def __init__(self, engine: TransferEngine, slots: int = 256, wait_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        engine: TransferEngine,
+        slots: int = 256,
+        wait_s: float = 5.0,
+        *,
+        quarantine_s: float = QUARANTINE_S,
+        clock: Clock | None = None,
+    ) -> None:
         if slots <= 0:
             raise ValueError(f"slots must be > 0, got {slots}")
+        if quarantine_s < 0:
+            raise ValueError(f"quarantine_s must be >= 0, got {quarantine_s}")
         self._engine = engine
-        self._wait_s = wait_s  # seconds a sender waits for a free slot
+        self._wait_s = wait_s  # seconds a sender waits for free slots
+        self._quarantine_s = quarantine_s  # seconds of `clock` a failed slot rests
+        self._clock: Clock = clock if clock is not None else SystemClock()
         self._words = np.zeros(slots, dtype=np.uint64)  # (slots,) staged values
         self._base = int(self._words.ctypes.data)  # address of slot 0
         engine.register(self._base, self._words.nbytes)
-        self._free: queue.Queue[int] = queue.Queue()
-        for i in range(slots):
-            self._free.put(i)
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._free: deque[int] = deque(range(slots))
+        self._quarantine: deque[tuple[float, list[int]]] = deque()  # (free again at, slots)
         self._closed = False
 
     @property
     def free_slots(self) -> int:
-        return self._free.qsize()
+        """Slots a sender could take now (quarantined ones whose time is up included)."""
+        with self._cond:
+            self._reclaim()
+            return len(self._free)
+
+    @property
+    def quarantined_slots(self) -> int:
+        """Slots resting after a failed word write, not yet free again."""
+        with self._cond:
+            self._reclaim()
+            return sum(len(slots) for _, slots in self._quarantine)
 
     def send(self, peer: str, writes: Writes, word_addr: int, value: int) -> None:
         """Writes `writes`, waits for them, then writes `value` as a uint64 into the peer at
@@ -82,19 +117,16 @@ class CompletionWordWriter:
     def send_many(self, peer: str, writes: Writes, words: list[tuple[int, int]]) -> None:
         """Writes `writes`, waits for them, then every (peer address, value) word in one
         batch: the words of several groups cost one round trip, not one each."""
+        if len(words) > self._words.shape[0]:
+            raise TransferError(
+                f"{len(words)} completion words in one batch, the writer has "
+                f"{self._words.shape[0]} slots"
+            )
         if len(writes):
             self._engine.write(peer, writes)  # raises: no word is sent
-        slots: list[int] = []
-        try:
-            for _ in words:
-                slots.append(self._free.get(timeout=self._wait_s))
-        except queue.Empty as e:
-            for slot in slots:
-                self._free.put(slot)
-            raise TransferError(
-                f"no free completion-word slot within {self._wait_s:g} s "
-                f"({self._words.shape[0]} slots; failed word writes retire theirs)"
-            ) from e
+        if not words:
+            return
+        slots = self._take(len(words))
         for slot, (_, value) in zip(slots, words, strict=True):
             self._words[slot] = value
         batch = Writes.of(
@@ -102,13 +134,46 @@ class CompletionWordWriter:
             [addr for addr, _ in words],
             WORD_BYTES,
         )
-        self._engine.write(peer, batch)  # on failure the slots stay retired
-        for slot in slots:
-            self._free.put(slot)
+        try:
+            self._engine.write(peer, batch)
+        except BaseException:
+            with self._cond:  # the engine may still read them: rest, then reuse
+                self._quarantine.append((self._clock.monotonic() + self._quarantine_s, slots))
+            raise
+        with self._cond:
+            self._free.extend(slots)
+            self._cond.notify_all()
 
     def close(self) -> None:
-        with self._lock:
+        with self._cond:
             if self._closed:
                 return
             self._closed = True
         self._engine.unregister(self._base)
+
+    def _take(self, n: int) -> list[int]:
+        """`n` free slots at once (never some: two senders must not hold part each), waiting
+        up to `wait_s` real seconds; a quarantine ending meanwhile wakes the wait."""
+        deadline = time.monotonic() + self._wait_s
+        with self._cond:
+            while True:
+                self._reclaim()
+                if len(self._free) >= n:
+                    return [self._free.popleft() for _ in range(n)]
+                left = deadline - time.monotonic()  # seconds
+                if left <= 0:
+                    resting = sum(len(slots) for _, slots in self._quarantine)
+                    raise TransferError(
+                        f"no {n} free completion-word slots within {self._wait_s:g} s "
+                        f"({self._words.shape[0]} slots, {resting} quarantined for up to "
+                        f"{self._quarantine_s:g} s after failed word writes)"
+                    )
+                if self._quarantine:
+                    left = min(left, max(self._quarantine[0][0] - self._clock.monotonic(), 0.0))
+                self._cond.wait(left)
+
+    def _reclaim(self) -> None:
+        """Frees the quarantined slots whose time is up; the caller holds `_cond`."""
+        now = self._clock.monotonic()
+        while self._quarantine and self._quarantine[0][0] <= now:
+            self._free.extend(self._quarantine.popleft()[1])

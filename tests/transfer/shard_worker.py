@@ -4,9 +4,10 @@ multiprocessing spawn context; it plays a prefill or a decoder shard per request
 parent's typed messages say, and answers each on its own queue.
 
 Prefill side, as `PrefillMessenger` does it: per destination rank, `links_into` the request's
-links, plan each chunk, send the groups of its own links and a completion word after each,
+links, plan each chunk, send the groups of its own links in data batches and, after each
+batch, its count of groups done so far into its own count word of the destination's slot;
 then the metadata word if it feeds the destination's first head. Decoder side, as
-`DecodeMessenger` does it: count the words of its slot with a `CompletionCounter` until the
+`DecodeMessenger` does it: read its slot's count words into a `CompletionCounter` until the
 request is complete, then snapshot its memory at once.
 """
 
@@ -22,17 +23,20 @@ import numpy as np
 
 from sgl_pd.core.counting import (
     METADATA_WORD,
+    SLOT_WORDS,
     WORD_BYTES,
     CompletionCounter,
-    completion_word,
+    WriteGroup,
+    count_word,
     expectation_for,
     links_into,
-    locate_group,
     metadata_word,
-    parse_completion_word,
+    parse_count_word,
+    source_word_index,
+    source_word_offset,
 )
 from sgl_pd.core.layout import KvLayout
-from sgl_pd.core.plan import TokenRange, plan_transfer
+from sgl_pd.core.plan import TokenRange, TransferPlan, plan_transfer
 from sgl_pd.core.regions import RegionTable
 from sgl_pd.core.sharding import ShardingScheme, link_shards, local_heads
 from sgl_pd.transfer.completion import CompletionWordWriter
@@ -43,8 +47,7 @@ from sgl_pd.transfer.mooncake import MooncakeTransferEngine
 IDLE_EXIT_S = 120.0  # seconds without a command before a worker exits on its own
 COMMAND_WAIT_S = 0.5  # seconds per wait for a command, between idle checks
 POLL_S = 0.0005  # seconds between scans of the completion slot
-SLOTS = 4  # completion slots in a decoder's word area
-SLOT_WORDS = 64  # words per slot: word 0 metadata, then one per group
+SLOTS = 4  # completion slots in a decoder's word area, SLOT_WORDS words each
 
 
 # -- messages: parent -> worker -----------------------------------------------------------
@@ -127,6 +130,7 @@ class Prepared:
 class Sent:
     nbytes: int  # data bytes written, words not included
     groups: int
+    batches: int  # data batches, each followed by a count word
 
 
 @dataclass(frozen=True)
@@ -189,31 +193,30 @@ class _Shard:
         lay = req.layout
         num_groups = len(lay.layer_groups(req.layer_group_size))
         all_links = link_shards(lay, req.prefill, req.decode, seed=req.request_id)
-        nbytes = groups = 0
+        nbytes = groups = batches = 0
         for target in sorted(cmd.targets, key=lambda t: t.rank):
             links = links_into(all_links, target.rank)
             mine = {i for i, link in enumerate(links) if link.src_rank == job.rank}
             if not mine:
                 continue
+            word_addr = target.slot_addr + source_word_offset(job.rank)
+            done = 0  # groups of this request finished into this destination rank
             for c, tokens in enumerate(req.chunks):
                 plan = plan_transfer(lay, links, cmd.src_pages, target.dst_pages, tokens)
-                for group in plan.groups(c, req.layer_group_size):
-                    if group.link_index not in mine:
-                        continue
-                    if group.word_offset + WORD_BYTES > SLOT_WORDS * WORD_BYTES:
-                        raise RuntimeError(f"group {group.index} past the completion slot")
-                    batch = plan.batch(group.link_index, group.layers, table, target.table)
-                    if (batch.src_rank, batch.dst_rank) != (job.rank, target.rank):
-                        raise RuntimeError(f"batch {batch.src_rank}->{batch.dst_rank} misrouted")
-                    writes = Writes.of(batch.src_addrs, batch.dst_addrs, batch.lengths)
+                todo = [g for g in plan.groups(c, req.layer_group_size) if g.link_index in mine]
+                # even chunks: one batch per group; odd chunks: one batch for all, so the
+                # decoder also sees counts that jump
+                step = len(todo) if c % 2 else 1
+                for i in range(0, len(todo), step):
+                    part = todo[i : i + step]
+                    writes = Writes.concat([self._writes(plan, g, table, target) for g in part])
+                    done += len(part)
                     self.writer.send(
-                        target.session,
-                        writes,
-                        target.slot_addr + group.word_offset,
-                        completion_word(req.request_id, group.index),
+                        target.session, writes, word_addr, count_word(req.request_id, done)
                     )
                     nbytes += writes.total_bytes
-                    groups += 1
+                    groups += len(part)
+                    batches += 1
             # the metadata word, after this source's last chunk (D9)
             if expectation_for(links, num_groups).metadata_source == job.rank:
                 self.writer.send(
@@ -222,10 +225,18 @@ class _Shard:
                     target.slot_addr + METADATA_WORD * WORD_BYTES,
                     metadata_word(req.request_id),
                 )
-        return Sent(nbytes, groups)
+        return Sent(nbytes, groups, batches)
+
+    def _writes(
+        self, plan: TransferPlan, group: WriteGroup, table: RegionTable, target: Target
+    ) -> Writes:
+        batch = plan.batch(group.link_index, group.layers, table, target.table)
+        if (batch.src_rank, batch.dst_rank) != (group.src_rank, target.rank):
+            raise RuntimeError(f"batch {batch.src_rank}->{batch.dst_rank} misrouted")
+        return Writes.of(batch.src_addrs, batch.dst_addrs, batch.lengths)
 
     def receive(self, job: DecodeShard, out_q: Any) -> Snapshot:
-        """Replies `Prepared`, then counts the slot's words until the request completes."""
+        """Replies `Prepared`, then reads the slot's words until the request completes."""
         req = job.request
         lay = req.layout
         self.arena[:] = 0
@@ -234,38 +245,42 @@ class _Shard:
         out_q.put(Prepared(table))
         links = links_into(link_shards(lay, req.prefill, req.decode, req.request_id), job.rank)
         expectation = expectation_for(links, len(lay.layer_groups(req.layer_group_size)))
-        counter = CompletionCounter(
-            expectation, max_chunks=expectation.max_chunks(SLOT_WORDS * WORD_BYTES)
-        )
+        counter = CompletionCounter(expectation)
         counter.seal(len(req.chunks))
+        sources = {source_word_index(src): src for src, _ in expectation.per_chunk}
         row = self.words[job.slot]  # (SLOT_WORDS,) view the peers write into
-        seen: set[int] = set()
+        counts: list[tuple[int, int]] = []  # (source, count) as first read, for the report
+        has_metadata = False
         deadline = time.monotonic() + job.timeout_s
         while True:
-            # a copy first: np.flatnonzero on memory that peers are writing raises when the
-            # count of non-zero words changes between its two passes
+            # a copy first: each word is read once per scan, and np.flatnonzero on memory
+            # that peers are writing raises when the count of non-zero words changes
             words = row.copy()
             for w in np.flatnonzero(words).tolist():
-                if w in seen:
-                    continue
                 word = int(words[w])
                 if w == METADATA_WORD:
                     if word != metadata_word(req.request_id):
                         raise RuntimeError(f"metadata word {word:#x} is not this request's")
-                    counter.record_metadata(expectation.metadata_source)
-                else:
-                    index = parse_completion_word(word, req.request_id)
-                    if index is None or index != w - 1:
-                        raise RuntimeError(f"word {w} holds {word:#x}, not group {w - 1}")
-                    counter.record(*locate_group(index, links))
-                seen.add(w)
+                    if not has_metadata:
+                        counter.record_metadata(expectation.metadata_source)
+                        has_metadata = True
+                    continue
+                if w not in sources:
+                    raise RuntimeError(f"word {w} holds {word:#x}, but no source writes it")
+                count = parse_count_word(word, req.request_id)
+                if count is None:
+                    raise RuntimeError(f"word {w} holds {word:#x}, not a count of this request")
+                counter.observe(sources[w], count)  # raises if a count went down
+                if (sources[w], count) not in counts:
+                    counts.append((sources[w], count))
             if counter.is_complete:
                 # at once: what a decoder would read right after counting the last word
                 return self.snapshot()
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"decoder rank {job.rank}: {counter.received} of {counter.expected} groups"
-                    f" after {job.timeout_s:g} s, words {sorted(seen)}"
+                    f" (metadata {'in' if has_metadata else 'missing'}) after"
+                    f" {job.timeout_s:g} s; (source, count) read: {counts}"
                 )
             time.sleep(POLL_S)
 

@@ -24,7 +24,7 @@ pytest.importorskip("mooncake.engine")
 
 import shard_worker as sw
 
-from sgl_pd.core.counting import WORD_BYTES, completion_word, metadata_word
+from sgl_pd.core.counting import SLOT_WORDS, WORD_BYTES, count_word, metadata_word
 from sgl_pd.core.layout import KvLayout, PageLayout
 from sgl_pd.core.plan import TokenRange
 from sgl_pd.core.sharding import ShardingScheme
@@ -167,6 +167,19 @@ def links_into_rank(case: Case, dst_rank: int) -> int:
     d_lo, d_hi = held_heads(case, case.tp_d, dst_rank)
     blocks = {held_heads(case, case.tp_p, s) for s in range(case.tp_p)}
     return sum(1 for lo, hi in blocks if lo < d_hi and d_lo < hi)
+
+
+def check_sources(case: Case, dst_rank: int, words: npt.NDArray[np.uint64], slot: int) -> list[int]:
+    """Ranks whose count word is set in `slot` of a decoder's word area; each must hold a
+    head block of its own that overlaps the decoder rank's heads."""
+    row = words.reshape(sw.SLOTS, SLOT_WORDS)[slot]
+    senders = [int(i) for i in np.flatnonzero(row[1:])]  # word 1 + rank
+    d_lo, d_hi = held_heads(case, case.tp_d, dst_rank)
+    blocks = [held_heads(case, case.tp_p, s) for s in senders]
+    assert len(set(blocks)) == len(blocks), f"replicas {senders} both sent to rank {dst_rank}"
+    for s, (lo, hi) in zip(senders, blocks, strict=True):
+        assert s < case.tp_p and lo < d_hi and d_lo < hi, f"rank {s} cannot feed {dst_rank}"
+    return senders
 
 
 def describe_mismatch(case: Case, got: U8, want: U8, offset: int) -> str:
@@ -328,7 +341,7 @@ def _run(
             d,
             w.hello.session,
             d_tables[d].table,
-            w.hello.words_base + slots[d] * sw.SLOT_WORDS * WORD_BYTES,
+            w.hello.words_base + slots[d] * SLOT_WORDS * WORD_BYTES,
             tuple(dst_pages[d].tolist()),
         )
         for d, w in enumerate(decoders)
@@ -374,22 +387,29 @@ def test_request_pages_arrive_exactly(pool: ShardPool, case: Case) -> None:
         pool.discard(graceful=False)
         raise
 
-    groups_per_link = len(request.chunks) * len(range(0, case.num_layers, case.layer_group_size))
-    want_bytes = want_groups = 0
+    layer_groups = len(range(0, case.num_layers, case.layer_group_size))
+    groups_per_link = len(request.chunks) * layer_groups
+    # the workers send even chunks one layer group per batch, odd chunks in one batch
+    batches_per_link = sum(1 if c % 2 else layer_groups for c in range(len(request.chunks)))
+    want_bytes = want_groups = want_batches = 0
     for d in range(case.tp_d):
         lo, hi = held_heads(case, case.tp_d, d)
         want_bytes += regions * num_tokens * (hi - lo) * case.row
-        n_groups = links_into_rank(case, d) * groups_per_link
-        want_groups += n_groups
+        n_sources = links_into_rank(case, d)
+        want_groups += n_sources * groups_per_link
+        want_batches += n_sources * batches_per_link
         offset = offsets[case.tp_p + d]
         zeros = np.zeros(pool_bytes(case, case.tp_d), dtype=np.uint8)
         want = np.zeros(ARENA_BYTES, dtype=np.uint8)
         want[offset : offset + zeros.shape[0]] = pool_image(case, kv, dst_pages[d], (lo, hi), zeros)
-        words = np.zeros((sw.SLOTS, sw.SLOT_WORDS), dtype=np.uint64)
+        # which replica of a head block sends is the seed's choice: the reference accepts
+        # any set of sources holding distinct blocks that overlap this rank's heads
+        words = np.zeros((sw.SLOTS, SLOT_WORDS), dtype=np.uint64)
         words[slots[d], 0] = metadata_word(request.request_id)
-        words[slots[d], 1 : 1 + n_groups] = [
-            completion_word(request.request_id, i) for i in range(n_groups)
-        ]
+        final = count_word(request.request_id, groups_per_link)
+        senders = check_sources(case, d, np.frombuffer(out.after[d].words, dtype="<u8"), slots[d])
+        assert len(senders) == n_sources, f"decoder rank {d}: count words of {senders}"
+        words[slots[d], [1 + s for s in senders]] = final
         for when, snap in (("when complete", out.done[d]), ("at the end", out.after[d])):
             got = np.frombuffer(snap.arena, dtype=np.uint8)
             if not np.array_equal(got, want):
@@ -401,3 +421,4 @@ def test_request_pages_arrive_exactly(pool: ShardPool, case: Case) -> None:
     # every destination byte written once: no replica set sent twice
     assert sum(s.nbytes for s in out.sent) == want_bytes
     assert sum(s.groups for s in out.sent) == want_groups
+    assert sum(s.batches for s in out.sent) == want_batches

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sgl_pd.core.clock import ManualClock
 from sgl_pd.transfer import (
     BatchStatus,
     CompletionWordWriter,
@@ -16,6 +17,7 @@ from sgl_pd.transfer import (
     InvalidWrites,
     PeerUnreachable,
     RegistrationError,
+    TransferError,
     TransferFailed,
     UnknownBatch,
     Writes,
@@ -121,6 +123,92 @@ def test_completion_word_follows_data_and_is_skipped_on_failure() -> None:
         words.send(p.b.session_id, Writes.single(p.sa, p.da, 8), p.da + N - 8, 42)
     assert int(word[0]) == 41  # the data failed, so no word
     assert words.free_slots == 2
+    words.close()
+
+
+def _word_fails(p: Pair) -> None:
+    """Lets the next data batch through and fails the word batch after it."""
+    real = p.a.write
+    calls = 0
+
+    def write(peer: str, writes: Writes) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            p.a.fail_next()
+        real(peer, writes)
+
+    p.a.write = write  # type: ignore[method-assign]
+
+
+def test_failed_word_write_quarantines_its_slots_until_time_is_up() -> None:
+    p = Pair()
+    clock = ManualClock()
+    words = CompletionWordWriter(p.a, slots=3, wait_s=0.0, quarantine_s=60.0, clock=clock)
+    word = p.dst[N - 16 :].view(np.uint64)  # (2,) two destination words
+    _word_fails(p)
+    with pytest.raises(TransferFailed):
+        words.send_many(
+            p.b.session_id, Writes.single(p.sa, p.da, 64), [(p.da + N - 16, 7), (p.da + N - 8, 8)]
+        )
+    assert word.tolist() == [0, 0]
+    assert (words.free_slots, words.quarantined_slots) == (1, 2)
+    with pytest.raises(TransferError, match="quarantined"):  # two words need two slots
+        words.send_many(p.b.session_id, Writes.empty(), [(p.da + N - 16, 1), (p.da + N - 8, 2)])
+    clock.advance(59.9)
+    assert (words.free_slots, words.quarantined_slots) == (1, 2)
+    clock.advance(0.1)
+    assert (words.free_slots, words.quarantined_slots) == (3, 0)
+    words.send_many(p.b.session_id, Writes.empty(), [(p.da + N - 16, 1), (p.da + N - 8, 2)])
+    assert word.tolist() == [1, 2]
+    assert words.free_slots == 3
+    words.close()
+
+
+def test_writer_that_saw_many_failures_still_sends() -> None:
+    p = Pair()
+    clock = ManualClock()
+    words = CompletionWordWriter(p.a, slots=2, wait_s=0.0, quarantine_s=60.0, clock=clock)
+    target = p.da + N - 8
+    for failure in range(10):  # five times the slots, each failure 30 s after the last
+        p.a.fail_next()
+        with pytest.raises(TransferFailed):
+            words.send(p.b.session_id, Writes.empty(), target, 100 + failure)
+        assert words.free_slots + words.quarantined_slots == 2
+        clock.advance(30.0)
+    words.send(p.b.session_id, Writes.single(p.sa, p.da, 64), target, 5)
+    assert int(p.dst[N - 8 :].view(np.uint64)[0]) == 5
+    assert p.dst[:64].tolist() == p.src[:64].tolist()
+    clock.advance(60.0)
+    assert (words.free_slots, words.quarantined_slots) == (2, 0)
+    words.close()
+
+
+def test_sender_waiting_for_a_slot_takes_one_freed_by_another() -> None:
+    p = Pair()
+    words = CompletionWordWriter(p.a, slots=1, wait_s=10.0)
+    holding, release = threading.Event(), threading.Event()
+    real = p.a.write
+    target = p.da + N - 8
+
+    def slow_word(peer: str, writes: Writes) -> None:
+        if int(writes.dst[0]) == target and not release.is_set():
+            holding.set()
+            release.wait(10.0)  # hold the only slot while the second sender waits
+        real(peer, writes)
+
+    p.a.write = slow_word  # type: ignore[method-assign]
+    first = threading.Thread(target=words.send, args=(p.b.session_id, Writes.empty(), target, 1))
+    first.start()
+    assert holding.wait(10.0) and words.free_slots == 0
+    timer = threading.Timer(0.05, release.set)
+    timer.start()
+    words.send(p.b.session_id, Writes.empty(), target - 8, 2)  # blocks until `first` is done
+    first.join(10.0)
+    timer.join(10.0)
+    assert p.dst[N - 16 :].view(np.uint64).tolist() == [2, 1]
+    with pytest.raises(TransferError, match="slots"):
+        words.send_many(p.b.session_id, Writes.empty(), [(target, 1), (target - 8, 2)])
     words.close()
 
 
