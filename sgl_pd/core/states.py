@@ -1,8 +1,12 @@
 """Request state machines of both roles: allowed transitions as data, clock-driven timeouts.
 
 Decode side:   ALLOCATED -> REQUESTED -> TRANSFERRING -> COMPLETE -> HANDED_OFF
-Prefill side:  RECEIVED -> QUEUED -> PREFILLING <-> SENDING -> DONE   (one loop per chunk)
+Prefill side:  WAITING_FOR_DECODER -> READY -> SENDING -> DONE
 From every non-final state: FAILED, ABORTED, TIMED_OUT. A state with no way out is final.
+
+A final state ends a request's *state*, not its writes: a request that failed while
+writes were in flight keeps its pages until those writes have stopped (the backend
+counts them; see `backend/prefill_rooms.py` and the decoder's drain acks).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ S = TypeVar("S", bound=enum.Enum)
 
 class DecodeState(enum.Enum):
     ALLOCATED = "allocated"  # un-evictable destination pages held (D2)
-    REQUESTED = "requested"  # PrefillRequest sent, nothing seen yet
+    REQUESTED = "requested"  # TransferRequest sent to every prefill rank, nothing seen yet
     TRANSFERRING = "transferring"  # first chunk notice or completion word seen
     COMPLETE = "complete"  # every expected group and the metadata counted (D10)
     HANDED_OFF = "handed_off"  # given to the decode engine; the messenger is done with it
@@ -30,11 +34,10 @@ class DecodeState(enum.Enum):
 
 
 class PrefillState(enum.Enum):
-    RECEIVED = "received"  # request decoded, source pages not yet allocated
-    QUEUED = "queued"  # pages allocated, waiting for the scheduler (D5)
-    PREFILLING = "prefilling"  # a chunk's forward pass runs; layers stream out (D6)
-    SENDING = "sending"  # the chunk's forward ended, its last writes are in flight
-    DONE = "done"  # all writes and completion words done; source pages freed
+    WAITING_FOR_DECODER = "waiting_for_decoder"  # not every decode rank has asked yet
+    READY = "ready"  # destinations known; waiting for the scheduler's first chunk (D5)
+    SENDING = "sending"  # chunks are being written, layer by layer or after each forward
+    DONE = "done"  # all writes, completion words and the metadata row done
     FAILED = "failed"
     ABORTED = "aborted"
     TIMED_OUT = "timed_out"
@@ -79,13 +82,12 @@ DECODE_TABLE: TransitionTable[DecodeState] = TransitionTable(
 
 _P = PrefillState
 PREFILL_TABLE: TransitionTable[PrefillState] = TransitionTable(
-    initial=_P.RECEIVED,
+    initial=_P.WAITING_FOR_DECODER,
     allowed=_with_failures(
         {
-            _P.RECEIVED: frozenset({_P.QUEUED}),
-            _P.QUEUED: frozenset({_P.PREFILLING}),
-            _P.PREFILLING: frozenset({_P.SENDING}),
-            _P.SENDING: frozenset({_P.PREFILLING, _P.DONE}),  # next chunk, or the end
+            _P.WAITING_FOR_DECODER: frozenset({_P.READY}),
+            _P.READY: frozenset({_P.SENDING}),
+            _P.SENDING: frozenset({_P.DONE}),
             _P.DONE: frozenset(),
         },
         frozenset({_P.FAILED, _P.ABORTED, _P.TIMED_OUT}),

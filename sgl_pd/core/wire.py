@@ -37,7 +37,7 @@ from sgl_pd.core.regions import Region
 from sgl_pd.core.sharding import ShardingScheme
 from sgl_pd.errors import SglPdError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: count words, drain acks, heartbeat echoes, self-describing requests
 MAGIC = b"SGPD"
 MAX_BODY_BYTES = 64 << 20  # a 1M-token prompt with its page table stays far below this
 _HEADER = struct.Struct("<4sHHQII")
@@ -183,6 +183,7 @@ class Abort(_Message, tag="abort", frozen=True):
     request_id: U64
     reason: AbortReason
     detail: str = ""
+    reply_to: str = ""  # inbox owed an `AbortAck` once nothing is in flight; "" for none
 
 
 class ErrorMsg(_Message, tag="error", frozen=True):
@@ -191,10 +192,28 @@ class ErrorMsg(_Message, tag="error", frozen=True):
     message: str
 
 
+class AbortAck(_Message, tag="abort_ack", frozen=True):
+    """Prefill rank -> decoder rank, after an `Abort`: this rank has no write to the
+    request's pages in flight and will start none (the drain-ack; the decoder may now
+    return the pages to its pool)."""
+
+    request_id: U64
+    prefill_rank: Rank
+    prefill_instance: U64
+
+
 class Heartbeat(_Message, tag="heartbeat", frozen=True):
-    sender: str
+    """A liveness ping; the receiver answers with a `HeartbeatAck` to `sender`."""
+
+    sender: str  # the pinging rank's inbox endpoint
     seq: U64
     time_s: float  # sender's monotonic clock, seconds
+
+
+class HeartbeatAck(_Message, tag="heartbeat_ack", frozen=True):
+    sender: str  # the answering rank's inbox endpoint (the one that was pinged)
+    seq: U64  # the ping's sequence number
+    time_s: float  # the ping's time, echoed: the pinger measures its round trip
 
 
 # -- bootstrap: prefill ranks register with their server's registry, decoders query it ------
@@ -242,12 +261,23 @@ class TransferRequest(_Message, tag="transfer", frozen=True):
     of request `request_id` (SGLang's bootstrap room), which the router sent to both sides."""
 
     request_id: U64
-    decoder_rank: Rank
-    decoder_instance: U64  # lets the prefiller drop requests of a decoder that restarted
-    decoder_inbox: str  # where the prefiller sends chunk notices and errors
+    decoder: ShardRegistration  # the asking rank, whole: no separate greeting to lose
     dst_pages: tuple[U32, ...]  # decoder page per logical page of the whole prompt
     metadata_slot: U32
     completion_slot: U32
+
+    def __post_init__(self) -> None:
+        if self.decoder.role is not Role.DECODE or self.decoder.completion is None:
+            raise InvalidMessage("a transfer request carries a decode rank's registration")
+
+    @property
+    def decoder_rank(self) -> int:
+        return self.decoder.rank
+
+    @property
+    def decoder_inbox(self) -> str:
+        """Where the prefiller sends chunk notices, errors and drain acks."""
+        return self.decoder.inbox
 
 
 Message = (
@@ -255,8 +285,10 @@ Message = (
     | PrefillRequest
     | ChunkNotice
     | Abort
+    | AbortAck
     | ErrorMsg
     | Heartbeat
+    | HeartbeatAck
     | RegisterShard
     | RegisterAck
     | RegistryQuery

@@ -56,15 +56,15 @@ def test_decode_happy_path_and_illegal_moves() -> None:
         t.state(7)
 
 
-def test_prefill_chunks_loop() -> None:
+def test_prefill_happy_path_and_no_way_back() -> None:
     t = RequestTracker(PREFILL_TABLE, {}, ManualClock())
     t.add(1)
-    for s in (P.QUEUED, P.PREFILLING, P.SENDING, P.PREFILLING, P.SENDING, P.DONE):
+    for s in (P.READY, P.SENDING, P.DONE):
         t.transition(1, s)
     t.add(2)
     t.transition(2, P.ABORTED)
     with pytest.raises(IllegalTransition):
-        t.transition(2, P.QUEUED)
+        t.transition(2, P.READY)
 
 
 def test_timeouts_follow_the_injected_clock() -> None:

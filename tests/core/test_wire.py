@@ -28,12 +28,14 @@ from sgl_pd.core.wire import (
     PROTOCOL_VERSION,
     REGISTRY_LAYOUT_HASH,
     Abort,
+    AbortAck,
     AbortReason,
     ChunkNotice,
     ErrorCode,
     ErrorMsg,
     FrameCodec,
     Heartbeat,
+    HeartbeatAck,
     Message,
     MetadataBuffers,
     PrefillRequest,
@@ -65,9 +67,9 @@ floats = st.floats(allow_nan=False, allow_infinity=False)
 
 
 @st.composite
-def registrations(draw: st.DrawFn) -> ShardRegistration:
+def registrations(draw: st.DrawFn, role: Role | None = None) -> ShardRegistration:
     tp = draw(st.sampled_from([1, 2, 4, 8]))
-    role = draw(st.sampled_from(Role))
+    role = role or draw(st.sampled_from(Role))
     regions = tuple(
         Region(draw(st.integers(0, 2**48)), draw(st.integers(0, 2**40)))
         for _ in range(LAYOUT.num_regions)
@@ -150,9 +152,7 @@ def registry_replies(draw: st.DrawFn) -> RegistryReply:
 transfer_requests = st.builds(
     TransferRequest,
     request_id=u64,
-    decoder_rank=st.integers(0, 2**16 - 1),
-    decoder_instance=u64,
-    decoder_inbox=text,
+    decoder=registrations(Role.DECODE),
     dst_pages=st.lists(u32, max_size=20).map(tuple),
     metadata_slot=u32,
     completion_slot=u32,
@@ -165,6 +165,10 @@ messages: st.SearchStrategy[Message] = st.one_of(
     st.builds(Abort, request_id=u64, reason=st.sampled_from(AbortReason), detail=text),
     st.builds(ErrorMsg, request_id=st.none() | u64, code=st.sampled_from(ErrorCode), message=text),
     st.builds(Heartbeat, sender=text, seq=u64, time_s=floats),
+    st.builds(HeartbeatAck, sender=text, seq=u64, time_s=floats),
+    st.builds(
+        AbortAck, request_id=u64, prefill_rank=st.integers(0, 2**16 - 1), prefill_instance=u64
+    ),
     register_shards(),
     st.builds(RegisterAck, rank=st.integers(0, 2**16 - 1)),
     st.builds(RegistryQuery, sender=text),
@@ -235,7 +239,7 @@ def test_independent_frame_matches_codec() -> None:
 
 
 def test_version_and_layout_are_checked_before_the_body() -> None:
-    with pytest.raises(ProtocolVersionMismatch, match="protocol 2"):
+    with pytest.raises(ProtocolVersionMismatch, match=f"protocol {PROTOCOL_VERSION + 1}"):
         CODEC.decode(_frame(b"\xc1 not msgpack", version=PROTOCOL_VERSION + 1))
     with pytest.raises(LayoutMismatch):
         CODEC.decode(_frame(b"\xc1 not msgpack", layout_hash=LAYOUT.compat_hash() ^ 1))
