@@ -28,15 +28,28 @@ class SglPdConfig:
     bootstrap_timeout_s: float = 30.0  # finding a prefiller and its ranks
     transfer_timeout_s: float = 120.0  # a request's KV, from its destination pages to done
     kv_send: str = "layerwise"  # when a prefiller sends a chunk's KV: per layer or after it
+    liveness_timeout_s: float = 1.5  # a peer silent this long is declared lost
+    # Fault injection, for fault campaigns only (tests, benchmarks/bench_faults.py):
+    inject_write_delay_ms: float = 0.0  # added before every KV write batch
+    inject_write_failure_rate: float = 0.0  # probability that a KV write batch fails
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"--pd-transport {self.transport!r}: choose one of {TRANSPORTS}")
         if self.kv_send not in KV_SEND_MODES:
             raise ConfigError(f"--pd-kv-send {self.kv_send!r}: choose one of {KV_SEND_MODES}")
-        for name in ("bootstrap_timeout_s", "transfer_timeout_s"):
+        for name in ("bootstrap_timeout_s", "transfer_timeout_s", "liveness_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not self.inject_write_delay_ms >= 0:
+            raise ConfigError(
+                f"--pd-inject-write-delay-ms must be >= 0, got {self.inject_write_delay_ms}"
+            )
+        if not 0 <= self.inject_write_failure_rate <= 1:
+            raise ConfigError(
+                "--pd-inject-write-failure-rate must be within [0, 1], got "
+                f"{self.inject_write_failure_rate}"
+            )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -103,6 +116,26 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=SglPdConfig.transfer_timeout_s,
         help="Seconds a request's KV transfer may take before it fails and its pages are freed.",
     )
+    group.add_argument(
+        "--pd-liveness-timeout",
+        type=float,
+        default=SglPdConfig.liveness_timeout_s,
+        help="Seconds without an answer to heartbeats after which a peer is declared lost: "
+        "a decoder fails the requests a lost prefill rank was writing, a prefill rank stops "
+        "writing to a lost decoder.",
+    )
+    group.add_argument(
+        "--pd-inject-write-delay-ms",
+        type=float,
+        default=0.0,
+        help="Fault injection for testing only: milliseconds added before every KV write batch.",
+    )
+    group.add_argument(
+        "--pd-inject-write-failure-rate",
+        type=float,
+        default=0.0,
+        help="Fault injection for testing only: probability that a KV write batch fails.",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> SglPdConfig:
@@ -113,4 +146,7 @@ def config_from_args(args: argparse.Namespace) -> SglPdConfig:
         bootstrap_timeout_s=args.pd_bootstrap_timeout,
         transfer_timeout_s=args.pd_transfer_timeout,
         kv_send=args.pd_kv_send,
+        liveness_timeout_s=args.pd_liveness_timeout,
+        inject_write_delay_ms=args.pd_inject_write_delay_ms,
+        inject_write_failure_rate=args.pd_inject_write_failure_rate,
     )

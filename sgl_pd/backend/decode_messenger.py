@@ -1,21 +1,26 @@
 """Decode side of the messenger: asks prefill ranks for a request's KV and counts
 completion words until it is all there (D2, D3, D10).
 
-The decoder never receives a "done" message: each prefill rank writes one 8-byte word per
-finished write group into this rank's completion area (registered memory, one slot per
-request, indexed by SGLang's metadata row), and `poll` counts them. The only messages
-back are the last chunk's notice (how many chunks there were) and errors.
+The decoder never receives a "done" message: each prefill rank writes its count of
+finished write groups into its own word of this rank's completion area (registered
+memory, one slot per request, indexed by SGLang's metadata row), and `poll` reads them.
+The only messages back are the last chunk's notice (how many chunks there were), errors,
+and drain acks.
 
-Threads: the inbox thread calls `on_chunk_notice` / `on_error`; SGLang's scheduler
-thread calls everything else. State sits behind one lock.
+Pages are released only after the writers stopped: a request that ends early (abort,
+timeout, failure) sends `Abort` to every prefill rank it asked, and SGLang's deferred
+release holds its pages until `is_abort_release_safe` - every such rank acked
+(`AbortAck`: nothing in flight any more) or was declared dead by liveness.
+
+Each request's state follows `core.states.DECODE_TABLE`. Threads: the inbox thread calls
+`on_*`; the liveness thread `active_peers` / `peer_lost` / `housekeeping`; SGLang's
+scheduler thread everything else. State sits behind one lock.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,21 +28,25 @@ import numpy as np
 
 from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription
+from sgl_pd.core.clock import Clock
 from sgl_pd.core.counting import (
     METADATA_WORD,
+    SLOT_WORDS,
     WORD_BYTES,
     CompletionCounter,
     expectation_for,
     links_into,
-    locate_group,
     metadata_word,
-    parse_completion_word,
+    parse_count_word,
+    source_word_index,
 )
 from sgl_pd.core.errors import CountingError
 from sgl_pd.core.regions import Region
-from sgl_pd.core.sharding import ShardingScheme, ShardLink, link_shards
+from sgl_pd.core.sharding import ShardingScheme, link_shards
+from sgl_pd.core.states import DECODE_TABLE, DecodeState, RequestTracker
 from sgl_pd.core.wire import (
     Abort,
+    AbortAck,
     AbortReason,
     ChunkNotice,
     ErrorMsg,
@@ -50,15 +59,8 @@ from sgl_pd.transfer.engine import TransferEngine
 
 logger = logging.getLogger("sgl_pd.decode")
 
-SLOT_WORDS = 1024  # completion words per request: word 0 metadata, then one per group
-
-SendFn = Callable[[str, Message], None]  # (inbox endpoint, message)
-
-
-class KvStatus(enum.Enum):
-    TRANSFERRING = "transferring"
-    DONE = "done"
-    FAILED = "failed"
+SendFn = Callable[[str, Message], object]  # (inbox endpoint, message): never blocks
+_D = DecodeState
 
 
 @dataclass
@@ -67,15 +69,17 @@ class _Track:
 
     room: int
     slot: int
-    links: tuple[ShardLink, ...]
+    sources: tuple[int, ...]  # prefill ranks whose count words this rank reads
     counter: CompletionCounter
     metadata_source: int  # the prefill rank that writes word 0
-    prefill_inboxes: tuple[str, ...]  # where an abort must go
-    deadline_s: float
+    prefills: dict[int, str]  # every prefill rank asked -> its inbox (where aborts go)
+    reply_to: str  # this rank's inbox, where drain acks come back
     started_s: float
     num_pages: int
-    seen_words: set[int] = field(default_factory=set)
     error: str | None = None
+    metadata_seen: bool = False
+    abort_sent: bool = False
+    drained: set[int] = field(default_factory=set)  # prefill ranks that stopped writing
     done_s: float | None = None
 
 
@@ -90,6 +94,7 @@ class DecodeMessenger:
         send_to_prefill: SendFn,
         transfer_timeout_s: float,
         metrics: TransferMetrics,
+        clock: Clock,
     ) -> None:
         self.rank = rank
         self.scheme = scheme
@@ -98,15 +103,17 @@ class DecodeMessenger:
         self._send = send_to_prefill
         self._timeout_s = transfer_timeout_s
         self._metrics = metrics
+        self._clock = clock
         # (slots, SLOT_WORDS) uint64, written only by prefill ranks through the engine
         self._words = np.zeros((pool.aux_rows, SLOT_WORDS), dtype=np.uint64)
         engine.register(int(self._words.ctypes.data), self._words.nbytes)
         self._lock = threading.Lock()
         self._tracks: dict[int, _Track] = {}
-        self._sealed: dict[int, int] = {}  # room -> chunks, from a notice that came early
-        # (prefill inbox, instance) that has our registration; a restarted prefill rank is a
-        # new instance and is greeted again. Scheduler thread only.
-        self._greeted: set[tuple[str, int]] = set()
+        deadlines = {_D.REQUESTED: transfer_timeout_s, _D.TRANSFERRING: transfer_timeout_s}
+        self._states: RequestTracker[DecodeState] = RequestTracker(DECODE_TABLE, deadlines, clock)
+        # room -> (chunks, seen at): a last-chunk notice that came before the request was
+        # tracked here; dropped after the transfer timeout so strangers cannot grow it
+        self._sealed: dict[int, tuple[int, float]] = {}
 
     @property
     def completion_area(self) -> SlotArea:
@@ -124,7 +131,7 @@ class DecodeMessenger:
         with self._lock:
             track = self._tracks.get(notice.request_id)
             if track is None:
-                self._sealed[notice.request_id] = notice.chunk_index + 1
+                self._sealed[notice.request_id] = (notice.chunk_index + 1, self._now())
                 return
             self._seal(track, notice.chunk_index + 1)
 
@@ -134,8 +141,14 @@ class DecodeMessenger:
             return
         with self._lock:
             track = self._tracks.get(error.request_id)
-            if track is not None and track.error is None:
-                track.error = f"prefill reports {error.code.value}: {error.message}"
+            if track is not None:
+                self._fail(track, f"prefill reports {error.code.value}: {error.message}")
+
+    def on_abort_ack(self, ack: AbortAck) -> None:
+        with self._lock:
+            track = self._tracks.get(ack.request_id)
+            if track is not None and ack.prefill_rank in track.prefills:
+                track.drained.add(ack.prefill_rank)
 
     # -- scheduler thread -----------------------------------------------------------------
 
@@ -150,7 +163,8 @@ class DecodeMessenger:
         """Sends one request's destination pages to every prefill rank of its prefiller.
 
         Every rank gets the request, also those that send nothing to this rank: a prefill
-        rank only starts once every decoder rank has asked, so none waits forever.
+        rank only starts once every decoder rank has asked, so none waits forever. The
+        request carries this rank's registration, so no separate greeting can be lost.
         """
         prefill = prefills[0]
         layer_groups = len(prefill.layout.layer_groups(prefill.layer_group_size))
@@ -158,115 +172,157 @@ class DecodeMessenger:
             link_shards(prefill.layout, prefill.scheme, self.scheme, room), self.rank
         )
         expectation = expectation_for(links, layer_groups)
-        counter = CompletionCounter(
-            expectation, max_chunks=expectation.max_chunks(SLOT_WORDS * WORD_BYTES)
-        )
         self._words[slot, :] = 0  # a late word of the slot's previous request is ignored too
-        now = time.monotonic()
         track = _Track(
             room,
             slot,
-            links,
-            counter,
+            tuple(src for src, _ in expectation.per_chunk),
+            CompletionCounter(expectation),
             expectation.metadata_source,
-            tuple(peer.inbox for peer in prefills),
-            now + self._timeout_s,
-            now,
+            {peer.rank: peer.inbox for peer in prefills},
+            my_registration.inbox,
+            self._now(),
             len(dst_pages),
         )
         with self._lock:
             self._tracks[room] = track
+            if room in self._states:
+                self._states.forget(room)  # a retried room id: start afresh
+            self._states.add(room)
+            self._states.transition(room, _D.REQUESTED)
             early = self._sealed.pop(room, None)
             if early is not None:
-                self._seal(track, early)
+                self._seal(track, early[0])
         message = TransferRequest(
             request_id=room,
-            decoder_rank=self.rank,
-            decoder_instance=my_registration.instance,
-            decoder_inbox=my_registration.inbox,
+            decoder=my_registration,
             dst_pages=tuple(int(p) for p in dst_pages),
             metadata_slot=slot,
             completion_slot=slot,
         )
         for peer in prefills:
-            key = (peer.inbox, peer.instance)
-            if key not in self._greeted:
-                self._send(peer.inbox, my_registration)
-                self._greeted.add(key)
             self._send(peer.inbox, message)
 
-    def poll(self, room: int) -> tuple[KvStatus, str | None]:
-        """Counts the request's new completion words; (status, error message)."""
+    def poll(self, room: int) -> tuple[DecodeState, str | None]:
+        """Reads the request's count words; (state, error message)."""
         with self._lock:
             track = self._tracks.get(room)
             if track is None:
-                return KvStatus.FAILED, f"request {room} is not being transferred here"
+                return _D.FAILED, f"request {room} is not being transferred here"
             if track.error is None and track.done_s is None:
                 self._count(track)
-            if track.done_s is not None:
-                return KvStatus.DONE, None
-            if track.error is None and time.monotonic() > track.deadline_s:
-                track.error = (
-                    f"KV transfer did not complete within {self._timeout_s:g} s "
-                    f"({track.counter.received} write groups arrived); raise "
-                    "--pd-transfer-timeout or check the prefill server's log"
-                )
-            if track.error is not None:
-                return KvStatus.FAILED, track.error
-            return KvStatus.TRANSFERRING, None
+            return self._states.state(room), track.error
 
     def fail(self, room: int, reason: str, abort: AbortReason = AbortReason.ERROR) -> None:
-        """Marks the request failed and tells its prefill ranks to stop writing it."""
+        """Marks the request failed (unless it completed) and tells its prefill ranks to
+        stop writing it; their drain acks come back through `on_abort_ack`."""
         with self._lock:
             track = self._tracks.get(room)
             if track is None or track.done_s is not None:
                 return
-            if track.error is None:
-                track.error = reason
-            inboxes = track.prefill_inboxes
-        self._metrics.add_failure()
-        for inbox in inboxes:
-            self._send(inbox, Abort(request_id=room, reason=abort, detail=reason))
+            self._fail(track, reason, _D.ABORTED if abort is AbortReason.CLIENT else _D.FAILED)
+            if track.abort_sent:
+                return
+            track.abort_sent = True
+            targets, reply_to = dict(track.prefills), track.reply_to
+        message = Abort(request_id=room, reason=abort, detail=reason[:200], reply_to=reply_to)
+        for inbox in targets.values():
+            self._send(inbox, message)
+
+    def is_release_safe(self, room: int, required_acks: int) -> bool:
+        """SGLang's deferred release asks: may the request's pages go back to the pool?"""
+        with self._lock:
+            track = self._tracks.get(room)
+            if track is None or track.done_s is not None:
+                return True
+            return len(track.drained) >= min(required_acks, len(track.prefills))
 
     def forget(self, room: int) -> None:
         with self._lock:
-            self._tracks.pop(room, None)
+            if self._tracks.pop(room, None) is not None:
+                self._states.forget(room)
             self._sealed.pop(room, None)
 
+    # -- liveness thread ------------------------------------------------------------------
+
+    def active_peers(self) -> set[str]:
+        """Inboxes of prefill ranks that may still write into this rank's pages."""
+        with self._lock:
+            return {
+                inbox
+                for t in self._tracks.values()
+                if t.done_s is None
+                for rank, inbox in t.prefills.items()
+                if rank not in t.drained
+            }
+
+    def peer_lost(self, inbox: str, why: str) -> None:
+        """A prefill rank stopped answering: it writes nothing more; fail what it fed."""
+        with self._lock:
+            for track in self._tracks.values():
+                ranks = [r for r, i in track.prefills.items() if i == inbox]
+                if not ranks or track.done_s is not None:
+                    continue
+                track.drained.update(ranks)
+                self._fail(track, why)
+
+    def housekeeping(self) -> None:
+        with self._lock:
+            for e in self._states.poll_timeouts():
+                track = self._tracks[e.request_id]
+                if track.error is None:
+                    track.error = (
+                        f"KV transfer did not complete within {self._timeout_s:g} s "
+                        f"({track.counter.received} write groups arrived); raise "
+                        "--pd-transfer-timeout or check the prefill server's log"
+                    )
+            now = self._now()
+            for room in [r for r, (_, t) in self._sealed.items() if now - t > self._timeout_s]:
+                del self._sealed[room]
+
     # -- helpers (lock held) --------------------------------------------------------------
+
+    def _now(self) -> float:
+        return self._clock.monotonic()
+
+    def _fail(self, track: _Track, reason: str, state: DecodeState = _D.FAILED) -> None:
+        if track.error is None and track.done_s is None:
+            track.error = reason
+            if not DECODE_TABLE.is_final(self._states.state(track.room)):
+                self._states.transition(track.room, state)
+            self._metrics.add_failure()
 
     def _seal(self, track: _Track, num_chunks: int) -> None:
         try:
             track.counter.seal(num_chunks)
         except CountingError as e:
-            track.error = f"inconsistent completion count: {e}"
+            self._fail(track, f"inconsistent completion count: {e}")
         self._check_done(track)
 
     def _count(self, track: _Track) -> None:
-        # A snapshot: prefill ranks keep writing into the live row while we scan it. A
+        # A snapshot: prefill ranks keep writing into the live row while we read it. A
         # word caught half-written fails its request tag and is read again next poll.
         row = self._words[track.slot].copy()
-        for w in np.flatnonzero(row).tolist():
-            if w in track.seen_words:
-                continue
-            word = int(row[w])
-            try:
-                if w == METADATA_WORD:
-                    if word != metadata_word(track.room):
-                        continue  # a word left from the slot's previous request
-                    track.counter.record_metadata(track.metadata_source)
-                else:
-                    index = parse_completion_word(word, track.room)
-                    if index is None:
-                        continue
-                    track.counter.record(*locate_group(index, track.links))
-            except CountingError as e:
-                track.error = f"inconsistent completion words: {e}"
-                return
-            track.seen_words.add(w)
+        try:
+            if not track.metadata_seen and int(row[METADATA_WORD]) == metadata_word(track.room):
+                track.metadata_seen = True
+                track.counter.record_metadata(track.metadata_source)
+            for src in track.sources:
+                count = parse_count_word(int(row[source_word_index(src)]), track.room)
+                if count is not None:
+                    track.counter.observe(src, count)
+        except CountingError as e:
+            self._fail(track, f"inconsistent completion words: {e}")
+            return
+        if track.counter.received and self._states.state(track.room) is _D.REQUESTED:
+            self._states.transition(track.room, _D.TRANSFERRING)
         self._check_done(track)
 
     def _check_done(self, track: _Track) -> None:
         if track.error is None and track.done_s is None and track.counter.is_complete:
-            track.done_s = time.monotonic()
+            track.done_s = self._now()
+            state = self._states.state(track.room)
+            if state is _D.REQUESTED:
+                self._states.transition(track.room, _D.TRANSFERRING)
+            self._states.transition(track.room, _D.COMPLETE)
             self._metrics.add_request(track.num_pages, track.done_s - track.started_s)

@@ -6,7 +6,7 @@
   captured into CUDA graphs and replays with them; no Python runs inside a graph.
 - Before a prefill batch runs, the scheduler tells the messenger which requests, token
   ranges and pages the batch covers (chunk notices) and hands them to the layer streamer
-  under a new forward generation.
+  under a new forward generation, published on the stream the forward will run on.
 - The streamer's thread polls the counter and writes each newly finished layer of every
   chunk; after the last layer of a request's last chunk, the metadata follows (D9).
 
@@ -23,6 +23,7 @@ from typing import Any
 
 from sgl_pd.config import BACKEND_NAME, SglPdConfig
 from sgl_pd.core.clock import SystemClock
+from sgl_pd.errors import ConfigError
 from sgl_pd.layerwise.progress import CudaProgress, HostProgress, ProgressCounter
 from sgl_pd.layerwise.streamer import ForwardJob, LayerStreamer
 
@@ -103,14 +104,29 @@ def after_load_model(result: Any, model_runner: Any, *args: Any, **kwargs: Any) 
     return result
 
 
+def check_layer_counts(hooked: int, kv_layers: int) -> None:
+    """Raises `ConfigError` unless the hooks count as many layers as the KV cache holds:
+    the streamer sends "layer i of the KV cache" when the i-th hooked o_proj has run, so a
+    model whose KV pool has extra layers (say a draft/MTP layer) or whose o_proj names
+    match another set of modules would stream the wrong pages or never finish."""
+    if hooked != kv_layers:
+        raise ConfigError(
+            f"layer-wise streaming hooked the attention output projection of {hooked} "
+            f"layers, but the KV cache has {kv_layers} layers; serve this model with "
+            "--pd-kv-send after-forward"
+        )
+
+
 def attach_messenger(messenger: Any, layerwise: bool) -> LayerStreamer | None:
     """Called by the prefill KV manager; in layer-wise mode, starts the streamer that
-    feeds `messenger` from the progress counter."""
+    feeds `messenger` from the progress counter. Raises `ConfigError` when the hooked
+    layers and the KV layout's layers differ."""
     _process.messenger = messenger
     if not layerwise:
         return None
     if _process.counter is None:
         raise RuntimeError("layer-wise streaming needs the progress hooks installed first")
+    check_layer_counts(_process.counter.num_layers, messenger.layout.num_layers)
     streamer = LayerStreamer(
         _process.counter,
         lambda job, layers: messenger.write_layers(job.payload, layers),
@@ -133,13 +149,23 @@ def _our_requests(batch: Any) -> list[Any]:
     ]
 
 
-def before_run_batch(scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
-    """BEFORE hook of ``Scheduler.run_batch``: chunk notices for the coming forward (D7)."""
-    messenger, streamer, counter = _process.messenger, _process.streamer, _process.counter
-    if messenger is None or streamer is None or counter is None:
-        return None
-    if batch is None or not batch.forward_mode.is_extend():
-        return None
+def forward_stream_of(scheduler: Any) -> Any:
+    """The stream on which SGLang 0.5.23's ``Scheduler.run_batch`` will run the coming
+    forward, or None for the scheduler thread's current stream.
+
+    With the overlap scheduler (``scheduler.enable_overlap``) the scheduler thread runs
+    with ``schedule_stream`` current, and ``run_batch`` launches the forward (eager or a
+    graph replay, generation or embedding) inside ``forward_stream_ctx``, i.e. on
+    ``scheduler.forward_stream``, after ``forward_stream.wait_stream(schedule_stream)``.
+    Without it the forward runs on the current stream (with pipeline parallelism
+    ``run_batch`` is itself called inside ``forward_stream_ctx``).
+    """
+    return scheduler.forward_stream if scheduler.enable_overlap else None
+
+
+def _chunk_notices(scheduler: Any, batch: Any, messenger: Any) -> list[Any]:
+    """Tells the messenger the token range and pages of each of our requests in `batch`;
+    returns the chunks it will stream (D7)."""
     from sglang.srt.mem_cache.common import kv_to_page_indices
 
     page_size = messenger.layout.page_size
@@ -155,11 +181,24 @@ def before_run_batch(scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> N
         )
         if chunk is not None:
             chunks.append(chunk)
+    return chunks
+
+
+def before_run_batch(scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE hook of ``Scheduler.run_batch``: chunk notices for the coming forward (D7)
+    and its generation, published where the forward will run (D8)."""
+    messenger, streamer, counter = _process.messenger, _process.streamer, _process.counter
+    if messenger is None or streamer is None or counter is None:
+        return None
+    if batch is None or not batch.forward_mode.is_extend():
+        return None
+    chunks = _chunk_notices(scheduler, batch, messenger)
     _process.generation += 1
-    # On a GPU this enqueues on the current stream, which must be the forward's: with
-    # SGLang's overlap scheduler the forward runs on another stream, and the generation
-    # could then change under the previous forward's last layers (not yet verified on GPU).
-    counter.begin_forward(_process.generation)
+    # On a GPU, stream order is what keeps the previous forward's last layers under its
+    # own generation: the overlap scheduler queues this forward behind the previous one on
+    # forward_stream, so the generation must go there too, not on schedule_stream, where
+    # it would overtake the previous forward (at most two are in flight).
+    counter.begin_forward(_process.generation, stream=forward_stream_of(scheduler))
     streamer.submit(ForwardJob(_process.generation, chunks))
     return None
 

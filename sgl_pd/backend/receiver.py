@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll
 
-from sgl_pd.backend.decode_messenger import KvStatus
+from sgl_pd.core.states import DECODE_TABLE, DecodeState
 from sgl_pd.core.wire import AbortReason
 from sgl_pd.errors import SglPdError
 
@@ -27,7 +27,10 @@ class SglPdKVReceiver(BaseKVReceiver):
         self.kv_mgr = mgr
         self.bootstrap_addr = bootstrap_addr
         self.bootstrap_room = int(bootstrap_room or 0)
+        # SGLang's deferred release reads these: whether the prefill ranks were told to
+        # stop, and how many drain acks that takes (one per rank asked for the KV)
         self.abort_notified = False
+        self.bootstrap_infos: list[Any] | None = None
         self.conclude_state: int | None = None
         self._requested = False
         self._error: str | None = None
@@ -49,10 +52,10 @@ class SglPdKVReceiver(BaseKVReceiver):
                 self._fail(str(failure))
                 return KVPoll.Failed
             return KVPoll.Bootstrapping
-        status, error = self.kv_mgr.decode.poll(self.bootstrap_room)
-        if status is KvStatus.DONE:
+        state, error = self.kv_mgr.decode.poll(self.bootstrap_room)
+        if state is DecodeState.COMPLETE:
             self._conclude(KVPoll.Success)
-        elif status is KvStatus.FAILED:
+        elif DECODE_TABLE.is_final(state) or error is not None:
             self._fail(error or "transfer failed")
         return self.conclude_state if self.conclude_state is not None else KVPoll.Transferring
 
@@ -85,6 +88,7 @@ class SglPdKVReceiver(BaseKVReceiver):
             self._fail(str(e))
             return
         self._requested = True
+        self.bootstrap_infos = list(table.shards)
 
     def failure_exception(self) -> None:
         raise KvReceiveFailed(
@@ -97,8 +101,11 @@ class SglPdKVReceiver(BaseKVReceiver):
             self._fail("aborted by the decode scheduler", AbortReason.CLIENT)
 
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
-        """Nothing to notify: a prefill rank's late writes land in pages SGLang keeps until
-        this request is cleared, and its words carry the request id (ignored afterwards)."""
+        """Tells every prefill rank asked for this request's KV to stop writing it (once);
+        SGLang then holds the pages until they all acked or were declared lost."""
+        if self._requested and not self.abort_notified:
+            self.kv_mgr.decode.fail(self.bootstrap_room, self._error or "aborted")
+            self.abort_notified = True
 
     def clear(self) -> None:
         self.kv_mgr.decode.forget(self.bootstrap_room)
@@ -110,6 +117,7 @@ class SglPdKVReceiver(BaseKVReceiver):
         self.kv_mgr.peers.invalidate(self.bootstrap_addr)
         if self._requested:
             self.kv_mgr.decode.fail(self.bootstrap_room, reason, abort)
+            self.abort_notified = True
         logger.warning("request %d: %s", self.bootstrap_room, reason)
 
     def _conclude(self, state: int) -> None:

@@ -81,7 +81,13 @@ def register_backend() -> None:
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.run_batch", after_run_batch, HookType.AFTER
     )
-    from sgl_pd.backend import layerwise_glue
+    from sgl_pd.backend import health, layerwise_glue
+
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.handle_generate_request",
+        health.around_handle_generate_request,
+        HookType.AROUND,
+    )
 
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner.load_model",

@@ -9,16 +9,16 @@ import numpy as np
 import numpy.typing as npt
 from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll, KVTransferMetric
 
-from sgl_pd.backend.prefill_messenger import TransferStatus
+from sgl_pd.core.states import PREFILL_TABLE, PrefillState
 from sgl_pd.errors import SglPdError
 
 logger = logging.getLogger("sgl_pd.sender")
 
 _POLL = {
-    TransferStatus.WAITING_FOR_DECODER: KVPoll.Bootstrapping,
-    TransferStatus.READY: KVPoll.WaitingForInput,
-    TransferStatus.DONE: KVPoll.Success,
-    TransferStatus.FAILED: KVPoll.Failed,
+    PrefillState.WAITING_FOR_DECODER: KVPoll.Bootstrapping,
+    PrefillState.READY: KVPoll.WaitingForInput,
+    PrefillState.SENDING: KVPoll.Transferring,
+    PrefillState.DONE: KVPoll.Success,
 }
 
 
@@ -43,7 +43,6 @@ class SglPdKVSender(BaseKVSender):
         self._messenger = mgr.prefill
         self._messenger.track(self.bootstrap_room)
         self._error: str | None = None
-        self._transferring = False
         self._concluded: int | None = None
         self._metric = KVTransferMetric()
 
@@ -62,22 +61,31 @@ class SglPdKVSender(BaseKVSender):
         page_size = self.kv_mgr.layout.page_size
         tokens = int(num_kv_tokens) if num_kv_tokens is not None else len(pages) * page_size
         self._messenger.submit_chunk(self.bootstrap_room, pages, tokens)
-        self._transferring = True
 
     def poll(self) -> int:
+        """A failed request reads as Transferring until its writes in flight have ended:
+        SGLang frees the source pages on Failed, and a write may still be reading them."""
         if self._concluded is not None:
             return self._concluded
-        status = _POLL[self._messenger.status(self.bootstrap_room)]
-        if status == KVPoll.WaitingForInput and self._transferring:
-            status = KVPoll.Transferring
-        if status in (KVPoll.Success, KVPoll.Failed):
+        seen = self._messenger.state(self.bootstrap_room)
+        if seen is None:
+            self._error = self._error or "the request is no longer known to this rank"
+            self._conclude(KVPoll.Failed)
+            return KVPoll.Failed
+        state, drained, error = seen
+        if PREFILL_TABLE.is_final(state) and state is not PrefillState.DONE:
+            if not drained:
+                return KVPoll.Transferring
+            self._error = error
+            self._conclude(KVPoll.Failed)
+            return KVPoll.Failed
+        status = _POLL[state]
+        if status == KVPoll.Success:
             self._conclude(status)
         return status
 
     def _conclude(self, status: int) -> None:
         self._concluded = status
-        if status == KVPoll.Failed:
-            self._error = self._messenger.error(self.bootstrap_room)
         sent, seconds = self._messenger.forget(self.bootstrap_room)
         self._metric = KVTransferMetric(transfer_latency_s=seconds, transfer_total_bytes=sent)
 
@@ -85,17 +93,15 @@ class SglPdKVSender(BaseKVSender):
         return self._metric
 
     def failure_exception(self) -> None:
-        reason = self._error or self._messenger.error(self.bootstrap_room)
+        reason = self._error
         raise KvTransferFailed(
             f"KV transfer of request {self.bootstrap_room} failed: {reason or 'aborted'}"
         )
 
     def abort(self) -> None:
+        """SGLang aborts the request. Its writes stop; the request stays known (and its
+        pages reported in flight by `poll`) until they have."""
         self._messenger.abort(self.bootstrap_room, "aborted by the prefill scheduler")
-        if self._concluded is None:
-            self._error = "aborted by the prefill scheduler"
-            self._concluded = KVPoll.Failed
-            self._messenger.forget(self.bootstrap_room)
 
     def clear(self) -> None:
         self._messenger.forget(self.bootstrap_room)

@@ -84,6 +84,11 @@ class RouterThread:
         self._closed = False
         self._thread: threading.Thread | None = None
 
+    @property
+    def alive(self) -> bool:
+        """The thread runs (False before start, after close, or if it died)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def _start(self, thread_name: str) -> None:
         self._thread = threading.Thread(
             target=self._run, args=(self._sock,), name=thread_name, daemon=True

@@ -1,0 +1,102 @@
+"""The liveness thread of one rank: pings the peers its messenger has requests with,
+answers their pings, and declares silent peers lost within `timeout_s` (D2's "failures
+never strand a request": a killed prefiller fails its decode requests in seconds, a
+killed decoder stops the writes into it).
+
+It also gives the messenger a steady tick for deadlines and bounded memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Protocol
+
+from sgl_pd.core.clock import Clock
+from sgl_pd.core.liveness import PeerLiveness
+from sgl_pd.core.wire import Heartbeat, HeartbeatAck
+from sgl_pd.messenger.outbox import Outbox
+
+logger = logging.getLogger("sgl_pd.liveness")
+
+PINGS_PER_TIMEOUT = 6  # pings sent to a silent peer before it is declared lost
+
+
+class Watched(Protocol):
+    """What a role's messenger offers the liveness thread."""
+
+    def active_peers(self) -> set[str]: ...
+
+    def peer_lost(self, inbox: str, why: str) -> None: ...
+
+    def housekeeping(self) -> None: ...
+
+
+class Heartbeats:
+    def __init__(
+        self,
+        my_inbox: str,
+        outbox: Outbox,
+        watched: Watched,
+        *,
+        timeout_s: float,
+        clock: Clock,
+        name: str,
+    ) -> None:
+        self._me = my_inbox
+        self._outbox = outbox
+        self._watched = watched
+        self._clock = clock
+        self._lock = threading.Lock()  # guards the tracker: the inbox thread reports answers
+        self._liveness = PeerLiveness(
+            clock, interval_s=timeout_s / PINGS_PER_TIMEOUT, timeout_s=timeout_s
+        )
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"sgl-pd-liveness-{name}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- inbox thread -------------------------------------------------------------------
+
+    def on_heartbeat(self, ping: Heartbeat) -> None:
+        self._outbox.send(
+            ping.sender, HeartbeatAck(sender=self._me, seq=ping.seq, time_s=ping.time_s)
+        )
+
+    def on_ack(self, ack: HeartbeatAck) -> None:
+        with self._lock:
+            self._liveness.heard(ack.sender)
+
+    # -- its own thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._liveness.interval_s / 2):
+            try:
+                self._tick()
+            except Exception:
+                logger.exception("liveness tick failed")
+
+    def _tick(self) -> None:
+        active = self._watched.active_peers()
+        with self._lock:
+            tick = self._liveness.tick(active)
+        now = self._clock.monotonic()
+        for endpoint, seq in tick.pings:
+            self._outbox.send(endpoint, Heartbeat(sender=self._me, seq=seq, time_s=now))
+        for endpoint in tick.dead:
+            why = (
+                f"peer {endpoint} did not answer heartbeats for "
+                f"{self._liveness.timeout_s:g} s (process gone or unreachable)"
+            )
+            logger.error("%s: failing its requests", why)
+            self._watched.peer_lost(endpoint, why)
+        self._watched.housekeeping()
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout=timeout_s)

@@ -1,0 +1,424 @@
+"""Every request on one prefill rank: its state machine, its destinations, its writes in
+flight, and the drain acks it owes.
+
+A request (SGLang's bootstrap room) moves WAITING_FOR_DECODER -> READY -> SENDING -> DONE
+(`core.states.PREFILL_TABLE`), or to FAILED / ABORTED / TIMED_OUT from any of them. Its
+source pages go back to SGLang only once it is final *and* drained: `inflight` counts the
+write jobs that passed `begin_write` and have not ended, and none starts once the request
+failed. A decoder's `Abort` is answered with an `AbortAck` at that moment, never before,
+which is what lets the decoder free its own pages safely.
+
+Threads: SGLang's scheduler thread, the inbox thread, the layer streamer and the
+destination writers all call in; every method takes the one lock and never does I/O.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sgl_pd.core.clock import Clock
+from sgl_pd.core.counting import links_into
+from sgl_pd.core.layout import KvLayout
+from sgl_pd.core.plan import TokenRange
+from sgl_pd.core.sharding import ShardingScheme, ShardLink, link_shards
+from sgl_pd.core.states import PREFILL_TABLE, PrefillState, RequestTracker
+from sgl_pd.core.wire import TransferRequest
+
+_P = PrefillState
+UNOWNED_GRACE_S = 60.0  # a request no SGLang sender claimed is dropped this long after it ends
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One prefill chunk of one request: the tokens it makes (and any cached prefix before
+    them that was not sent yet)."""
+
+    room: int
+    index: int  # chunk number of the request, from 0
+    tokens: TokenRange
+    src_pages: np.ndarray  # (pages,) this rank's page per logical page, up to the chunk's end
+    is_last: bool
+
+
+@dataclass
+class Destination:
+    """One decode rank that a request's KV goes to from this prefill rank."""
+
+    request: TransferRequest
+    links: tuple[ShardLink, ...]  # every link into that decode rank, in counting order
+    mine: frozenset[int]  # indices into `links` of the ones this rank writes
+    writes_metadata: bool  # this rank writes the decode rank's metadata row (D9)
+    groups_done: int = 0  # groups this rank finished into it: its count word (writer only)
+
+    @property
+    def session(self) -> str:
+        return self.request.decoder.session
+
+
+@dataclass
+class Room:
+    room: int
+    created_s: float
+    owned: bool = False  # SGLang holds a sender for it (else only a decoder asked so far)
+    requests: dict[int, TransferRequest] = field(default_factory=dict)  # by decode rank
+    destinations: dict[int, Destination] = field(default_factory=dict)  # ranks we write to
+    decoder_tp: int | None = None
+    aux_index: int | None = None  # this rank's metadata row
+    num_pages: int | None = None  # pages SGLang will send in all
+    pages_sent: int = 0  # pages SGLang has handed to `send` so far
+    tokens_planned: int = 0  # tokens covered by chunks so far
+    src_pages: list[int] = field(default_factory=list)  # after-forward mode
+    chunks: int = 0
+    send_complete: bool = False  # SGLang's last send: the metadata row is filled
+    last_chunk_queued: bool = False  # every layer of the last chunk is queued for writing
+    metadata_queued: bool = False
+    metadata_pending: int = 0  # destinations whose metadata job has not finished
+    inflight: int = 0  # write jobs between begin_write and end_write
+    error: str | None = None
+    acks_owed: set[str] = field(default_factory=set)  # decoder inboxes awaiting a drain ack
+    ended_s: float | None = None  # when it became final
+    bytes_sent: int = 0
+    first_write_s: float | None = None
+    last_chunk_first_write_s: float | None = None
+    forward_end_s: float | None = None
+    last_send_s: float | None = None
+    done_s: float | None = None
+
+
+@dataclass(frozen=True)
+class WriteEnd:
+    acks: set[str]  # decoder inboxes owed a drain ack now
+    completed: Room | None  # the request, if this job was its last
+
+
+class PrefillRooms:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        scheme: ShardingScheme,
+        layout: KvLayout,
+        layerwise: bool,
+        timeout_s: float,
+        clock: Clock,
+    ) -> None:
+        self.rank = rank
+        self.scheme = scheme
+        self.layout = layout
+        self.layerwise = layerwise
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._rooms: dict[int, Room] = {}
+        deadlines = {_P.WAITING_FOR_DECODER: timeout_s, _P.READY: timeout_s, _P.SENDING: timeout_s}
+        self._states: RequestTracker[PrefillState] = RequestTracker(PREFILL_TABLE, deadlines, clock)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._rooms)
+
+    # -- arrivals ---------------------------------------------------------------------------
+
+    def track(self, room_id: int) -> None:
+        """SGLang made a sender for this request (router flow: its copy of the request)."""
+        with self._lock:
+            self._room(room_id).owned = True
+
+    def add_request(self, request: TransferRequest) -> str | None:
+        """A decode rank's destinations. Returns why it is refused, or None."""
+        decoder = request.decoder
+        with self._lock:
+            room = self._room(request.request_id)
+            if room.error is not None:
+                return room.error
+            if room.decoder_tp not in (None, decoder.scheme.tp_size):
+                return (
+                    f"decode ranks disagree on TP ({room.decoder_tp} vs {decoder.scheme.tp_size})"
+                )
+            links = links_into(
+                link_shards(self.layout, self.scheme, decoder.scheme, request.request_id),
+                decoder.rank,
+            )
+            mine = frozenset(i for i, link in enumerate(links) if link.src_rank == self.rank)
+            first = min(links, key=lambda link: (link.head_lo, link.src_rank))
+            room.requests[decoder.rank] = request
+            room.decoder_tp = decoder.scheme.tp_size
+            if mine:
+                room.destinations[decoder.rank] = Destination(
+                    request, links, mine, first.src_rank == self.rank
+                )
+            if len(room.requests) == room.decoder_tp:
+                self._states.transition(room.room, _P.READY)
+            return None
+
+    def expect(self, room_id: int, num_pages: int, aux_index: int | None) -> None:
+        with self._lock:
+            room = self._room(room_id)
+            room.num_pages, room.aux_index = num_pages, aux_index
+
+    # -- chunks -----------------------------------------------------------------------------
+
+    def notice_chunk(
+        self, room_id: int, src_pages: np.ndarray, end_token: int, is_last: bool
+    ) -> Chunk | None:
+        """Layer-wise mode, before the forward (D7). None when nothing is to be sent."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+            if room is None or room.error is not None or end_token <= room.tokens_planned:
+                return None
+            chunk = Chunk(
+                room_id,
+                room.chunks,
+                TokenRange(room.tokens_planned, end_token),
+                np.asarray(src_pages, dtype=np.int64),
+                is_last,
+            )
+            room.chunks += 1
+            room.tokens_planned = end_token
+            self._sending(room)
+            return chunk
+
+    def submit_chunk(self, room_id: int, pages: np.ndarray, num_tokens: int) -> Chunk | None:
+        """SGLang's `send` after a forward. After-forward mode: the chunk to write;
+        layer-wise mode: None (its layers went already); both learn whether it was last."""
+        with self._lock:
+            room = self._room(room_id)
+            if room.error is not None:
+                return None
+            room.pages_sent += len(pages)
+            is_last = room.num_pages is not None and room.pages_sent >= room.num_pages
+            chunk = None
+            if not self.layerwise:
+                start = len(room.src_pages) * self.layout.page_size
+                room.src_pages.extend(int(p) for p in pages)
+                chunk = Chunk(
+                    room_id,
+                    room.chunks,
+                    TokenRange(start, start + num_tokens),
+                    np.asarray(room.src_pages, dtype=np.int64),
+                    is_last,
+                )
+                room.chunks += 1
+                room.tokens_planned = start + num_tokens
+                room.last_chunk_queued |= is_last
+                self._sending(room)
+            room.send_complete = is_last
+            if is_last:
+                room.last_send_s = self._clock.monotonic()
+            return chunk
+
+    def chunk_queued(self, chunk: Chunk) -> None:
+        """Layer-wise mode: every layer of `chunk` is queued for its destinations."""
+        if chunk.is_last:
+            with self._lock:
+                room = self._rooms.get(chunk.room)
+                if room is not None:
+                    room.last_chunk_queued = True
+
+    def take_metadata_due(self, room_id: int) -> list[Destination]:
+        """The destinations whose metadata job should be queued now: once, after the last
+        chunk is queued and SGLang has filled the metadata row."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+            if (
+                room is None
+                or room.error is not None
+                or room.metadata_queued
+                or not (room.send_complete and room.last_chunk_queued)
+            ):
+                return []
+            room.metadata_queued = True
+            room.metadata_pending = len(room.requests)
+            return [self._destination_or_notice(room, rank) for rank in sorted(room.requests)]
+
+    def _destination_or_notice(self, room: Room, rank: int) -> Destination:
+        """Decode ranks this rank writes nothing to still get the last chunk's notice."""
+        existing = room.destinations.get(rank)
+        if existing is not None:
+            return existing
+        request = room.requests[rank]
+        return Destination(request, (), frozenset(), False)
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def begin_write(self, room_id: int, chunk: Chunk | None = None) -> Room | None:
+        """A writer is about to write for this request; None: do not (it failed or is
+        gone). Every non-None answer must be followed by `end_write`."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+            if room is None or room.error is not None:
+                return None
+            room.inflight += 1
+            now = self._clock.monotonic()
+            if room.first_write_s is None:
+                room.first_write_s = now
+            if chunk is not None and chunk.is_last and room.last_chunk_first_write_s is None:
+                room.last_chunk_first_write_s = now
+            return room
+
+    def end_write(self, room_id: int, bytes_sent: int, metadata_done: bool = False) -> WriteEnd:
+        """A write job ended (either way): the drain acks now owed, and whether this job
+        completed the request."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+            if room is None:
+                return WriteEnd(set(), None)
+            room.inflight -= 1
+            room.bytes_sent += bytes_sent
+            completed = None
+            if metadata_done and room.error is None:
+                room.metadata_pending -= 1
+                if room.metadata_pending == 0:
+                    room.done_s = self._clock.monotonic()
+                    self._end(room, _P.DONE)
+                    completed = room
+            return WriteEnd(self._drained_acks(room), completed)
+
+    # -- failures ---------------------------------------------------------------------------
+
+    def fail(
+        self, room_id: int, reason: str, state: PrefillState = _P.FAILED
+    ) -> list[TransferRequest]:
+        """Stops the request's writes; returns the decode ranks to tell (first failure only)."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+            if room is None or room.error is not None:
+                return []
+            room.error = reason
+            self._end(room, state)
+            return list(room.requests.values())
+
+    def abort(self, room_id: int, reason: str, ack_to: str | None) -> set[str]:
+        """A decoder's (or SGLang's) abort. Returns inboxes to drain-ack now; later acks
+        come from `end_write` once the writes in flight ended."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+            if room is None:
+                return {ack_to} if ack_to else set()  # nothing of it is or will be in flight
+            if room.error is None:
+                room.error = reason
+                self._end(room, _P.ABORTED)
+            if ack_to:
+                room.acks_owed.add(ack_to)
+            return self._drained_acks(room)
+
+    def decoder_lost(self, inbox: str, why: str) -> list[int]:
+        """A decode rank stopped answering: fail every request writing to it."""
+        with self._lock:
+            rooms = [
+                r
+                for r in self._rooms.values()
+                if self._live(r) and any(q.decoder_inbox == inbox for q in r.requests.values())
+            ]
+            for room in rooms:
+                room.error = why
+                self._end(room, _P.FAILED)
+                room.acks_owed.discard(inbox)
+            return [room.room for room in rooms]
+
+    def expire(self) -> list[tuple[int, str]]:
+        """Requests past their state's deadline, now TIMED_OUT: (room, reason)."""
+        with self._lock:
+            out = []
+            for e in self._states.poll_timeouts():
+                room = self._rooms[e.request_id]
+                if e.state is _P.WAITING_FOR_DECODER:
+                    why = (
+                        f"no decoder asked for request {room.room} within {self.timeout_s:g} s; "
+                        "check that the decode server reaches this prefiller's bootstrap port"
+                    )
+                else:
+                    why = f"request {room.room} stayed {e.state.value} for {e.waited_s:.1f} s"
+                room.error = why
+                room.ended_s = self._clock.monotonic()
+                out.append((room.room, why))
+            return out
+
+    # -- SGLang's view ----------------------------------------------------------------------
+
+    def state(self, room_id: int) -> tuple[PrefillState, bool, str | None] | None:
+        """(state, drained, error) or None when unknown. Drained: no write in flight."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+            if room is None:
+                return None
+            return self._states.state(room_id), room.inflight == 0, room.error
+
+    def forget(self, room_id: int) -> Room | None:
+        """SGLang is done with the request (it no longer holds pages for it)."""
+        with self._lock:
+            room = self._rooms.pop(room_id, None)
+            if room is not None:
+                self._states.forget(room_id)
+            return room
+
+    def sweep(self) -> int:
+        """Drops final, drained requests no SGLang sender claimed (a decoder asked, the
+        router's copy never came): bounded memory whatever peers send. Returns how many."""
+        with self._lock:
+            now = self._clock.monotonic()
+            stale = [
+                r.room
+                for r in self._rooms.values()
+                if not r.owned
+                and r.ended_s is not None
+                and r.inflight == 0
+                and now - r.ended_s > UNOWNED_GRACE_S
+            ]
+            for room_id in stale:
+                del self._rooms[room_id]
+                self._states.forget(room_id)
+            return len(stale)
+
+    def active_decoders(self) -> set[str]:
+        """Inboxes of the decode ranks this rank has live requests with (for liveness)."""
+        with self._lock:
+            return {
+                q.decoder_inbox
+                for r in self._rooms.values()
+                if self._live(r) or r.inflight
+                for q in r.requests.values()
+            }
+
+    def rooms_of(self, room_ids: Iterable[int]) -> list[Room]:
+        with self._lock:
+            return [r for i in room_ids if (r := self._rooms.get(i)) is not None]
+
+    def mark_forward_end(self, room_ids: Iterable[int], at_s: float) -> None:
+        with self._lock:
+            for room_id in room_ids:
+                room = self._rooms.get(room_id)
+                if room is not None and room.forward_end_s is None:
+                    room.forward_end_s = at_s
+
+    # -- lock held --------------------------------------------------------------------------
+
+    def _room(self, room_id: int) -> Room:
+        room = self._rooms.get(room_id)
+        if room is None:
+            room = self._rooms[room_id] = Room(room_id, self._clock.monotonic())
+            self._states.add(room_id)
+        return room
+
+    def _live(self, room: Room) -> bool:
+        return not PREFILL_TABLE.is_final(self._states.state(room.room))
+
+    def _sending(self, room: Room) -> None:
+        if self._states.state(room.room) is _P.READY:
+            self._states.transition(room.room, _P.SENDING)
+
+    def _end(self, room: Room, state: PrefillState) -> None:
+        current = self._states.state(room.room)
+        if not PREFILL_TABLE.is_final(current):
+            self._states.transition(room.room, state)
+        room.ended_s = self._clock.monotonic()
+
+    def _drained_acks(self, room: Room) -> set[str]:
+        if room.error is None or room.inflight or not room.acks_owed:
+            return set()
+        acks, room.acks_owed = room.acks_owed, set()
+        return acks

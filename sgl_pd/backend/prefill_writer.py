@@ -1,0 +1,238 @@
+"""The writes of one prefill rank, one thread per destination (decode rank).
+
+Each decode rank this rank writes to has its own FIFO queue and thread, so a slow or dead
+decoder delays only its own requests, and the writes of one (request, decode rank) run
+in order on one thread: the count word this rank writes after each batch only grows.
+
+A job writes one chunk's layers (`LayersJob`) or, after the last chunk, the metadata row
+and the last chunk's notice (`MetadataJob`). Every job runs between `begin_write` and
+`end_write` of `PrefillRooms`, which is how an abort waits for writes in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sgl_pd.backend.pool import PoolDescription
+from sgl_pd.backend.prefill_rooms import Chunk, Destination, PrefillRooms, Room
+from sgl_pd.core.counting import count_word, metadata_word, source_word_offset
+from sgl_pd.core.plan import plan_transfer
+from sgl_pd.core.regions import RegionTable
+from sgl_pd.core.wire import ChunkNotice, Message
+from sgl_pd.errors import SglPdError
+from sgl_pd.transfer.completion import CompletionWordWriter
+from sgl_pd.transfer.engine import TransferEngine, Writes
+
+logger = logging.getLogger("sgl_pd.prefill")
+
+IDLE_EXIT_S = 30.0  # a destination's thread exits after this long without jobs
+
+
+@dataclass(frozen=True)
+class LayersJob:
+    destination: Destination
+    chunk: Chunk
+    layers: range
+
+
+@dataclass(frozen=True)
+class MetadataJob:
+    destination: Destination
+    room: int
+
+
+Job = LayersJob | MetadataJob
+SendFn = Callable[[str, Message], object]  # (inbox endpoint, message): never blocks
+FailFn = Callable[[int, str], None]  # (room, reason)
+AckFn = Callable[[int, set[str]], None]  # (room, decoder inboxes owed a drain ack)
+BytesFn = Callable[[int], None]
+
+
+class KvWriter:
+    """What a job writes, in Mooncake batches: data first, then this rank's count word."""
+
+    def __init__(
+        self,
+        rank: int,
+        pool: PoolDescription,
+        engine: TransferEngine,
+        layer_group_size: int,
+        send: SendFn,
+    ) -> None:
+        self.rank = rank
+        self.pool = pool
+        self.layout = pool.layout
+        self.layer_group_size = layer_group_size
+        self._words = CompletionWordWriter(engine)
+        self._send = send
+
+    def write_layers(self, dest: Destination, chunk: Chunk, layers: range) -> int:
+        """Writes `layers` of `chunk` on this rank's links into `dest`; returns bytes."""
+        request, decoder = dest.request, dest.request.decoder
+        plan = plan_transfer(
+            self.layout, dest.links, chunk.src_pages, request.dst_pages, chunk.tokens, layers
+        )
+        dst_table = RegionTable.for_layout(self.layout, decoder.kv_regions)
+        parts, groups = [], 0
+        for group in plan.groups(chunk.index, self.layer_group_size):
+            if group.link_index not in dest.mine:
+                continue
+            batch = plan.batch(group.link_index, group.layers, self.pool.kv, dst_table)
+            parts.append(Writes.of(batch.src_addrs, batch.dst_addrs, batch.lengths))
+            groups += 1
+        if not groups:
+            return 0
+        writes = Writes.concat(parts)
+        # the count covers every group of this batch, written once they all completed
+        dest.groups_done += groups
+        word = (self._slot_base(dest) + source_word_offset(self.rank),
+                count_word(request.request_id, dest.groups_done))  # fmt: skip
+        self._words.send_many(decoder.session, writes, [word])
+        return writes.total_bytes
+
+    def write_metadata(self, dest: Destination, aux_index: int | None, room: Room) -> int:
+        """D9: the metadata row if this rank writes it, then the last chunk's notice."""
+        request, decoder = dest.request, dest.request.decoder
+        sent = 0
+        if dest.writes_metadata:
+            if aux_index is None or decoder.metadata is None:
+                raise SglPdError(f"request {request.request_id}: no metadata row on one side")
+            src, dst, lengths = [], [], []
+            for mine, theirs, item in zip(
+                self.pool.aux, decoder.metadata.regions, self.pool.aux_item_bytes, strict=True
+            ):
+                src.append(mine.base + aux_index * item)
+                dst.append(theirs.base + request.metadata_slot * item)
+                lengths.append(item)
+            writes = Writes.of(src, dst, lengths)
+            self._words.send(
+                decoder.session, writes, self._slot_base(dest), metadata_word(request.request_id)
+            )
+            sent = writes.total_bytes
+        self._send(
+            decoder.inbox,
+            ChunkNotice(
+                request_id=request.request_id,
+                chunk_index=room.chunks - 1,
+                token_start=0,
+                token_stop=max(1, room.tokens_planned),
+                page_ids=(),
+                is_last=True,
+            ),
+        )
+        return sent
+
+    def _slot_base(self, dest: Destination) -> int:
+        area = dest.request.decoder.completion
+        assert area is not None  # TransferRequest checks that a decoder has one
+        return area.region.base + dest.request.completion_slot * area.slot_bytes
+
+    def close(self) -> None:
+        self._words.close()
+
+
+class DestinationWriters:
+    """One queue and one thread per decode rank (keyed by its transfer session)."""
+
+    def __init__(
+        self,
+        rooms: PrefillRooms,
+        writer: KvWriter,
+        *,
+        on_failure: FailFn,
+        on_drained: AckFn,
+        on_bytes: BytesFn,
+        on_done: Callable[[Room], None],
+        idle_exit_s: float = IDLE_EXIT_S,
+    ) -> None:
+        self._rooms = rooms
+        self._writer = writer
+        self._on_failure = on_failure
+        self._on_drained = on_drained
+        self._on_bytes = on_bytes
+        self._on_done = on_done
+        self._idle_exit_s = idle_exit_s
+        self._lock = threading.Lock()
+        self._queues: dict[str, queue.Queue[Job | None]] = {}
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        self.thread_failures = 0  # threads that died of a bug (for health)
+
+    def put(self, job: Job) -> None:
+        session = job.destination.session
+        with self._lock:
+            if self._closed:
+                return
+            q = self._queues.get(session)
+            if q is None:
+                q = self._queues[session] = queue.Queue()
+                t = threading.Thread(
+                    target=self._run,
+                    args=(session, q),
+                    name=f"sgl-pd-writer-{self._writer.rank}",
+                    daemon=True,
+                )
+                self._threads = [x for x in self._threads if x.is_alive()] + [t]
+                t.start()
+            q.put(job)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        with self._lock:
+            self._closed = True
+            queues, threads = list(self._queues.values()), list(self._threads)
+            self._queues = {}
+        for q in queues:
+            q.put(None)
+        for t in threads:
+            t.join(timeout=timeout_s)
+        self._writer.close()
+
+    def _run(self, session: str, q: queue.Queue[Job | None]) -> None:
+        try:
+            while True:
+                try:
+                    job = q.get(timeout=self._idle_exit_s)
+                except queue.Empty:
+                    with self._lock:
+                        if q.empty():
+                            if self._queues.get(session) is q:
+                                del self._queues[session]
+                            return
+                    continue
+                if job is None:
+                    return
+                self._execute(job)
+        except BaseException:
+            self.thread_failures += 1
+            logger.exception("writer thread for %s died", session)
+            raise
+
+    def _execute(self, job: Job) -> None:
+        room_id = job.chunk.room if isinstance(job, LayersJob) else job.room
+        room = self._rooms.begin_write(room_id, job.chunk if isinstance(job, LayersJob) else None)
+        if room is None:
+            return  # failed or gone: nothing more is written for it
+        sent, done = 0, False
+        try:
+            if isinstance(job, LayersJob):
+                sent = self._writer.write_layers(job.destination, job.chunk, job.layers)
+            else:
+                sent = self._writer.write_metadata(job.destination, room.aux_index, room)
+                done = True
+        except SglPdError as e:
+            logger.error("request %d: %s", room_id, e)
+            self._on_failure(room_id, str(e))
+        except Exception as e:
+            logger.exception("request %d: internal error", room_id)
+            self._on_failure(room_id, f"internal error: {e!r}")
+        finally:
+            end = self._rooms.end_write(room_id, sent, metadata_done=done)
+            self._on_bytes(sent)
+            if end.acks:
+                self._on_drained(room_id, end.acks)
+        if end.completed is not None:
+            self._on_done(end.completed)

@@ -1,0 +1,68 @@
+"""A transfer engine that delays or fails writes on purpose, for fault campaigns.
+
+It wraps the real engine (Mooncake in a served cluster) and changes only `write`: a
+delay before each data batch holds a request's transfer window open long enough to
+abort it mid-way, and failed batches exercise the failure paths with real pages and a
+real peer. Completion words (one 8-byte write) are never delayed or failed, so a
+failure always falls on data, the way a broken link would show.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+from sgl_pd.transfer.engine import BatchHandle, BatchStatus, TransferEngine, Writes
+from sgl_pd.transfer.errors import TransferFailed
+
+
+@dataclass(frozen=True)
+class WriteFaults:
+    delay_s: float = 0.0  # added before every data batch
+    failure_rate: float = 0.0  # probability that a data batch fails
+    seed: int = 0
+
+    @property
+    def active(self) -> bool:
+        return self.delay_s > 0 or self.failure_rate > 0
+
+
+class FaultInjectingEngine:
+    def __init__(self, inner: TransferEngine, faults: WriteFaults) -> None:
+        self._inner = inner
+        self._faults = faults
+        self._rng = random.Random(faults.seed)
+        self._lock = threading.Lock()
+        self.failed_batches = 0
+
+    @property
+    def session_id(self) -> str:
+        return self._inner.session_id
+
+    def register(self, addr: int, nbytes: int, *, location: str = "*") -> None:
+        self._inner.register(addr, nbytes, location=location)
+
+    def unregister(self, addr: int) -> None:
+        self._inner.unregister(addr)
+
+    def write(self, peer: str, writes: Writes) -> None:
+        if writes.total_bytes > 8 * len(writes):  # data, not completion words
+            if self._faults.delay_s:
+                time.sleep(self._faults.delay_s)
+            with self._lock:
+                fail = self._rng.random() < self._faults.failure_rate
+                self.failed_batches += fail
+            if fail:
+                raise TransferFailed(peer, len(writes), writes.total_bytes, "injected failure")
+        self._inner.write(peer, writes)
+
+    def submit(self, peer: str, writes: Writes) -> BatchHandle:
+        return self._inner.submit(peer, writes)
+
+    def poll(self, handle: BatchHandle) -> BatchStatus:
+        return self._inner.poll(handle)
+
+    def close(self) -> None:
+        self._inner.close()

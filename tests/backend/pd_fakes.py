@@ -1,0 +1,215 @@
+"""A prefill rank and decode ranks of the backend, in one process, over the in-memory
+transfer engine: messages are delivered by direct calls, KV bytes are real numpy memory."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sgl_pd.backend.decode_messenger import DecodeMessenger
+from sgl_pd.backend.metrics import TransferMetrics
+from sgl_pd.backend.pool import PoolDescription
+from sgl_pd.backend.prefill_messenger import PrefillMessenger
+from sgl_pd.core.clock import ManualClock
+from sgl_pd.core.layout import KvLayout, PageLayout
+from sgl_pd.core.regions import Region, RegionTable
+from sgl_pd.core.sharding import ShardingScheme
+from sgl_pd.core.states import DecodeState
+from sgl_pd.core.wire import (
+    Abort,
+    AbortAck,
+    ChunkNotice,
+    ErrorMsg,
+    Message,
+    MetadataBuffers,
+    Role,
+    ShardRegistration,
+    TransferRequest,
+)
+from sgl_pd.transfer.engine import Writes
+from sgl_pd.transfer.fake import FakeFabric, FakeTransferEngine
+
+LAYOUT = KvLayout.gqa(
+    num_layers=4, num_kv_heads=2, head_dim=8, page_size=1, elem_bytes=1,
+    page_layout=PageLayout.NHD,
+)  # fmt: skip
+NUM_PAGES = 64
+AUX_ROWS = 8
+AUX_ITEM = 16  # bytes per metadata row
+
+
+@dataclass
+class Memory:
+    """One rank's KV regions and metadata buffer, registered with its engine."""
+
+    kv: list[np.ndarray]  # one (pages * page_bytes,) uint8 buffer per (layer, part)
+    aux: np.ndarray  # (AUX_ROWS * AUX_ITEM,) uint8
+
+    @classmethod
+    def make(cls, engine: FakeTransferEngine, fill: int | None) -> Memory:
+        page_bytes = LAYOUT.page_bytes(LAYOUT.num_kv_heads)
+        rng = np.random.default_rng(fill)
+        kv = [
+            rng.integers(0, 255, NUM_PAGES * page_bytes, dtype=np.uint8)
+            if fill is not None
+            else np.zeros(NUM_PAGES * page_bytes, dtype=np.uint8)
+            for _ in range(LAYOUT.num_regions)
+        ]
+        aux = np.zeros(AUX_ROWS * AUX_ITEM, dtype=np.uint8)
+        for buf in (*kv, aux):
+            engine.register(int(buf.ctypes.data), buf.nbytes)
+        return cls(kv, aux)
+
+    def pool(self) -> PoolDescription:
+        regions = tuple(Region(int(b.ctypes.data), b.nbytes) for b in self.kv)
+        return PoolDescription(
+            layout=LAYOUT,
+            local_heads=LAYOUT.num_kv_heads,
+            kv=RegionTable.for_layout(LAYOUT, regions),
+            num_pages=NUM_PAGES,
+            aux=(Region(int(self.aux.ctypes.data), self.aux.nbytes),),
+            aux_item_bytes=(AUX_ITEM,),
+            aux_rows=AUX_ROWS,
+        )
+
+    def page(self, page: int) -> bytes:
+        page_bytes = self.kv[0].nbytes // NUM_PAGES
+        return b"".join(bytes(b[page * page_bytes : (page + 1) * page_bytes]) for b in self.kv)
+
+
+class GatedEngine(FakeTransferEngine):
+    """Data batches wait for `gate` (set = open), so a test can hold writes in flight;
+    with `hold_peer` set, only those to that peer."""
+
+    def __init__(self, fabric: FakeFabric) -> None:
+        super().__init__(fabric)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.waiting = threading.Event()  # a data batch is held at the gate
+        self.data_batches = 0
+        self.hold_peer: str | None = None
+
+    def write(self, peer: str, writes: Writes) -> None:
+        if writes.total_bytes > 8 * len(writes):
+            self.data_batches += 1
+            if not self.gate.is_set() and self.hold_peer in (None, peer):
+                self.waiting.set()
+                self.gate.wait(10)
+        super().write(peer, writes)
+
+
+@dataclass
+class Decoder:
+    messenger: DecodeMessenger
+    memory: Memory
+    registration: ShardRegistration
+    engine: FakeTransferEngine
+
+
+@dataclass
+class Rig:
+    """One prefill rank (TP 1) and any number of decode ranks (TP 1 each)."""
+
+    fabric: FakeFabric = field(default_factory=FakeFabric)
+    clock: ManualClock = field(default_factory=ManualClock)
+    sent: list[tuple[str, Message]] = field(default_factory=list)
+    decoders: dict[str, Decoder] = field(default_factory=dict)  # by inbox
+
+    def __post_init__(self) -> None:
+        self.prefill_engine = GatedEngine(self.fabric)
+        self.prefill_memory = Memory.make(self.prefill_engine, fill=1)
+        pool = self.prefill_memory.pool()
+        self.prefill = PrefillMessenger(
+            rank=0,
+            instance=1,
+            scheme=ShardingScheme(1),
+            pool=pool,
+            engine=self.prefill_engine,
+            layerwise=False,
+            send_to_decoder=self._to_decoder,
+            metrics=TransferMetrics(False, "prefill"),
+            timeout_s=30.0,
+            clock=self.clock,
+        )
+        self.prefill_registration = ShardRegistration(
+            role=Role.PREFILL, rank=0, scheme=ShardingScheme(1),
+            session=self.prefill_engine.session_id, inbox="prefill-0", instance=1,
+            layout=LAYOUT, num_pages=NUM_PAGES, kv_regions=pool.kv.regions,
+            layer_group_size=self.prefill.layer_group_size,
+            metadata=MetadataBuffers(regions=pool.aux, row_bytes=(AUX_ITEM,), rows=AUX_ROWS),
+        )  # fmt: skip
+
+    def add_decoder(self, inbox: str) -> Decoder:
+        engine = FakeTransferEngine(self.fabric)
+        memory = Memory.make(engine, fill=None)
+        pool = memory.pool()
+        messenger = DecodeMessenger(
+            rank=0,
+            scheme=ShardingScheme(1),
+            pool=pool,
+            engine=engine,
+            send_to_prefill=self._to_prefill,
+            transfer_timeout_s=30.0,
+            metrics=TransferMetrics(False, "decode"),
+            clock=self.clock,
+        )
+        registration = ShardRegistration(
+            role=Role.DECODE, rank=0, scheme=ShardingScheme(1), session=engine.session_id,
+            inbox=inbox, instance=len(self.decoders) + 7, layout=LAYOUT, num_pages=NUM_PAGES,
+            kv_regions=pool.kv.regions, layer_group_size=1,
+            metadata=MetadataBuffers(regions=pool.aux, row_bytes=(AUX_ITEM,), rows=AUX_ROWS),
+            completion=messenger.completion_area,
+        )  # fmt: skip
+        decoder = Decoder(messenger, memory, registration, engine)
+        self.decoders[inbox] = decoder
+        return decoder
+
+    def request(self, decoder: Decoder, room: int, dst_pages: list[int], slot: int) -> None:
+        decoder.messenger.request(
+            room, [self.prefill_registration], decoder.registration, np.asarray(dst_pages), slot
+        )
+
+    def prefill_all(self, room: int, src_pages: list[int], chunk: int = 4) -> None:
+        """SGLang's side of a request on the prefill rank, after-forward mode."""
+        self.prefill.track(room)
+        self.prefill.expect(room, len(src_pages), aux_index=room % AUX_ROWS)
+        for start in range(0, len(src_pages), chunk):
+            part = np.asarray(src_pages[start : start + chunk])
+            self.prefill.submit_chunk(room, part, len(part))
+
+    # -- message delivery (what the inboxes would do) ------------------------------------
+
+    def _to_prefill(self, inbox: str, message: Message) -> bool:
+        self.sent.append((inbox, message))
+        if isinstance(message, TransferRequest):
+            self.prefill.on_transfer_request(message)
+        elif isinstance(message, Abort):
+            self.prefill.on_abort(message, message.reply_to or None)
+        return True
+
+    def _to_decoder(self, inbox: str, message: Message) -> bool:
+        self.sent.append((inbox, message))
+        decoder = self.decoders.get(inbox)
+        if decoder is None:
+            return False
+        if isinstance(message, ChunkNotice):
+            decoder.messenger.on_chunk_notice(message)
+        elif isinstance(message, AbortAck):
+            decoder.messenger.on_abort_ack(message)
+        elif isinstance(message, ErrorMsg):
+            decoder.messenger.on_error(message)
+        return True
+
+
+def wait_state(decoder: Decoder, room: int, want: DecodeState, timeout_s: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state, _ = decoder.messenger.poll(room)
+        if state is want:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"room {room}: {decoder.messenger.poll(room)} instead of {want}")

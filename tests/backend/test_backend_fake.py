@@ -1,0 +1,131 @@
+"""The backend's request state machines against the in-memory transfer engine: pages are
+released only after the writers stopped, a slow decoder delays only its own requests,
+and a lost peer fails exactly what it touched."""
+
+from __future__ import annotations
+
+import time
+
+from sgl_pd.core.states import DecodeState, PrefillState
+from sgl_pd.core.wire import AbortAck, AbortReason
+
+from .pd_fakes import Rig, wait_state
+
+
+def _acks(rig: Rig, room: int) -> list[AbortAck]:
+    return [m for _, m in rig.sent if isinstance(m, AbortAck) and m.request_id == room]
+
+
+def _wait(predicate, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def test_a_request_arrives_byte_for_byte_and_counts_complete() -> None:
+    rig = Rig()
+    d = rig.add_decoder("decode-a")
+    src, dst = list(range(10, 20)), list(range(30, 40))
+    rig.request(d, 5, dst, slot=1)
+    rig.prefill_all(5, src)
+    wait_state(d, 5, DecodeState.COMPLETE)
+    for s, t in zip(src, dst, strict=True):
+        assert d.memory.page(t) == rig.prefill_memory.page(s)
+    _wait(lambda: rig.prefill.state(5) == (PrefillState.DONE, True, None))
+    rig.prefill.writers.close()
+
+
+def test_an_abort_is_acked_only_after_the_write_in_flight_ended() -> None:
+    rig = Rig()
+    d = rig.add_decoder("decode-a")
+    rig.prefill_engine.gate.clear()  # hold the first data batch in flight
+    rig.request(d, 9, list(range(30, 42)), slot=2)
+    rig.prefill_all(9, list(range(10, 22)), chunk=4)
+    assert rig.prefill_engine.waiting.wait(5)
+    d.messenger.fail(9, "client went away", AbortReason.CLIENT)
+    time.sleep(0.05)
+    assert _acks(rig, 9) == []  # a write is still in flight: no ack, pages stay held
+    assert not d.messenger.is_release_safe(9, 1)
+    state, drained, _ = rig.prefill.state(9)  # type: ignore[misc]
+    assert state is PrefillState.ABORTED and not drained  # SGLang sees Transferring
+    rig.prefill_engine.gate.set()
+    _wait(lambda: bool(_acks(rig, 9)))
+    assert d.messenger.is_release_safe(9, 1)
+    assert rig.prefill.state(9) == (PrefillState.ABORTED, True, "decoder aborted: client")
+    assert rig.prefill_engine.data_batches == 1  # nothing started after the abort
+    rig.prefill.writers.close()
+
+
+def test_a_slow_decoder_delays_only_its_own_requests() -> None:
+    rig = Rig()
+    slow, fast = rig.add_decoder("decode-slow"), rig.add_decoder("decode-fast")
+    rig.prefill_engine.hold_peer = slow.engine.session_id
+    rig.prefill_engine.gate.clear()
+    rig.request(slow, 1, list(range(30, 34)), slot=1)
+    rig.prefill_all(1, list(range(10, 14)))
+    assert rig.prefill_engine.waiting.wait(5)  # the slow decoder's writer is stuck
+    rig.request(fast, 2, list(range(40, 44)), slot=1)
+    rig.prefill_all(2, list(range(14, 18)))
+    wait_state(fast, 2, DecodeState.COMPLETE)  # while the slow one is still held
+    assert slow.messenger.poll(1)[0] is DecodeState.REQUESTED
+    rig.prefill_engine.gate.set()
+    wait_state(slow, 1, DecodeState.COMPLETE)
+    rig.prefill.writers.close()
+
+
+def test_a_lost_prefill_rank_fails_its_requests_and_releases_their_pages() -> None:
+    rig = Rig()
+    d = rig.add_decoder("decode-a")
+    rig.request(d, 3, list(range(30, 34)), slot=3)
+    assert d.messenger.active_peers() == {"prefill-0"}
+    d.messenger.peer_lost("prefill-0", "peer prefill-0 did not answer heartbeats")
+    state, error = d.messenger.poll(3)
+    assert state is DecodeState.FAILED and "heartbeats" in (error or "")
+    assert d.messenger.is_release_safe(3, 1)
+    assert d.messenger.active_peers() == set()
+    rig.prefill.writers.close()
+
+
+def test_a_lost_decoder_stops_the_writes_into_it() -> None:
+    rig = Rig()
+    d = rig.add_decoder("decode-a")
+    rig.request(d, 4, list(range(30, 34)), slot=4)
+    rig.prefill.track(4)
+    assert rig.prefill.active_peers() == {"decode-a"}
+    rig.prefill.peer_lost("decode-a", "peer decode-a did not answer heartbeats")
+    state, drained, error = rig.prefill.state(4)  # type: ignore[misc]
+    assert state is PrefillState.FAILED and drained and "heartbeats" in (error or "")
+    rig.prefill.expect(4, 4, aux_index=0)
+    rig.prefill.submit_chunk(4, __import__("numpy").arange(4), 4)
+    time.sleep(0.05)
+    assert rig.prefill_engine.data_batches == 0
+    rig.prefill.writers.close()
+
+
+def test_an_abort_for_an_unknown_request_is_acked_at_once() -> None:
+    rig = Rig()
+    d = rig.add_decoder("decode-a")
+    from sgl_pd.core.wire import Abort
+
+    rig.prefill.on_abort(Abort(request_id=77, reason=AbortReason.ERROR), "decode-a")
+    assert len(_acks(rig, 77)) == 1 and d is not None
+    rig.prefill.writers.close()
+
+
+def test_requests_no_sender_claimed_are_swept_and_timeouts_fire() -> None:
+    rig = Rig()
+    d = rig.add_decoder("decode-a")
+    rig.request(d, 6, list(range(30, 34)), slot=5)  # the router's copy never reaches prefill
+    assert len(rig.prefill.rooms) == 1
+    rig.clock.advance(31.0)  # past the prefill's timeout: READY -> TIMED_OUT
+    rig.prefill.housekeeping()
+    state, drained, _ = rig.prefill.state(6)  # type: ignore[misc]
+    assert state is PrefillState.TIMED_OUT and drained
+    rig.clock.advance(61.0)
+    rig.prefill.housekeeping()
+    assert len(rig.prefill.rooms) == 0
+    d.messenger.housekeeping()
+    state_d, error = d.messenger.poll(6)  # the prefill's timeout reached the decoder first
+    assert state_d is DecodeState.FAILED and "stayed ready" in (error or "")
+    rig.prefill.writers.close()

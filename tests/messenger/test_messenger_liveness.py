@@ -1,0 +1,97 @@
+"""Outboxes and heartbeats over real ZeroMQ: a send never waits for a dead peer, and a
+peer whose inbox stops answering is declared lost within the liveness timeout."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+from messenger_helpers import CODEC_HASH, HOST, free_port
+
+from sgl_pd.backend.heartbeats import Heartbeats
+from sgl_pd.core.clock import SystemClock
+from sgl_pd.core.wire import Abort, AbortReason, FrameCodec, Heartbeat, HeartbeatAck, Message
+from sgl_pd.messenger.inbox import Inbox
+from sgl_pd.messenger.link import LinkPool
+from sgl_pd.messenger.outbox import Outbox
+
+
+def test_a_dead_peer_does_not_delay_messages_to_a_live_one() -> None:
+    got: queue.Queue[Message] = queue.Queue()
+    dead = f"tcp://{HOST}:{free_port()}"  # nothing listens there
+    with (
+        LinkPool(CODEC_HASH) as links,
+        Inbox(HOST, FrameCodec(CODEC_HASH), got.put, "live") as live,
+    ):
+        outbox = Outbox(links, "test")
+        for i in range(3):  # each would wait a whole send timeout (1 s) on its own
+            assert outbox.send(dead, Abort(request_id=i, reason=AbortReason.ERROR))
+        assert outbox.send(live.endpoint, Abort(request_id=99, reason=AbortReason.ERROR))
+        message = got.get(timeout=10)
+        assert isinstance(message, Abort) and message.request_id == 99
+        assert outbox.dropped < 3  # the dead peer's messages were still waiting their turn
+        outbox.close()
+
+
+class _Watched:
+    def __init__(self, peers: set[str]) -> None:
+        self.peers = peers
+        self.lost: queue.Queue[str] = queue.Queue()
+        self.ticks = threading.Event()
+
+    def active_peers(self) -> set[str]:
+        return set(self.peers)
+
+    def peer_lost(self, inbox: str, why: str) -> None:
+        self.peers.discard(inbox)
+        self.lost.put(inbox)
+
+    def housekeeping(self) -> None:
+        self.ticks.set()
+
+
+def test_a_peer_that_stops_answering_is_declared_lost() -> None:
+    """Two ranks over real inboxes: B answers A's pings until B's inbox closes."""
+    clock = SystemClock()
+    with LinkPool(CODEC_HASH) as links:
+        outbox = Outbox(links, "hb")
+        a_box: list[Heartbeats] = []
+        b_box: list[Heartbeats] = []
+
+        def deliver(box: list[Heartbeats]):  # type: ignore[no-untyped-def]
+            def on_message(message: Message) -> None:
+                if isinstance(message, Heartbeat):
+                    box[0].on_heartbeat(message)
+                elif isinstance(message, HeartbeatAck):
+                    box[0].on_ack(message)
+
+            return on_message
+
+        inbox_a = Inbox(HOST, FrameCodec(CODEC_HASH), deliver(a_box), "a")
+        inbox_b = Inbox(HOST, FrameCodec(CODEC_HASH), deliver(b_box), "b")
+        watched_by_a = _Watched({inbox_b.endpoint})
+        a_box.append(
+            Heartbeats(inbox_a.endpoint, outbox, watched_by_a, timeout_s=1.0, clock=clock, name="a")
+        )
+        b_box.append(
+            Heartbeats(
+                inbox_b.endpoint, outbox, _Watched(set()), timeout_s=1.0, clock=clock, name="b"
+            )
+        )
+        try:
+            # B answers: after several timeouts' worth of ticks, nobody was declared lost
+            for _ in range(3):
+                assert watched_by_a.lost.empty()
+                watched_by_a.ticks.clear()
+                assert watched_by_a.ticks.wait(5)
+            deadline = threading.Event()
+            deadline.wait(2.5)
+            assert watched_by_a.lost.empty(), "a live peer was declared lost"
+            inbox_b.close()  # B's process is gone, as far as A can tell
+            assert watched_by_a.lost.get(timeout=10) == inbox_b.endpoint
+        finally:
+            for hb in (*a_box, *b_box):
+                hb.stop()
+            inbox_a.close()
+            inbox_b.close()
+            outbox.close()
