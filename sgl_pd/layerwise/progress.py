@@ -82,9 +82,11 @@ class ProgressCounter(Protocol):
         layer of the first forward it is `encode(0, 0)`."""
         ...
 
-    def begin_forward(self, generation: int) -> None:
+    def begin_forward(self, generation: int, stream: Any = None) -> None:
         """Makes the next `record_layer` calls publish values of `generation`. Called before
-        each forward (outside any CUDA graph) with strictly increasing generations. Raises
+        each forward (outside any CUDA graph) with strictly increasing generations.
+        `stream`: the device stream the forward will run on, None for the caller's current
+        stream; a counter written by the host has no stream and ignores it. Raises
         `ProgressError` for a generation out of range."""
         ...
 
@@ -111,7 +113,9 @@ class HostProgress:
     def read(self) -> int:
         return int(self._value[0])
 
-    def begin_forward(self, generation: int) -> None:
+    def begin_forward(self, generation: int, stream: Any = None) -> None:
+        # A CPU forward runs on the calling thread after this returns: program order is
+        # the only order there is, so `stream` has nothing to say here.
         self._base = encode(generation, 0)
 
     def record_layer(self, layer: int) -> None:
@@ -134,11 +138,11 @@ class CudaProgress:
     - `_offsets` (device, (num_layers,) int64) = [1, 2, ..., num_layers]: layers_done after
       each layer.
     - `_values` (device, (num_layers,) int64): this forward's value per layer.
-      `begin_forward(g)` enqueues one kernel on the current stream, outside any graph:
-      `_values = _offsets + g * STRIDE`. The generation travels as a kernel argument, so a
-      later `begin_forward` can never change what an earlier, still-queued forward
-      publishes (a CPU write into a staging buffer could, since the scheduler runs ahead
-      of the device).
+      `begin_forward(g, stream)` enqueues one kernel on `stream` (the forward's), outside
+      any graph: `_values = _offsets + g * STRIDE`. The generation travels as a kernel
+      argument, so a later `begin_forward` can never change what an earlier, still-queued
+      forward publishes (a CPU write into a staging buffer could, since the scheduler runs
+      ahead of the device).
     - `_host` (pinned host, (1,) int64): the published value. `record_layer(i)` enqueues
       one 8-byte device-to-host copy `_host <- _values[i]` on the current stream: one
       memcpy node per layer in a graph, no kernel (the add happens once per forward).
@@ -150,14 +154,15 @@ class CudaProgress:
     Stream order gives the rest: `begin_forward` of forward g+1 runs on the device after
     every copy of forward g, so published values never go backwards.
 
-    Contract: call `begin_forward` on the stream the forward (or graph replay) runs on,
-    e.g. inside `torch.cuda.stream(forward_stream)`. On another stream it could run while
-    the previous forward is still going and relabel that forward's last layers with the
-    new generation; an eager forward whose layer 0 runs on another stream than the last
-    `begin_forward` logs one warning (a replayed graph runs no Python to check). Keep this
-    object alive as long as any graph captured with it (the graph writes into `_host`).
-    Only the primary TP rank needs one: after o_proj's all-reduce every rank has finished
-    the layer.
+    Contract: pass `begin_forward` the stream the forward (or graph replay) will run on
+    (SGLang's overlap scheduler runs it on `forward_stream`, not on the scheduler thread's
+    current stream). On another stream the kernel could run while the previous forward is
+    still going and relabel that forward's remaining layers with the new generation, so the
+    poller would take them for layers of the next forward (tests/gpu shows both cases); an
+    eager forward whose layer 0 runs on another stream than the last `begin_forward` logs
+    one warning (a replayed graph runs no Python to check). Keep this object alive as long
+    as any graph captured with it (the graph writes into `_host`). Only the primary TP rank
+    needs one: after o_proj's all-reduce every rank has finished the layer.
 
     The host load in `read` is an aligned 8-byte load of a word the device writes by DMA;
     an aligned 8-byte DMA write travels in one transaction (PCIe TLP) and lands whole, so
@@ -189,14 +194,21 @@ class CudaProgress:
     def read(self) -> int:
         return int(self._host_np[0])
 
-    def begin_forward(self, generation: int) -> None:
+    def begin_forward(self, generation: int, stream: Any = None) -> None:
         base = encode(generation, 0)
+        cuda = self._torch.cuda
+        self._refuse_capture()
+        target = cuda.current_stream(self._device) if stream is None else stream
+        with cuda.stream(target):
+            self._refuse_capture()
+            self._begin_stream = target
+            self._torch.add(self._offsets, base, out=self._values)
+
+    def _refuse_capture(self) -> None:
         if self._torch.cuda.is_current_stream_capturing():
             # Captured, the generation would be frozen into the graph and every replay
             # would publish it: call begin_forward before capture/replay, never inside.
             raise ProgressError("begin_forward was called during CUDA graph capture")
-        self._begin_stream = self._torch.cuda.current_stream(self._device)
-        self._torch.add(self._offsets, base, out=self._values)
 
     def record_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
@@ -215,7 +227,7 @@ class CudaProgress:
             _log.warning(
                 "begin_forward ran on %s but the forward runs on %s: progress of one forward "
                 "may be published under the next one's generation; call begin_forward "
-                "with the forward's stream current",
+                "with the forward's stream",
                 self._begin_stream,
                 stream,
             )

@@ -41,7 +41,7 @@ class ScriptedProgress:
             raise RuntimeError("scripted read failure")
         return self.value
 
-    def begin_forward(self, generation: int) -> None:
+    def begin_forward(self, generation: int, stream: object = None) -> None:
         self._generation = generation
 
     def record_layer(self, layer: int) -> None:

@@ -1,0 +1,136 @@
+"""The SGLang glue's decisions that need no SGLang server: the layer-count check at start-up
+and the stream each forward's generation is published on (D8)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from sgl_pd.backend import layerwise_glue as glue
+from sgl_pd.errors import ConfigError
+from sgl_pd.layerwise import ForwardJob, HostProgress, LayerStreamer
+
+WAIT_S = 5.0  # seconds a test waits for a streamer thread to stop
+
+
+@dataclass
+class FakeMessenger:
+    """What attach_messenger and the streamer's callbacks use of a PrefillMessenger."""
+
+    num_layers: int
+    written: list[tuple[object, range]] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def layout(self) -> SimpleNamespace:
+        return SimpleNamespace(num_layers=self.num_layers, page_size=1)
+
+    def write_layers(self, payload: object, layers: range) -> None:
+        self.written.append((payload, layers))
+
+    def forward_done(self, payload: object) -> None:
+        self.done.set()
+
+
+@dataclass
+class StreamRecorder:
+    """A counter that remembers where each generation was published."""
+
+    num_layers: int = 2
+    begun: list[tuple[int, Any]] = field(default_factory=list)
+
+    def read(self) -> int:
+        return 0
+
+    def begin_forward(self, generation: int, stream: Any = None) -> None:
+        self.begun.append((generation, stream))
+
+    def record_layer(self, layer: int) -> None:
+        pass
+
+
+@dataclass
+class SubmitRecorder:
+    jobs: list[ForwardJob] = field(default_factory=list)
+
+    def submit(self, job: ForwardJob) -> None:
+        self.jobs.append(job)
+
+
+@pytest.fixture
+def process(monkeypatch: pytest.MonkeyPatch) -> Iterator[glue._Process]:
+    """A fresh per-process glue state; stops any streamer a test started."""
+    fresh = glue._Process()
+    monkeypatch.setattr(glue, "_process", fresh)
+    yield fresh
+    if isinstance(fresh.streamer, LayerStreamer):
+        assert fresh.streamer.stop(WAIT_S)
+
+
+def test_attach_refuses_hooks_and_kv_layout_of_different_layer_counts(
+    process: glue._Process,
+) -> None:
+    process.counter = HostProgress(4)
+    with pytest.raises(ConfigError, match=r"of 4 layers.* 5 layers.*--pd-kv-send after-forward"):
+        glue.attach_messenger(FakeMessenger(num_layers=5), layerwise=True)
+    assert process.streamer is None  # nothing started
+
+
+def test_attach_starts_a_streamer_when_the_layer_counts_agree(process: glue._Process) -> None:
+    counter = process.counter = HostProgress(3)
+    messenger = FakeMessenger(num_layers=3)
+    streamer = glue.attach_messenger(messenger, layerwise=True)
+    assert streamer is not None and streamer is process.streamer
+    streamer.submit(ForwardJob(1, "chunks of forward 1"))
+    counter.begin_forward(1)
+    for layer in range(3):
+        counter.record_layer(layer)
+    assert messenger.done.wait(WAIT_S)
+    layers = [i for payload, r in messenger.written for i in r if payload == "chunks of forward 1"]
+    assert layers == [0, 1, 2]
+
+
+def test_attach_in_after_forward_mode_needs_no_counter(process: glue._Process) -> None:
+    messenger = FakeMessenger(num_layers=5)
+    assert glue.attach_messenger(messenger, layerwise=False) is None
+    assert process.messenger is messenger
+
+
+def test_check_layer_counts_names_both_numbers() -> None:
+    glue.check_layer_counts(61, 61)
+    with pytest.raises(ConfigError) as info:
+        glue.check_layer_counts(61, 62)
+    assert "61" in str(info.value) and "62" in str(info.value)
+
+
+def test_forward_stream_follows_the_overlap_scheduler() -> None:
+    forward_stream = object()
+    overlap = SimpleNamespace(enable_overlap=True, forward_stream=forward_stream)
+    normal = SimpleNamespace(enable_overlap=False, forward_stream=forward_stream)
+    assert glue.forward_stream_of(overlap) is forward_stream
+    assert glue.forward_stream_of(normal) is None  # the scheduler thread's current stream
+
+
+def test_each_generation_is_published_on_its_forward_stream(
+    process: glue._Process, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(glue, "_chunk_notices", lambda scheduler, batch, messenger: ["chunk"])
+    counter, streamer = StreamRecorder(), SubmitRecorder()
+    process.counter, process.streamer, process.messenger = counter, streamer, object()
+    forward_stream = object()
+    extend = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True))
+    decode = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: False))
+
+    overlap = SimpleNamespace(enable_overlap=True, forward_stream=forward_stream)
+    normal = SimpleNamespace(enable_overlap=False, forward_stream=forward_stream)
+    glue.before_run_batch(overlap, extend)
+    glue.before_run_batch(overlap, decode)  # no extend, no forward to follow
+    glue.before_run_batch(normal, extend)
+
+    assert counter.begun == [(1, forward_stream), (2, None)]
+    assert streamer.jobs == [ForwardJob(1, ["chunk"]), ForwardJob(2, ["chunk"])]
