@@ -13,7 +13,8 @@ the last chunk) / layers. TTFT through the router is printed alongside.
 
     python benchmarks/bench_layerwise.py [--quick] [--out benchmarks/out]
 
-Prints a table, writes a PNG plot, and ends with one JSON line.
+Prints a table, writes a PNG plot, and ends with one JSON line. On a loaded machine,
+SGL_PD_LOCAL_PATIENCE=3 makes every wait (servers, router, requests) three times longer.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import requests
 
-from sgl_pd.cluster.local import pd_cluster
+from sgl_pd.cluster.local import Patience, local_patience, pd_cluster
 from sgl_pd.cluster.logs import timing_lines
 from sgl_pd.models import TINY_LLAMA_PATH
 
@@ -66,7 +67,7 @@ def prompt_ids(num_tokens: int, start: int) -> list[int]:
     return ids
 
 
-def ttft_ms(url: str, ids: list[int]) -> float:
+def ttft_ms(url: str, ids: list[int], patience: Patience) -> float:
     start = time.perf_counter()
     with requests.post(
         f"{url}/generate",
@@ -76,7 +77,7 @@ def ttft_ms(url: str, ids: list[int]) -> float:
             "stream": True,
         },
         stream=True,
-        timeout=600,
+        timeout=patience.seconds(600.0),
     ) as response:
         response.raise_for_status()
         for line in response.iter_lines():
@@ -85,17 +86,21 @@ def ttft_ms(url: str, ids: list[int]) -> float:
     raise RuntimeError("the stream ended without a token")
 
 
-def run_mode(mode: str, sizes: list[int], reps: int, log_dir: Path) -> list[Sample]:
+def run_mode(
+    mode: str, sizes: list[int], reps: int, log_dir: Path, patience: Patience
+) -> list[Sample]:
     args = [*SERVER_ARGS, "--pd-kv-send", mode]
     samples = []
-    with pd_cluster(log_dir / mode, prefill_extra=args, decode_extra=SERVER_ARGS) as cluster:
+    with pd_cluster(
+        log_dir / mode, prefill_extra=args, decode_extra=SERVER_ARGS, patience=patience
+    ) as cluster:
         log = cluster.prefill.process.log_path
         for tokens in sizes:
-            ttft_ms(cluster.router_url, prompt_ids(tokens, 1))  # warm-up for this length
+            ttft_ms(cluster.router_url, prompt_ids(tokens, 1), patience)  # warm-up
             for rep in range(reps):
                 seen = len(timing_lines(log))
-                ttft = ttft_ms(cluster.router_url, prompt_ids(tokens, 1000 * (rep + 2)))
-                deadline = time.monotonic() + 30
+                ttft = ttft_ms(cluster.router_url, prompt_ids(tokens, 1000 * (rep + 2)), patience)
+                deadline = time.monotonic() + patience.seconds(30.0)  # the timing line
                 while len(timing_lines(log)) <= seen and time.monotonic() < deadline:
                     time.sleep(0.05)
                 line = timing_lines(log)[-1]
@@ -159,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="bench_layerwise_"))
     print(f"[bench] {NUM_LAYERS} layers, prompts {sizes}, {reps} reps; logs in {log_dir}")
 
-    samples = [s for mode in MODES for s in run_mode(mode, sizes, reps, log_dir)]
+    patience = local_patience()
+    samples = [s for mode in MODES for s in run_mode(mode, sizes, reps, log_dir, patience)]
     rows: dict[tuple[str, int], dict[str, float]] = {}
     for mode in MODES:
         for n in sizes:

@@ -2,20 +2,116 @@
 
 Used by the demo, the end-to-end tests and the benchmarks, so they all start servers
 the same way: free ports, readiness waits with a timeout, and everything stopped on exit.
+
+How long they wait, and how much slowness SGLang's router forgives a worker, is one
+setting, `Patience`: a factor read once per process from ``SGL_PD_LOCAL_PATIENCE``
+(default 1.0; 3 waits three times as long). This is test, benchmark and demo tooling,
+not the server, which takes its settings from its command line only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from sgl_pd.cluster.processes import ManagedProcess, free_ports, managed, python_module_argv
+from sgl_pd.errors import ConfigError
 from sgl_pd.models import TINY_LLAMA_PATH
 
 HOST = "127.0.0.1"
-READY_TIMEOUT_S = 300.0  # a cold CPU start imports torch and SGLang: about a minute here
+PATIENCE_ENV = "SGL_PD_LOCAL_PATIENCE"
+
+
+@dataclass(frozen=True)
+class Patience:
+    """Every start-up wait of the local tooling and the router's health-check settings,
+    scaled by one factor.
+
+    The defaults suit a loaded 2-core machine: a cold CPU start imports torch and SGLang
+    (about a minute), and a CPU prefiller busy with an 8k-token prompt answers nothing,
+    not even /health, until its forward ends. SGLang's /health itself gives up after 20 s
+    (``SGLANG_HEALTH_CHECK_TIMEOUT``) and answers 503, so a worker stays in the router's
+    pool as long as it recovers within `health_failure_threshold` such checks (about
+    7 minutes at factor 1). The router's circuit breaker is off: a request that fails is
+    an error the caller sees, and must not take the worker out for everyone else.
+    """
+
+    factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.factor) and self.factor > 0):
+            raise ConfigError(
+                f"patience factor {self.factor!r}: need a finite number > 0 "
+                f"({PATIENCE_ENV}, default 1.0)"
+            )
+
+    @classmethod
+    def from_environment(cls) -> Patience:
+        """The factor in ``SGL_PD_LOCAL_PATIENCE``, or 1.0 when it is unset or empty."""
+        text = os.environ.get(PATIENCE_ENV, "").strip()
+        if not text:
+            return cls()
+        try:
+            factor = float(text)
+        except ValueError as e:
+            raise ConfigError(
+                f"{PATIENCE_ENV}={text!r}: need a number > 0, a multiplier of the local "
+                "tooling's waits (default 1.0)"
+            ) from e
+        return cls(factor)
+
+    def seconds(self, base_s: float) -> float:
+        """`base_s` seconds at factor 1, scaled: for a caller's own waits."""
+        return base_s * self.factor
+
+    @property
+    def server_ready_s(self) -> float:
+        """Seconds from a server's start to its /health answering 200."""
+        return self.seconds(300.0)
+
+    @property
+    def router_ready_s(self) -> float:
+        """Seconds from the router's start to its /readiness (both workers healthy)."""
+        return self.seconds(120.0)
+
+    @property
+    def probe_timeout_s(self) -> float:
+        """Seconds one readiness probe may take (SGLang's /health takes >= 1 s)."""
+        return self.seconds(10.0)
+
+    @property
+    def health_check_timeout_s(self) -> int:
+        """The router's timeout for one /health check, in whole seconds."""
+        return math.ceil(self.seconds(30.0))
+
+    @property
+    def health_failure_threshold(self) -> int:
+        """Consecutive failed checks before the router marks a worker unhealthy."""
+        return math.ceil(20 * self.factor)
+
+    def router_args(self) -> tuple[str, ...]:
+        """``sglang_router.launch_router`` flags for these settings."""
+        return (
+            # find the workers healthy within a second of their readiness, not after the
+            # default minute; the interval delays nothing else, so it is not scaled
+            "--health-check-interval-secs", "1",
+            "--health-success-threshold", "1",
+            "--health-check-timeout-secs", str(self.health_check_timeout_s),
+            "--health-failure-threshold", str(self.health_failure_threshold),
+            "--disable-circuit-breaker",
+        )  # fmt: skip
+
+
+@functools.cache
+def local_patience() -> Patience:
+    """This process's `Patience`, read from the environment on the first call only."""
+    return Patience.from_environment()
+
 
 # Small pools: the bundled model is tiny and CI machines have 2 cores. Pages stay at
 # SGLang's default size (1 token on CPU) unless a caller overrides it.
@@ -47,17 +143,27 @@ class Server:
     process: ManagedProcess
 
 
+def _wait_ready(process: ManagedProcess, url: str, budget_s: float, patience: Patience) -> None:
+    process.wait_http_ready(url, budget_s, probe_timeout_s=patience.probe_timeout_s)
+
+
 @contextlib.contextmanager
 def monolithic_server(
-    log_dir: Path, model: Path = TINY_LLAMA_PATH, extra: Sequence[str] = ()
+    log_dir: Path,
+    model: Path = TINY_LLAMA_PATH,
+    extra: Sequence[str] = (),
+    *,
+    patience: Patience | None = None,
 ) -> Iterator[Server]:
-    """One ordinary (mixed prefill + decode) SGLang server through our launcher."""
+    """One ordinary (mixed prefill + decode) SGLang server through our launcher.
+    `patience`: how long to wait for it; `local_patience()` when None."""
+    patience = patience if patience is not None else local_patience()
     (port,) = free_ports(1)
     process = ManagedProcess("server", server_argv(model, port, extra), log_dir / "server.log")
     with managed([process]):
         process.start()
         url = f"http://{HOST}:{port}"
-        process.wait_http_ready(f"{url}/health", READY_TIMEOUT_S)
+        _wait_ready(process, f"{url}/health", patience.server_ready_s, patience)
         yield Server(url, process)
 
 
@@ -78,8 +184,17 @@ def pd_server_args(role: str, bootstrap_port: int | None = None) -> list[str]:
 
 
 def router_argv(
-    port: int, prometheus_port: int, prefill_url: str, bootstrap_port: int, decode_url: str
+    port: int,
+    prometheus_port: int,
+    prefill_url: str,
+    bootstrap_port: int,
+    decode_url: str,
+    *,
+    patience: Patience | None = None,
 ) -> list[str]:
+    """SGLang's router in PD mode over one pair; its health checks from `patience`
+    (`local_patience()` when None)."""
+    patience = patience if patience is not None else local_patience()
     return python_module_argv(
         "sglang_router.launch_router",
         "--pd-disaggregation",
@@ -89,9 +204,7 @@ def router_argv(
         "--port", str(port),
         "--prometheus-port", str(prometheus_port),  # its default, 29000, allows one router
         "--policy", "round_robin",
-        # find the workers healthy within a second, not after the default minute
-        "--health-check-interval-secs", "1",
-        "--health-success-threshold", "1",
+        *patience.router_args(),
         "--log-level", "warn",
     )  # fmt: skip
 
@@ -104,16 +217,20 @@ def serving_pd(
     decode_url: str,
     router: ManagedProcess,
     router_url: str,
+    *,
+    patience: Patience | None = None,
 ) -> Iterator[None]:
     """Starts a PD pair side by side and the router once both answer; stops all three on
-    exit, whatever happened inside."""
+    exit, whatever happened inside. `patience`: the waits; `local_patience()` when None."""
+    patience = patience if patience is not None else local_patience()
     with managed([prefill, decode, router]):
         prefill.start()
         decode.start()
-        prefill.wait_http_ready(f"{prefill_url}/health", READY_TIMEOUT_S)
-        decode.wait_http_ready(f"{decode_url}/health", READY_TIMEOUT_S)
+        _wait_ready(prefill, f"{prefill_url}/health", patience.server_ready_s, patience)
+        _wait_ready(decode, f"{decode_url}/health", patience.server_ready_s, patience)
         router.start()
-        router.wait_http_ready(f"{router_url}/readiness", 60.0)  # both workers healthy
+        # /readiness answers 200 once the router found both workers healthy
+        _wait_ready(router, f"{router_url}/readiness", patience.router_ready_s, patience)
         yield
 
 
@@ -123,11 +240,15 @@ def pd_cluster(
     model: Path = TINY_LLAMA_PATH,
     prefill_extra: Sequence[str] = (),
     decode_extra: Sequence[str] = (),
+    *,
+    patience: Patience | None = None,
 ) -> Iterator[PdCluster]:
     """A prefill server, a decode server and SGLang's router in PD mode, all local.
 
-    The two servers start side by side; the router starts once both answer.
+    The two servers start side by side; the router starts once both answer. `patience`:
+    the waits and the router's health checks; `local_patience()` when None.
     """
+    patience = patience if patience is not None else local_patience()
     prefill_port, decode_port, bootstrap_port, router_port, metrics_port = free_ports(5)
     prefill = ManagedProcess(
         "prefill",
@@ -144,11 +265,15 @@ def pd_cluster(
     prefill_url, decode_url = f"http://{HOST}:{prefill_port}", f"http://{HOST}:{decode_port}"
     router = ManagedProcess(
         "router",
-        router_argv(router_port, metrics_port, prefill_url, bootstrap_port, decode_url),
+        router_argv(
+            router_port, metrics_port, prefill_url, bootstrap_port, decode_url, patience=patience
+        ),
         log_dir / "router.log",
     )
     router_url = f"http://{HOST}:{router_port}"
-    with serving_pd(prefill, prefill_url, decode, decode_url, router, router_url):
+    with serving_pd(
+        prefill, prefill_url, decode, decode_url, router, router_url, patience=patience
+    ):
         yield PdCluster(
             router_url,
             Server(prefill_url, prefill),

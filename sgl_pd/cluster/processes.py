@@ -71,8 +71,9 @@ class ManagedProcess:
         )
         log.close()  # the child holds its own descriptor
 
-    def wait_http_ready(self, url: str, timeout_s: float) -> None:
-        """Polls ``url`` until it answers 200; raises with the log tail on exit or timeout."""
+    def wait_http_ready(self, url: str, timeout_s: float, *, probe_timeout_s: float = 2.0) -> None:
+        """Polls ``url`` until it answers 200, each probe waiting up to `probe_timeout_s`
+        seconds; raises with the log tail on exit or after `timeout_s` seconds."""
         assert self.process is not None, "start() first"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -82,7 +83,7 @@ class ManagedProcess:
                     f"ready; last lines of {self.log_path}:\n{_tail(self.log_path)}"
                 )
             try:
-                with urllib.request.urlopen(url, timeout=2) as response:
+                with urllib.request.urlopen(url, timeout=probe_timeout_s) as response:
                     if response.status == 200:
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
@@ -93,6 +94,19 @@ class ManagedProcess:
             f"{self.log_path}:\n{_tail(self.log_path)}"
         )
 
+    def kill(self) -> None:
+        """SIGKILL to the whole process group at once, as a crash would end it."""
+        assert self.process is not None, "start() first"
+        _signal_group(self.process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=30)
+
+    def restart(self, log_suffix: str) -> None:
+        """Starts the same command again, logging to `<log>.<log_suffix>`; the caller
+        waits for readiness. The old log stays for reading."""
+        self.log_path = self.log_path.with_name(f"{self.log_path.name}.{log_suffix}")
+        self.start()
+
     def stop(self, grace_s: float = 10.0) -> None:
         """Stops the whole process group: SIGTERM, then SIGKILL after ``grace_s``."""
         if self.process is None or (
@@ -101,7 +115,10 @@ class ManagedProcess:
             return
         _signal_group(self.process.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and _group_alive(self.process.pid):
+        while time.monotonic() < deadline:
+            self.process.poll()  # reaps the leader: as a zombie it would keep the group "alive"
+            if not _group_alive(self.process.pid):
+                break
             time.sleep(0.2)
         _signal_group(self.process.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):

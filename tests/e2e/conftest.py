@@ -10,7 +10,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from sgl_pd.cluster.local import PdCluster, Server, monolithic_server, pd_cluster
+from sgl_pd.cluster.local import (
+    Patience,
+    PdCluster,
+    Server,
+    local_patience,
+    monolithic_server,
+    pd_cluster,
+)
 
 # Small chunks so that prompts of a few hundred tokens are prefilled in several chunks.
 CHUNKED_PREFILL_SIZE = 128
@@ -18,16 +25,29 @@ COMMON_ARGS = ["--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE), "--log-level
 
 
 @pytest.fixture(scope="session")
-def mono(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with monolithic_server(tmp_path_factory.mktemp("mono"), extra=COMMON_ARGS) as server:
+def patience() -> Patience:
+    """How long the tests wait for servers (SGL_PD_LOCAL_PATIENCE scales it)."""
+    return local_patience()
+
+
+@pytest.fixture(scope="session")
+def mono(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterator[Server]:
+    with monolithic_server(
+        tmp_path_factory.mktemp("mono"), extra=COMMON_ARGS, patience=patience
+    ) as server:
         yield server
 
 
-def start_pd(tmp_path_factory: pytest.TempPathFactory, kv_send: str) -> Iterator[PdCluster]:
+def start_pd(
+    tmp_path_factory: pytest.TempPathFactory, kv_send: str, patience: Patience | None = None
+) -> Iterator[PdCluster]:
+    """A PD cluster whose prefiller sends KV as `kv_send` says; `patience`: the waits,
+    `local_patience()` when None."""
     args = [*COMMON_ARGS, "--enable-metrics"]
     with pd_cluster(
         tmp_path_factory.mktemp(f"pd-{kv_send}"),
         prefill_extra=[*args, "--pd-kv-send", kv_send],
         decode_extra=args,
+        patience=patience,
     ) as cluster:
         yield cluster
