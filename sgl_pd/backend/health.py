@@ -15,9 +15,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-logger = logging.getLogger("sgl_pd.health")
+from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 
-HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants, 0.5.23
+logger = logging.getLogger("sgl_pd.health")
 
 _problem_source: Callable[[], str | None] | None = None
 _last_reported: str | None = None

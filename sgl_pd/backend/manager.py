@@ -1,15 +1,17 @@
 """One sgl_pd messenger per SGLang scheduler process (one TP rank), in SGLang's
 ``BaseKVManager`` terms.
 
-It owns this rank's transfer engine (with the KV pool and metadata buffers registered),
-its inbox, its outbox (sends that never block SGLang's scheduler), its liveness thread,
-and the role's messenger: `PrefillMessenger` writes pages, `DecodeMessenger` asks for
-them and counts their completion words. `SglPdKVManager` dispatches each incoming
-message to the role's handler; the role is fixed at start-up.
+`SglPdKVManager(...)` builds the role's class, `PrefillKVManager` or `DecodeKVManager`
+(SGLang asks for one manager class for both roles). What both share is set up here: this
+rank's transfer engine (with the KV pool and metadata buffers registered), its inbox,
+its outbox (sends that never block SGLang's scheduler), its liveness thread and /health
+report. The role's class adds its messenger: the prefill side writes pages, the decode
+side asks for them and counts their completion words.
 """
 
 from __future__ import annotations
 
+import abc
 import logging
 import random
 import socket
@@ -19,46 +21,32 @@ from typing import Any
 from sglang.srt.disaggregation.base.conn import BaseKVManager
 
 from sgl_pd.backend import health
-from sgl_pd.backend.decode_messenger import DecodeMessenger
-from sgl_pd.backend.heartbeats import Heartbeats
-from sgl_pd.backend.layerwise_glue import attach_messenger
+from sgl_pd.backend.heartbeats import Heartbeats, Watched
 from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription, describe_pool
-from sgl_pd.backend.prefill_messenger import PrefillMessenger
 from sgl_pd.config import SglPdConfig
-from sgl_pd.core.clock import SystemClock
+from sgl_pd.core.clock import Clock, SystemClock
 from sgl_pd.core.sharding import ShardingScheme
 from sgl_pd.core.wire import (
-    Abort,
-    AbortAck,
-    ChunkNotice,
-    ErrorMsg,
     FrameCodec,
     Heartbeat,
     HeartbeatAck,
     Message,
     MetadataBuffers,
-    RegisterShard,
     Role,
     ShardRegistration,
-    TransferRequest,
+    SlotArea,
 )
-from sgl_pd.errors import ConfigError, SglPdError
-from sgl_pd.layerwise.streamer import LayerStreamer
+from sgl_pd.errors import ConfigError
 from sgl_pd.messenger.inbox import Inbox
 from sgl_pd.messenger.link import LinkPool
 from sgl_pd.messenger.outbox import Outbox
-from sgl_pd.messenger.peers import PeerDirectory
-from sgl_pd.messenger.registry import RegistryClient
 from sgl_pd.transfer.config import TransportConfig
 from sgl_pd.transfer.engine import TransferEngine
 from sgl_pd.transfer.faults import FaultInjectingEngine, WriteFaults
 from sgl_pd.transfer.mooncake import MooncakeTransferEngine
 
 logger = logging.getLogger("sgl_pd.manager")
-
-REGISTRY_PROBE_INTERVAL_S = 5.0  # how often a prefill rank checks its registry answers
-REGISTRY_PROBE_TIMEOUT_S = 5.0
 
 
 class _SingleDataParallelRank:
@@ -104,9 +92,22 @@ class SglPdKVManager(BaseKVManager):
     # SGLang reads these on every manager
     supports_host_destination = False
     enable_all_cp_ranks_for_transfer = False
-    # A decode request that ends early keeps its pages in SGLang's deferred release until
-    # `is_abort_release_safe`: every prefill rank acked its Abort or was declared lost.
-    enable_deferred_decode_kv_release = True
+    role: Role  # set by each role's class
+
+    def __new__(
+        cls,
+        args: Any,
+        disaggregation_mode: Any,
+        server_args: Any,
+        is_mla_backend: bool | None = False,
+    ) -> SglPdKVManager:
+        if cls is SglPdKVManager:
+            from sgl_pd.backend.decode_manager import DecodeKVManager
+            from sgl_pd.backend.prefill_manager import PrefillKVManager
+
+            prefill = disaggregation_mode.value == "prefill"
+            cls = PrefillKVManager if prefill else DecodeKVManager
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -117,7 +118,6 @@ class SglPdKVManager(BaseKVManager):
     ) -> None:
         self.kv_args = args
         self.config = SglPdConfig.from_environment()
-        self.role = Role.PREFILL if disaggregation_mode.value == "prefill" else Role.DECODE
         for flag, value in (("--dp-size", server_args.dp_size), ("--pp-size", server_args.pp_size)):
             if int(value) != 1:
                 raise ConfigError(f"sgl_pd serves {flag} 1 for now, got {value}")
@@ -143,57 +143,17 @@ class SglPdKVManager(BaseKVManager):
         if faults.active:
             logger.warning("fault injection on KV writes: %s", faults)
             self.engine = FaultInjectingEngine(self.engine, faults)
-        clock = SystemClock()
         for region in (*self.pool.kv.regions, *self.pool.aux):
             self.engine.register(region.base, region.length)
         self.codec = FrameCodec(self.layout.compat_hash())
         self.links = LinkPool(self.codec.layout_hash)
         self.outbox = Outbox(self.links, name=f"{self.role.value}-{self.rank}")
-        self._closing = threading.Event()
+        self.closing = threading.Event()
         self.metrics = TransferMetrics(bool(server_args.enable_metrics), self.role.value)
         self.inbox = Inbox(host, self.codec, self._on_message, name=f"sgl-pd-inbox-{self.rank}")
-        self.streamer: LayerStreamer | None = None
 
-        if self.role is Role.PREFILL:
-            layerwise = self.config.kv_send == "layerwise"
-            self.prefill = PrefillMessenger(
-                rank=self.rank,
-                instance=self.instance,
-                scheme=self.scheme,
-                pool=self.pool,
-                engine=self.engine,
-                layerwise=layerwise,
-                send_to_decoder=self.outbox.send,
-                metrics=self.metrics,
-                timeout_s=self.config.transfer_timeout_s,
-                clock=clock,
-            )
-            watched: PrefillMessenger | DecodeMessenger = self.prefill
-            self.streamer = attach_messenger(self.prefill, layerwise)
-            self.registration = self._registration(completion=None)
-            self._bootstrap_addr = self._local_bootstrap_addr(server_args)
-            self._registry_problem: str | None = None
-            threading.Thread(
-                target=self.register_to_bootstrap, name="sgl-pd-register", daemon=True
-            ).start()
-        else:
-            self.decode = DecodeMessenger(
-                rank=self.rank,
-                scheme=self.scheme,
-                pool=self.pool,
-                engine=self.engine,
-                send_to_prefill=self.outbox.send,
-                transfer_timeout_s=self.config.transfer_timeout_s,
-                metrics=self.metrics,
-                clock=clock,
-            )
-            watched = self.decode
-            self.registration = self._registration(completion=self.decode.completion_area)
-            self.peers = PeerDirectory(
-                self.codec.layout_hash,
-                query_timeout_s=self.config.bootstrap_timeout_s,
-                name=f"decode-{self.rank}",
-            )
+        clock = SystemClock()
+        watched = self._start_role(server_args, clock)
         self.heartbeats = Heartbeats(
             self.inbox.endpoint,
             self.outbox,
@@ -203,6 +163,7 @@ class SglPdKVManager(BaseKVManager):
             name=f"{self.role.value}-{self.rank}",
         )
         health.watch(self.problem)
+        self._serve()
         logger.info(
             "sgl_pd %s rank %d/%d ready: session %s, inbox %s, %d layers, %d pages",
             self.role.value,
@@ -214,9 +175,30 @@ class SglPdKVManager(BaseKVManager):
             self.pool.num_pages,
         )
 
-    # -- registration -----------------------------------------------------------------
+    # -- the role's part ----------------------------------------------------------------
 
-    def _registration(self, completion: Any) -> ShardRegistration:
+    @abc.abstractmethod
+    def _start_role(self, server_args: Any, clock: Clock) -> Watched:
+        """Builds the role's messenger; returns what the liveness thread watches."""
+
+    @abc.abstractmethod
+    def _on_role_message(self, message: Message) -> None:
+        """Inbox thread: one message for the role's messenger; must not block."""
+
+    def _serve(self) -> None:
+        """Once everything exists: let peers learn about this rank (prefill registers)."""
+
+    def _role_problem(self) -> str | None:
+        return None
+
+    @abc.abstractmethod
+    def _close_role(self) -> None: ...
+
+    # -- shared -------------------------------------------------------------------------
+
+    def registration_for(
+        self, *, layer_group_size: int, completion: SlotArea | None
+    ) -> ShardRegistration:
         return ShardRegistration(
             role=self.role,
             rank=self.rank,
@@ -225,7 +207,7 @@ class SglPdKVManager(BaseKVManager):
             layout=self.layout,
             num_pages=self.pool.num_pages,
             kv_regions=self.pool.kv.regions,
-            layer_group_size=(self.prefill.layer_group_size if self.role is Role.PREFILL else 1),
+            layer_group_size=layer_group_size,
             metadata=MetadataBuffers(
                 regions=self.pool.aux, row_bytes=self.pool.aux_item_bytes, rows=self.pool.aux_rows
             ),
@@ -234,44 +216,14 @@ class SglPdKVManager(BaseKVManager):
             instance=self.instance,
         )
 
-    @staticmethod
-    def _local_bootstrap_addr(server_args: Any) -> str:
-        port = int(server_args.disaggregation_bootstrap_port)
-        if int(server_args.nnodes) > 1 and server_args.dist_init_addr:
-            return f"{str(server_args.dist_init_addr).rsplit(':', 1)[0]}:{port}"
-        return f"127.0.0.1:{port}"
-
-    def register_to_bootstrap(self) -> None:
-        """Registers this prefill rank with its server's registry (retrying until it is
-        up), then checks every few seconds that the registry still answers: decoders
-        cannot find a prefiller whose registry died, and /health must say so."""
-        message = RegisterShard(
-            rank=self.rank,
-            tp_size=self.scheme.tp_size,
-            instance=self.instance,
-            registration=self.codec.encode(self.registration),
-        )
-        client = RegistryClient(f"prefill-{self.rank}")
-        try:
-            client.register(
-                self._bootstrap_addr,
-                message,
-                timeout_s=self.config.bootstrap_timeout_s * 4,
-                stop=self._closing,
-            )
-            logger.info("rank %d registered with %s", self.rank, self._bootstrap_addr)
-            while not self._closing.wait(REGISTRY_PROBE_INTERVAL_S):
-                try:
-                    client.query(self._bootstrap_addr, timeout_s=REGISTRY_PROBE_TIMEOUT_S)
-                    self._registry_problem = None
-                except SglPdError as e:
-                    self._registry_problem = f"the prefill registry does not answer: {e}"
-        except SglPdError as e:
-            if not self._closing.is_set():
-                self._registry_problem = f"could not register with the prefill registry: {e}"
-                logger.error("rank %d %s", self.rank, self._registry_problem)
-        finally:
-            client.close()
+    def _on_message(self, message: Message) -> None:
+        """Inbox thread: heartbeats here, everything else to the role."""
+        if isinstance(message, Heartbeat):
+            self.heartbeats.on_heartbeat(message)
+        elif isinstance(message, HeartbeatAck):
+            self.heartbeats.on_ack(message)
+        else:
+            self._on_role_message(message)
 
     def problem(self) -> str | None:
         """What keeps this rank from serving PD requests, or None (read by /health)."""
@@ -279,54 +231,13 @@ class SglPdKVManager(BaseKVManager):
             return "the messenger's inbox thread stopped: no message from peers arrives"
         if not self.heartbeats.alive:
             return "the liveness thread stopped: lost peers would go unnoticed"
-        if self.role is Role.PREFILL:
-            if self.prefill.writers.thread_failures:
-                return f"{self.prefill.writers.thread_failures} KV writer thread(s) died"
-            return self._registry_problem
-        return None
-
-    # -- messages ---------------------------------------------------------------------
-
-    def _on_message(self, message: Message) -> None:
-        """Inbox thread: hand each message to its handler; none of them blocks."""
-        if isinstance(message, Heartbeat):
-            self.heartbeats.on_heartbeat(message)
-        elif isinstance(message, HeartbeatAck):
-            self.heartbeats.on_ack(message)
-        elif self.role is Role.PREFILL:
-            if isinstance(message, TransferRequest):
-                self.prefill.on_transfer_request(message)
-            elif isinstance(message, Abort):
-                self.prefill.on_abort(message, message.reply_to or None)
-            else:
-                logger.warning("prefill rank ignores %s", type(message).__name__)
-        elif isinstance(message, ChunkNotice):
-            self.decode.on_chunk_notice(message)
-        elif isinstance(message, AbortAck):
-            self.decode.on_abort_ack(message)
-        elif isinstance(message, ErrorMsg):
-            self.decode.on_error(message)
-        else:
-            logger.warning("decode rank ignores %s", type(message).__name__)
-
-    # -- SGLang's deferred release of a decode request that ended early --------------------
-
-    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
-        return self.decode.is_release_safe(int(bootstrap_room), int(required_acks))
-
-    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
-        """Nothing beyond the request's track, which the receiver's `clear` drops."""
+        return self._role_problem()
 
     def close(self) -> None:
-        self._closing.set()
+        self.closing.set()
         self.heartbeats.stop()
         self.inbox.close()
         self.outbox.close()
-        if self.role is Role.PREFILL:
-            if self.streamer is not None:
-                self.streamer.stop(timeout_s=5.0)
-            self.prefill.close()
-        else:
-            self.peers.close()
+        self._close_role()
         self.links.close()
         self.engine.close()

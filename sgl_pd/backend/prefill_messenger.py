@@ -96,14 +96,7 @@ class PrefillMessenger:
     def on_transfer_request(self, request: TransferRequest) -> None:
         refused = self.rooms.add_request(request)
         if refused is not None:
-            self._send(
-                request.decoder_inbox,
-                ErrorMsg(
-                    request_id=request.request_id,
-                    code=ErrorCode.TRANSFER_FAILED,
-                    message=refused,
-                ),
-            )
+            self._tell_decoders([request], refused)
 
     def on_abort(self, abort: Abort, decoder_inbox: str | None) -> None:
         """A decoder gave up on a request: stop writing it; ack once nothing is in flight."""
@@ -179,7 +172,8 @@ class PrefillMessenger:
         """Deadlines and bounded memory, a few times a second."""
         for room_id, why in self.rooms.expire():
             logger.warning("request %d: %s", room_id, why)
-            self._tell_decoders(room_id, why, self.rooms.rooms_of([room_id]))
+            for room in self.rooms.rooms_of([room_id]):
+                self._tell_decoders(list(room.requests.values()), why)
         self.rooms.sweep()
 
     # -- any thread ---------------------------------------------------------------------
@@ -188,15 +182,7 @@ class PrefillMessenger:
         requests = self.rooms.fail(room_id, reason)
         if requests:
             self._metrics.add_failure()
-            for request in requests:
-                self._send(
-                    request.decoder_inbox,
-                    ErrorMsg(
-                        request_id=request.request_id,
-                        code=ErrorCode.TRANSFER_FAILED,
-                        message=reason,
-                    ),
-                )
+            self._tell_decoders(requests, reason)
 
     def close(self) -> None:
         self.writers.close()
@@ -213,13 +199,15 @@ class PrefillMessenger:
         for dest in self.rooms.take_metadata_due(room_id):
             self.writers.put(MetadataJob(dest, room_id))
 
-    def _tell_decoders(self, room_id: int, why: str, rooms: list[Room]) -> None:
-        for room in rooms:
-            for request in room.requests.values():
-                self._send(
-                    request.decoder_inbox,
-                    ErrorMsg(request_id=room_id, code=ErrorCode.TRANSFER_FAILED, message=why),
-                )
+    def _tell_decoders(self, requests: list[TransferRequest], why: str) -> None:
+        """The request failed here: each decode rank that asked hears why."""
+        for request in requests:
+            self._send(
+                request.decoder_inbox,
+                ErrorMsg(
+                    request_id=request.request_id, code=ErrorCode.TRANSFER_FAILED, message=why
+                ),
+            )
 
     def _ack(self, room_id: int, inboxes: set[str]) -> None:
         for inbox in inboxes:

@@ -12,8 +12,6 @@ and the last chunk's notice (`MetadataJob`). Every job runs between `begin_write
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +22,7 @@ from sgl_pd.core.plan import plan_transfer
 from sgl_pd.core.regions import RegionTable
 from sgl_pd.core.wire import ChunkNotice, Message
 from sgl_pd.errors import SglPdError
+from sgl_pd.messenger.keyed_workers import KeyedWorkers
 from sgl_pd.transfer.completion import CompletionWordWriter
 from sgl_pd.transfer.engine import TransferEngine, Writes
 
@@ -155,61 +154,23 @@ class DestinationWriters:
         self._on_drained = on_drained
         self._on_bytes = on_bytes
         self._on_done = on_done
-        self._idle_exit_s = idle_exit_s
-        self._lock = threading.Lock()
-        self._queues: dict[str, queue.Queue[Job | None]] = {}
-        self._threads: list[threading.Thread] = []
-        self._closed = False
-        self.thread_failures = 0  # threads that died of a bug (for health)
+        self._workers: KeyedWorkers[Job] = KeyedWorkers(
+            lambda _session, job: self._execute(job),
+            f"sgl-pd-writer-{writer.rank}",
+            idle_exit_s=idle_exit_s,
+        )
+
+    @property
+    def thread_failures(self) -> int:
+        """Writer threads that died of a bug (for /health)."""
+        return self._workers.thread_failures
 
     def put(self, job: Job) -> None:
-        session = job.destination.session
-        with self._lock:
-            if self._closed:
-                return
-            q = self._queues.get(session)
-            if q is None:
-                q = self._queues[session] = queue.Queue()
-                t = threading.Thread(
-                    target=self._run,
-                    args=(session, q),
-                    name=f"sgl-pd-writer-{self._writer.rank}",
-                    daemon=True,
-                )
-                self._threads = [x for x in self._threads if x.is_alive()] + [t]
-                t.start()
-            q.put(job)
+        self._workers.put(job.destination.session, job)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        with self._lock:
-            self._closed = True
-            queues, threads = list(self._queues.values()), list(self._threads)
-            self._queues = {}
-        for q in queues:
-            q.put(None)
-        for t in threads:
-            t.join(timeout=timeout_s)
+        self._workers.close(timeout_s)
         self._writer.close()
-
-    def _run(self, session: str, q: queue.Queue[Job | None]) -> None:
-        try:
-            while True:
-                try:
-                    job = q.get(timeout=self._idle_exit_s)
-                except queue.Empty:
-                    with self._lock:
-                        if q.empty():
-                            if self._queues.get(session) is q:
-                                del self._queues[session]
-                            return
-                    continue
-                if job is None:
-                    return
-                self._execute(job)
-        except BaseException:
-            self.thread_failures += 1
-            logger.exception("writer thread for %s died", session)
-            raise
 
     def _execute(self, job: Job) -> None:
         room_id = job.chunk.room if isinstance(job, LayersJob) else job.room

@@ -1,0 +1,69 @@
+"""The decode role of a rank's messenger: finds prefillers through their registries,
+asks them for pages and counts their completion words (D2, D3, D10); tells SGLang's
+deferred release when an early-ended request's pages are safe to reuse."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sgl_pd.backend.decode_messenger import DecodeMessenger
+from sgl_pd.backend.heartbeats import Watched
+from sgl_pd.backend.manager import SglPdKVManager
+from sgl_pd.core.clock import Clock
+from sgl_pd.core.wire import AbortAck, ChunkNotice, ErrorMsg, Message, Role
+from sgl_pd.messenger.peers import PeerDirectory
+
+logger = logging.getLogger("sgl_pd.manager")
+
+
+class DecodeKVManager(SglPdKVManager):
+    role = Role.DECODE
+    # A decode request that ends early keeps its pages in SGLang's deferred release until
+    # `is_abort_release_safe`: every prefill rank acked its Abort or was declared lost.
+    enable_deferred_decode_kv_release = True
+
+    def _start_role(self, server_args: Any, clock: Clock) -> Watched:
+        self.decode = DecodeMessenger(
+            rank=self.rank,
+            scheme=self.scheme,
+            pool=self.pool,
+            engine=self.engine,
+            send_to_prefill=self.outbox.send,
+            transfer_timeout_s=self.config.transfer_timeout_s,
+            metrics=self.metrics,
+            clock=clock,
+        )
+        self.registration = self.registration_for(
+            layer_group_size=1, completion=self.decode.completion_area
+        )
+        self.peers = PeerDirectory(
+            self.codec.layout_hash,
+            query_timeout_s=self.config.bootstrap_timeout_s,
+            name=f"decode-{self.rank}",
+        )
+        return self.decode
+
+    def register_to_bootstrap(self) -> None:
+        """Decode ranks register nowhere: they look prefillers up (SGLang's abstract API)."""
+
+    def _on_role_message(self, message: Message) -> None:
+        if isinstance(message, ChunkNotice):
+            self.decode.on_chunk_notice(message)
+        elif isinstance(message, AbortAck):
+            self.decode.on_abort_ack(message)
+        elif isinstance(message, ErrorMsg):
+            self.decode.on_error(message)
+        else:
+            logger.warning("decode rank ignores %s", type(message).__name__)
+
+    # -- SGLang's deferred release of a decode request that ended early --------------------
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        return self.decode.is_release_safe(int(bootstrap_room), int(required_acks))
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        """Nothing beyond the request's track, which the receiver's `clear` drops."""
+
+    def _close_role(self) -> None:
+        self.peers.close()
