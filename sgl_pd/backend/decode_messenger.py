@@ -229,6 +229,21 @@ class DecodeMessenger:
         for inbox in targets.values():
             self._send(inbox, message)
 
+    def abort_unrequested(
+        self, room: int, inboxes: list[str], reason: str, abort: AbortReason
+    ) -> None:
+        """Tells a prefiller to drop a request this rank never asked pages for (no ack
+        needed: none of its writes can target this rank)."""
+        message = Abort(request_id=room, reason=abort, detail=reason[:200])
+        for inbox in inboxes:
+            self._send(inbox, message)
+
+    def hand_off(self, room: int) -> None:
+        """SGLang takes the complete request into its decode batch."""
+        with self._lock:
+            if room in self._states and self._states.state(room) is _D.COMPLETE:
+                self._states.transition(room, _D.HANDED_OFF)
+
     def is_release_safe(self, room: int, required_acks: int) -> bool:
         """SGLang's deferred release asks: may the request's pages go back to the pool?"""
         with self._lock:

@@ -298,7 +298,12 @@ class PrefillRooms:
         with self._lock:
             room = self._rooms.get(room_id)
             if room is None:
-                return {ack_to} if ack_to else set()  # nothing of it is or will be in flight
+                # Nothing of it is or will be in flight. Remember it failed, so that the
+                # router's copy, if it comes later, fails at once instead of waiting.
+                room = self._room(room_id)
+                room.error = reason
+                self._end(room, _P.ABORTED)
+                return {ack_to} if ack_to else set()
             if room.error is None:
                 room.error = reason
                 self._end(room, _P.ABORTED)

@@ -54,6 +54,7 @@ class SglPdKVReceiver(BaseKVReceiver):
             return KVPoll.Bootstrapping
         state, error = self.kv_mgr.decode.poll(self.bootstrap_room)
         if state is DecodeState.COMPLETE:
+            self.kv_mgr.decode.hand_off(self.bootstrap_room)
             self._conclude(KVPoll.Success)
         elif DECODE_TABLE.is_final(state) or error is not None:
             self._fail(error or "transfer failed")
@@ -113,11 +114,18 @@ class SglPdKVReceiver(BaseKVReceiver):
     def _fail(self, reason: str, abort: AbortReason = AbortReason.ERROR) -> None:
         self._error = reason
         self.conclude_state = KVPoll.Failed
-        # the prefiller may have restarted or gone: look it up afresh for the next request
-        self.kv_mgr.peers.invalidate(self.bootstrap_addr)
         if self._requested:
             self.kv_mgr.decode.fail(self.bootstrap_room, reason, abort)
             self.abort_notified = True
+        elif (table := self.kv_mgr.peers.lookup(self.bootstrap_addr)) is not None:
+            # no page was asked for, so nothing is in flight; but the prefiller holds the
+            # router's copy of the request and would wait for us until its timeout
+            self.kv_mgr.decode.abort_unrequested(
+                self.bootstrap_room, [peer.inbox for peer in table.shards], reason, abort
+            )
+        if abort is not AbortReason.CLIENT:
+            # the prefiller may have restarted or gone: look it up afresh next time
+            self.kv_mgr.peers.invalidate(self.bootstrap_addr)
         logger.warning("request %d: %s", self.bootstrap_room, reason)
 
     def _conclude(self, state: int) -> None:

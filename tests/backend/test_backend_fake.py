@@ -32,6 +32,8 @@ def test_a_request_arrives_byte_for_byte_and_counts_complete() -> None:
     wait_state(d, 5, DecodeState.COMPLETE)
     for s, t in zip(src, dst, strict=True):
         assert d.memory.page(t) == rig.prefill_memory.page(s)
+    d.messenger.hand_off(5)
+    assert d.messenger.poll(5) == (DecodeState.HANDED_OFF, None)
     _wait(lambda: rig.prefill.state(5) == (PrefillState.DONE, True, None))
     rig.prefill.writers.close()
 
@@ -110,6 +112,21 @@ def test_an_abort_for_an_unknown_request_is_acked_at_once() -> None:
 
     rig.prefill.on_abort(Abort(request_id=77, reason=AbortReason.ERROR), "decode-a")
     assert len(_acks(rig, 77)) == 1 and d is not None
+    # the router's copy of the request comes later: it fails at once, it does not wait
+    rig.prefill.track(77)
+    state, drained, _ = rig.prefill.state(77)  # type: ignore[misc]
+    assert state is PrefillState.ABORTED and drained
+    rig.prefill.writers.close()
+
+
+def test_a_request_aborted_before_its_pages_were_asked_for_is_dropped_by_the_prefiller() -> None:
+    rig = Rig()
+    d = rig.add_decoder("decode-a")
+    rig.prefill.track(8)  # the router's copy; the decoder never sends a TransferRequest
+    d.messenger.abort_unrequested(8, ["prefill-0"], "client went away", AbortReason.CLIENT)
+    state, drained, _ = rig.prefill.state(8)  # type: ignore[misc]
+    assert state is PrefillState.ABORTED and drained
+    assert _acks(rig, 8) == []  # nothing was in flight and nobody waits for an ack
     rig.prefill.writers.close()
 
 
