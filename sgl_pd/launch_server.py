@@ -22,6 +22,14 @@ logger = logging.getLogger("sgl_pd.launch_server")
 _HARNESS_APPLIED_ENV = "SGL_PD_HARNESS_APPLIED"
 
 
+# SGLang's deferred release of a decode request that ended early gives up waiting for the
+# prefill ranks' drain acks after this many seconds (default 30) and frees the pages
+# anyway. A write in flight ends within Mooncake's transfer timeout (30 s + 1 s/GiB), and
+# a lost rank is declared within --pd-liveness-timeout, so wait well past both.
+DEFERRED_RELEASE_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
+DEFERRED_RELEASE_TIMEOUT_S = "120"
+
+
 def _split_args(argv: list[str]) -> tuple[SglPdConfig, list[str]]:
     """Separates sgl_pd's flags from SGLang's, which are passed on untouched."""
     parser = argparse.ArgumentParser(add_help=False)
@@ -69,7 +77,13 @@ def main(argv: list[str] | None = None) -> None:
         requested = None if config.harness == "auto" else Harness(config.harness)
         plan = plan_harness(requested, sglang_argv)
         logger.info("harness: %s (%s)", plan.harness.value, plan.reason)
-        env = {**os.environ, **plan.env, CONFIG_ENV: config.to_json(), _HARNESS_APPLIED_ENV: "1"}
+        env = {
+            DEFERRED_RELEASE_TIMEOUT_ENV: DEFERRED_RELEASE_TIMEOUT_S,
+            **os.environ,
+            **plan.env,
+            CONFIG_ENV: config.to_json(),
+            _HARNESS_APPLIED_ENV: "1",
+        }
         if plan.extra_args:
             logger.info("adding SGLang flags: %s", " ".join(plan.extra_args))
         # Re-execute so the dynamic loader sees LD_LIBRARY_PATH from the start.
