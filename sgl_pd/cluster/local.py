@@ -191,9 +191,11 @@ def router_argv(
     decode_url: str,
     *,
     patience: Patience | None = None,
+    retries: bool = True,
 ) -> list[str]:
     """SGLang's router in PD mode over one pair; its health checks from `patience`
-    (`local_patience()` when None)."""
+    (`local_patience()` when None). `retries=False`: a failed request reaches the client
+    as it failed, instead of being sent again (fault campaigns count failures)."""
     patience = patience if patience is not None else local_patience()
     return python_module_argv(
         "sglang_router.launch_router",
@@ -205,6 +207,7 @@ def router_argv(
         "--prometheus-port", str(prometheus_port),  # its default, 29000, allows one router
         "--policy", "round_robin",
         *patience.router_args(),
+        *(() if retries else ("--disable-retries",)),
         "--log-level", "warn",
     )  # fmt: skip
 
@@ -242,11 +245,13 @@ def pd_cluster(
     decode_extra: Sequence[str] = (),
     *,
     patience: Patience | None = None,
+    router_retries: bool = True,
 ) -> Iterator[PdCluster]:
     """A prefill server, a decode server and SGLang's router in PD mode, all local.
 
     The two servers start side by side; the router starts once both answer. `patience`:
     the waits and the router's health checks; `local_patience()` when None.
+    `router_retries=False` lets failed requests reach the client unretried.
     """
     patience = patience if patience is not None else local_patience()
     prefill_port, decode_port, bootstrap_port, router_port, metrics_port = free_ports(5)
@@ -266,7 +271,13 @@ def pd_cluster(
     router = ManagedProcess(
         "router",
         router_argv(
-            router_port, metrics_port, prefill_url, bootstrap_port, decode_url, patience=patience
+            router_port,
+            metrics_port,
+            prefill_url,
+            bootstrap_port,
+            decode_url,
+            patience=patience,
+            retries=router_retries,
         ),
         log_dir / "router.log",
     )

@@ -1,8 +1,11 @@
-"""Deterministic prompts for the bundled model, of varied length (in tokens: ~10 to ~450)."""
+"""Deterministic prompts for the bundled model, of varied length (in tokens: ~10 to
+~450), for the end-to-end tests and the benchmarks."""
 
 from __future__ import annotations
 
+import functools
 import random
+from typing import Any
 
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 
@@ -21,12 +24,21 @@ def varied_prompts(count: int, seed: int = 7) -> list[str]:
     return prompts
 
 
-def long_prompt_ids(num_tokens: int) -> list[int]:
-    """Token ids of a counting text cut to exactly `num_tokens` tokens."""
+@functools.lru_cache(maxsize=1)
+def _tokenizer() -> Any:
     from transformers import AutoTokenizer
 
     from sgl_pd.models import TINY_LLAMA_PATH
 
-    tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA_PATH)
-    text = "Count: " + " ".join(str(i) for i in range(1, num_tokens))
-    return list(tokenizer(text).input_ids[:num_tokens])
+    return AutoTokenizer.from_pretrained(TINY_LLAMA_PATH)
+
+
+def prompt_ids(text: str) -> list[int]:
+    """The bundled model's token ids of `text`."""
+    return list(_tokenizer()(text).input_ids)
+
+
+def long_prompt_ids(num_tokens: int, start: int = 1) -> list[int]:
+    """Token ids of a counting text from `start`, cut to exactly `num_tokens` tokens."""
+    text = "Count: " + " ".join(str(start + i) for i in range(num_tokens))
+    return prompt_ids(text)[:num_tokens]

@@ -89,6 +89,11 @@ def test_router_argv_parses_with_the_routers_parser_and_carries_the_settings() -
     assert args.health_failure_threshold == patience.health_failure_threshold == 40
     assert args.health_check_interval_secs == 1 and args.health_success_threshold == 1
     assert args.disable_circuit_breaker
+    assert not args.disable_retries
+    no_retries = router_argv(
+        8000, 29001, "http://127.0.0.1:30000", 8998, "http://127.0.0.1:30001", retries=False
+    )
+    assert launch_router.parse_router_args(no_retries[3:]).disable_retries
 
 
 @dataclass

@@ -12,9 +12,9 @@ import pytest
 from sgl_pd.cluster.client import generate_ids
 from sgl_pd.cluster.local import PdCluster, Server
 from sgl_pd.cluster.logs import timing_lines
+from sgl_pd.cluster.prompts import long_prompt_ids, varied_prompts
 
 from .conftest import CHUNKED_PREFILL_SIZE, start_pd
-from .prompts import long_prompt_ids, varied_prompts
 
 pytestmark = pytest.mark.e2e
 

@@ -15,9 +15,9 @@ import requests
 from sgl_pd.cluster.client import chat, generate_ids, stream_chat
 from sgl_pd.cluster.local import PdCluster, Server
 from sgl_pd.cluster.logs import last_pool_state, timing_lines
+from sgl_pd.cluster.prompts import long_prompt_ids, varied_prompts
 
 from .conftest import CHUNKED_PREFILL_SIZE, start_pd
-from .prompts import long_prompt_ids, varied_prompts
 
 pytestmark = pytest.mark.e2e
 

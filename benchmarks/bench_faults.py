@@ -1,0 +1,176 @@
+"""Fault campaign: requests through a real PD pair while faults are injected on purpose.
+
+Starts a monolithic server (for the expected greedy tokens) and a prefill + decode +
+router cluster whose prefiller slows every KV write batch and fails a few, then:
+
+1. runs the campaign: N requests at concurrency 16, 10% of them aborted at the decoder
+   after a random delay (SGLang's /abort_request, what a client disconnect triggers);
+2. kills the prefiller with SIGKILL while a long prompt's layers stream, measures how
+   long the client waits for its error, restarts it, and checks a request succeeds;
+3. does the same to the decoder (the prefiller must stop writing and free its pages);
+4. reads both servers' idle-pool lines: every page must be back.
+
+    python benchmarks/bench_faults.py [--quick] [--requests N]
+
+Prints a table and ends with one JSON line: faults_injected, requests_lost, wrong_tokens,
+pages_leaked, fault_to_error_p99_s. SGL_PD_LOCAL_PATIENCE scales every start-up wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tqdm import tqdm
+
+from sgl_pd.cluster.campaign import Outcome, first_success, kill_mid_transfer, run_campaign
+from sgl_pd.cluster.client import generate_ids
+from sgl_pd.cluster.local import PdCluster, Server, local_patience, monolithic_server, pd_cluster
+from sgl_pd.cluster.logs import last_pool_state
+from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids, varied_prompts
+
+WRITE_DELAY_MS = 20
+FAILURE_RATE = 0.004
+LIVENESS_S = 1.5
+LONG_PROMPT_TOKENS = 1024
+SERVER_ARGS = ["--chunked-prefill-size", "128", "--log-level", "info"]
+
+
+def kill_round(cluster: PdCluster, mono: Server, victim: str, n: int) -> dict[str, object]:
+    """SIGKILL `victim` ("prefill" or "decode") mid-transfer, restart it; seconds from the
+    kill to the client's answer, and whether a request succeeds afterwards."""
+    server = cluster.prefill if victim == "prefill" else cluster.decode
+    ids = long_prompt_ids(LONG_PROMPT_TOKENS, start=1 + 1000 * n)
+    killed = kill_mid_transfer(cluster.router_url, server.process, ids, f"kill-{victim}-{n}")
+    server.process.restart(f"restart{n}")
+    server.process.wait_http_ready(f"{server.url}/health", local_patience().server_ready_s)
+    expected = generate_ids(mono.url, "Count: 11 12 13", 6)
+    recovered = first_success(cluster.router_url, "Count: 11 12 13", 6, budget_s=180) == expected
+    return {"victim": victim, "to_error_s": killed.kill_to_answer_s, "recovered": recovered}
+
+
+def pages_in_use(cluster: PdCluster, timeout_s: float = 90.0) -> int:
+    """Tokens still held by both pools once idle (0 means no leak)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = [last_pool_state(s.process.log_path) for s in (cluster.prefill, cluster.decode)]
+        used = sum(s[0] if s is not None else 1 for s in states)
+        leak = any(s is not None and not s[1] for s in states)
+        if (used == 0 and not leak) or time.monotonic() > deadline:
+            return used + (1 if leak else 0)
+        generate_ids(cluster.router_url, "Count: 1 2", 1)  # a batch makes a fresh idle line
+        time.sleep(1.0)
+
+
+def injected_failures(cluster: PdCluster) -> int:
+    logs = sorted(cluster.prefill.process.log_path.parent.glob("prefill.log*"))
+    return sum(len(re.findall("injected failure", p.read_text(errors="replace"))) for p in logs)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="100 requests, one kill per side")
+    parser.add_argument("--requests", type=int, default=None, help="campaign size")
+    args = parser.parse_args(argv)
+    count = args.requests or (100 if args.quick else 1000)
+    kills = 1 if args.quick else 3
+    log_dir = Path(tempfile.mkdtemp(prefix="bench_faults_"))
+    print(
+        f"[bench] {count} requests, 10% aborted, write delay {WRITE_DELAY_MS} ms, failure "
+        f"rate {FAILURE_RATE} per batch, {kills} kill(s) per side; logs in {log_dir}"
+    )
+    prompts = [prompt_ids(p) for p in varied_prompts(count, seed=31)]
+    pd_args = [*SERVER_ARGS, "--pd-liveness-timeout", str(LIVENESS_S)]
+    with monolithic_server(log_dir / "mono", extra=SERVER_ARGS) as mono, pd_cluster(
+        log_dir / "pd",
+        prefill_extra=[
+            *pd_args,
+            "--pd-inject-write-delay-ms", str(WRITE_DELAY_MS),
+            "--pd-inject-write-failure-rate", str(FAILURE_RATE),
+        ],
+        decode_extra=[*pd_args, "--max-total-tokens", "4096"],
+        router_retries=False,
+    ) as cluster:  # fmt: skip
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            expected = list(
+                tqdm(
+                    pool.map(lambda p: generate_ids(mono.url, p, 6), prompts),
+                    total=count,
+                    desc="monolithic",
+                    unit="req",
+                )
+            )
+        bar = tqdm(total=count, desc="campaign", unit="req")
+
+        def done(_: Outcome) -> None:
+            bar.update(1)
+
+        started = time.monotonic()
+        result = run_campaign(
+            cluster.router_url,
+            cluster.decode.url,
+            prompts,
+            expected,
+            max_new_tokens=6,
+            abort_fraction=0.1,
+            concurrency=16,
+            seed=7,
+            on_done=done,
+        )
+        bar.close()
+        campaign_s = time.monotonic() - started
+        rounds = []
+        for n in range(kills):
+            for victim in ("prefill", "decode"):
+                rounds.append(kill_round(cluster, mono, victim, n))
+        leaked = pages_in_use(cluster)
+        failures = injected_failures(cluster)
+
+    abort_to_end = result.fault_to_end_s()
+    kill_to_error = [r["to_error_s"] for r in rounds]
+    all_to_error = abort_to_end + kill_to_error
+    faults = result.aborts_sent + failures + len(rounds)
+    lost = result.count("lost") + sum(not r["recovered"] for r in rounds)
+    print(f"\ncampaign: {count} requests in {campaign_s:.0f} s")
+    print(" fault kind              injected  client answer after fault p50 / p99 (s)")
+    p50, p99 = _percentile(abort_to_end, 0.5), _percentile(abort_to_end, 0.99)
+    print(f" abort at decoder        {result.aborts_sent:8d}  {p50:6.2f} / {p99:.2f}")
+    print(f" injected write failure  {failures:8d}  (client sees an error)")
+    for victim in ("prefill", "decode"):
+        mine = [r["to_error_s"] for r in rounds if r["victim"] == victim]
+        print(f" SIGKILL {victim:8s}        {len(mine):8d}  "
+              f"{_percentile(mine, 0.5):6.2f} / {_percentile(mine, 0.99):.2f}")  # fmt: skip
+    print("\n outcome          requests")
+    for kind in ("ok", "aborted", "error", "wrong_tokens", "lost"):
+        print(f" {kind:15s}  {result.count(kind):8d}")
+    print(f" recovered after restart: {sum(r['recovered'] for r in rounds)}/{len(rounds)}")
+    print(f" pages (tokens) still in use when idle: {leaked}")
+    summary = {
+        "faults_injected": faults,
+        "requests_lost": lost,
+        "wrong_tokens": result.count("wrong_tokens"),
+        "pages_leaked": leaked,
+        "fault_to_error_p99_s": round(_percentile(all_to_error, 0.99), 3),
+        "fault_to_error_p50_s": round(statistics.median(all_to_error), 3) if all_to_error else 0,
+        "requests": count,
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""A fault campaign against a running PD cluster: many concurrent requests through the
+router, some aborted on purpose at the decoder mid-flight, while the servers may inject
+write delays and failures. Every request must end as one of: the monolithic tokens, an
+error the client sees, or an abort it asked for - never wrong tokens, never a hang.
+
+Shared by the end-to-end tests and `benchmarks/bench_faults.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import requests
+
+from sgl_pd.cluster.client import generate_ids
+from sgl_pd.cluster.processes import ManagedProcess
+
+REQUEST_TIMEOUT_S = 300.0  # a request that takes longer is counted lost
+
+
+@dataclass(frozen=True)
+class Outcome:
+    index: int
+    kind: str  # "ok" | "wrong_tokens" | "error" | "aborted" | "lost"
+    aborted_on_purpose: bool
+    fault_to_end_s: float | None  # from the abort call to the client's answer
+
+
+@dataclass(frozen=True)
+class CampaignResult:
+    outcomes: tuple[Outcome, ...]
+
+    def count(self, kind: str) -> int:
+        return sum(o.kind == kind for o in self.outcomes)
+
+    @property
+    def aborts_sent(self) -> int:
+        return sum(o.aborted_on_purpose for o in self.outcomes)
+
+    def fault_to_end_s(self) -> list[float]:
+        return sorted(o.fault_to_end_s for o in self.outcomes if o.fault_to_end_s is not None)
+
+
+def abort_at_decoder(decode_url: str, rid: str) -> None:
+    """SGLang's own abort endpoint, as a client disconnect would trigger it."""
+    requests.post(f"{decode_url}/abort_request", json={"rid": rid}, timeout=30).raise_for_status()
+
+
+def post_generate(url: str, ids: list[int], rid: str, max_new_tokens: int) -> requests.Response:
+    """SGLang's native /generate with a request id the test can abort."""
+    return requests.post(
+        f"{url}/generate",
+        json={
+            "rid": rid,
+            "input_ids": list(ids),
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
+        },
+        timeout=REQUEST_TIMEOUT_S,
+    )
+
+
+@dataclass(frozen=True)
+class KillResult:
+    response: requests.Response | None  # None: the connection itself failed
+    kill_to_answer_s: float  # from the SIGKILL to the client's answer
+
+
+def kill_mid_transfer(
+    router_url: str, victim: ManagedProcess, ids: list[int], rid: str, after_s: float = 1.0
+) -> KillResult:
+    """Sends `ids` through the router and SIGKILLs `victim` `after_s` seconds later, while
+    the prompt's (slowed) layers stream."""
+    answer: list[tuple[requests.Response | None, float]] = []
+
+    def send() -> None:
+        try:
+            response: requests.Response | None = post_generate(router_url, ids, rid, 4)
+        except requests.RequestException:
+            response = None
+        answer.append((response, time.monotonic()))
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    time.sleep(after_s)
+    killed = time.monotonic()
+    victim.kill()
+    sender.join(REQUEST_TIMEOUT_S)
+    if not answer:
+        return KillResult(None, float("inf"))
+    return KillResult(answer[0][0], answer[0][1] - killed)
+
+
+def first_success(url: str, prompt: str, max_new_tokens: int, budget_s: float) -> list[int]:
+    """Greedy tokens of the first attempt that succeeds within `budget_s` seconds: after a
+    restart the router needs a health check or two, and the first request may still go
+    to the old peer and fail."""
+    deadline = time.monotonic() + budget_s
+    while True:
+        try:
+            return generate_ids(url, prompt, max_new_tokens)
+        except requests.RequestException:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+
+
+def run_campaign(
+    router_url: str,
+    decode_url: str,
+    prompts: Sequence[list[int]],
+    expected: Sequence[list[int]],
+    *,
+    max_new_tokens: int,
+    abort_fraction: float,
+    concurrency: int = 16,
+    seed: int = 0,
+    on_done: Callable[[Outcome], None] | None = None,
+) -> CampaignResult:
+    """Sends every prompt through the router; `abort_fraction` of them are aborted at the
+    decoder after a random delay of up to 1 s. `expected`: monolithic greedy tokens."""
+    rng = random.Random(seed)
+    plan = [(i, rng.random() < abort_fraction, rng.uniform(0.05, 1.0)) for i in range(len(prompts))]
+    tag = f"campaign-{seed}-{time.monotonic_ns()}"
+
+    def one(item: tuple[int, bool, float]) -> Outcome:
+        index, abort, delay_s = item
+        rid = f"{tag}-{index}"
+        aborted_at: list[float] = []
+        timer = None
+        if abort:
+
+            def fire() -> None:
+                aborted_at.append(time.monotonic())
+                with contextlib.suppress(requests.RequestException):  # it may have ended
+                    abort_at_decoder(decode_url, rid)
+
+            timer = threading.Timer(delay_s, fire)
+            timer.start()
+        try:
+            response = post_generate(router_url, prompts[index], rid, max_new_tokens)
+            ended = time.monotonic()
+        except requests.RequestException:
+            return Outcome(index, "lost", abort, None)
+        finally:
+            if timer is not None:
+                timer.cancel()
+        fault_to_end = ended - aborted_at[0] if aborted_at else None
+        if response.status_code != 200:
+            return Outcome(index, "error", abort, fault_to_end)
+        body = response.json()
+        finish = (body.get("meta_info") or {}).get("finish_reason") or {}
+        if isinstance(finish, dict) and finish.get("type") == "abort":
+            return Outcome(index, "aborted" if abort else "error", abort, fault_to_end)
+        ids = [int(t) for t in body["output_ids"]]
+        kind = "ok" if ids == list(expected[index]) else "wrong_tokens"
+        return Outcome(index, kind, abort, fault_to_end if kind != "ok" else None)
+
+    outcomes = []
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        for outcome in pool.map(one, plan):
+            outcomes.append(outcome)
+            if on_done is not None:
+                on_done(outcome)
+    return CampaignResult(tuple(outcomes))

@@ -1,0 +1,158 @@
+"""Faults against a real PD pair (SGLang on CPU, Mooncake TCP, SGLang's router): the
+prefiller's KV writes are slowed on purpose (and a few fail), so requests can be aborted
+mid-transfer. Whatever ends early, no page is written after it went back to the pool:
+every request that completes has the monolithic tokens, and both pools end empty.
+
+The tests share one cluster and run in file order; the last ones kill and restart each
+server, so they come last.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from sgl_pd.cluster.campaign import (
+    abort_at_decoder,
+    first_success,
+    kill_mid_transfer,
+    post_generate,
+    run_campaign,
+)
+from sgl_pd.cluster.client import generate_ids
+from sgl_pd.cluster.local import PdCluster, Server, pd_cluster
+from sgl_pd.cluster.logs import last_pool_state
+from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids, varied_prompts
+
+from .conftest import COMMON_ARGS
+
+pytestmark = pytest.mark.e2e
+
+WRITE_DELAY_MS = 20  # per KV write batch: a 1024-token prompt streams for over a second
+FAILURE_RATE = 0.004  # of write batches: a few campaign requests fail on their own
+LIVENESS_S = 1.5
+DECODE_POOL_TOKENS = 1536  # small: an aborted long prompt's pages are reused at once
+LONG = 1024
+PROMPTS_IN_CAMPAIGN = 100
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdCluster]:
+    args = [*COMMON_ARGS, "--pd-liveness-timeout", str(LIVENESS_S)]
+    with pd_cluster(
+        tmp_path_factory.mktemp("pd-faults"),
+        prefill_extra=[
+            *args,
+            "--pd-inject-write-delay-ms", str(WRITE_DELAY_MS),
+            "--pd-inject-write-failure-rate", str(FAILURE_RATE),
+        ],
+        decode_extra=[*args, "--max-total-tokens", str(DECODE_POOL_TOKENS)],
+        router_retries=False,
+    ) as cluster:  # fmt: skip
+        yield cluster
+
+
+def _finish(response: requests.Response) -> str:
+    return str(response.json()["meta_info"]["finish_reason"]["type"])
+
+
+def _until_ok(url: str, ids: list[int], tag: str, attempts: int = 4) -> list[int]:
+    """A request that may meet an injected failure: its first answer with tokens."""
+    for i in range(attempts):
+        response = post_generate(url, ids, f"{tag}-{i}", 4)
+        if response.status_code == 200 and _finish(response) != "abort":
+            return [int(t) for t in response.json()["output_ids"]]
+    raise AssertionError(f"{attempts} attempts of {tag} failed")
+
+
+def _pools_idle(cluster: PdCluster, timeout_s: float = 60.0) -> None:
+    """Both servers report an idle pool with nothing used and no leak."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = [last_pool_state(s.process.log_path) for s in (cluster.prefill, cluster.decode)]
+        if all(s is not None and s[0] == 0 and s[1] for s in states):
+            return
+        assert time.monotonic() < deadline, f"pools not back to idle: {states}"
+        generate_ids(cluster.router_url, "Count: 1 2", 1)  # a batch makes the next idle line
+        time.sleep(1.0)
+
+
+def test_abort_mid_transfer_then_reuse_the_pages(mono: Server, faulty: PdCluster) -> None:
+    """A long prompt aborted while its layers stream; the next long prompt can only get
+    pages the aborted one held. Its tokens must be the monolithic ones."""
+    first, second = long_prompt_ids(LONG, start=1), long_prompt_ids(LONG, start=5000)
+    expected = generate_ids(mono.url, second, 4)
+    answer: list[requests.Response] = []
+    sender = threading.Thread(
+        target=lambda: answer.append(post_generate(faulty.router_url, first, "a1", 4))
+    )
+    sender.start()
+    time.sleep(1.0)  # the prefill forward is done in well under this; the writes are not
+    abort_at_decoder(faulty.decode.url, "a1")
+    sender.join(60)
+    assert answer and (answer[0].status_code != 200 or _finish(answer[0]) == "abort"), (
+        "the aborted request came back as if complete"
+    )
+    assert _until_ok(faulty.router_url, second, "a2") == expected
+    _pools_idle(faulty)
+
+
+def test_campaign_with_aborts_and_failures(mono: Server, faulty: PdCluster) -> None:
+    """About 100 requests at concurrency 16, 10% aborted at the decoder mid-flight and a
+    few failing on injected write errors: nothing else is lost or wrong."""
+    prompts = [prompt_ids(p) for p in varied_prompts(PROMPTS_IN_CAMPAIGN, seed=23)]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        expected = list(pool.map(lambda p: generate_ids(mono.url, p, 6), prompts))
+    result = run_campaign(
+        faulty.router_url,
+        faulty.decode.url,
+        prompts,
+        expected,
+        max_new_tokens=6,
+        abort_fraction=0.1,
+        concurrency=16,
+        seed=5,
+    )
+    assert result.count("wrong_tokens") == 0
+    assert result.count("lost") == 0
+    assert result.count("ok") >= PROMPTS_IN_CAMPAIGN * 0.6
+    assert result.aborts_sent >= 5
+    _pools_idle(faulty)
+
+
+def _restart_and_serve(mono: Server, cluster: PdCluster, victim: Server) -> None:
+    """Restart `victim` in place; the other side, untouched, serves new requests again."""
+    victim.process.restart("restarted")
+    victim.process.wait_http_ready(f"{victim.url}/health", 300)
+    expected = generate_ids(mono.url, "Count: 7 8 9", 6)
+    assert first_success(cluster.router_url, "Count: 7 8 9", 6, budget_s=180) == expected
+    _pools_idle(cluster)
+
+
+def test_killed_prefiller_fails_its_requests_with_a_clear_error(
+    mono: Server, faulty: PdCluster
+) -> None:
+    ids = long_prompt_ids(LONG, start=77)
+    response = kill_mid_transfer(faulty.router_url, faulty.prefill.process, ids, "k1").response
+    if response is not None:  # the router may also just drop the connection
+        assert response.status_code != 200 or _finish(response) == "abort"
+    decode_log = faulty.decode.process.log_path.read_text(errors="replace")
+    assert "did not answer heartbeats" in decode_log
+    _restart_and_serve(mono, faulty, faulty.prefill)
+
+
+def test_killed_decoder_stops_the_prefillers_writes(mono: Server, faulty: PdCluster) -> None:
+    kill_mid_transfer(faulty.router_url, faulty.decode.process, long_prompt_ids(LONG), "k2")
+    # the prefiller frees the request's pages once it declared the decoder lost
+    deadline = time.monotonic() + 60
+    while (state := last_pool_state(faulty.prefill.process.log_path)) is None or state[0]:
+        assert time.monotonic() < deadline, f"prefill pages still held: {state}"
+        time.sleep(0.5)
+    log = faulty.prefill.process.log_path.read_text(errors="replace")
+    assert "did not answer heartbeats" in log
+    _restart_and_serve(mono, faulty, faulty.decode)
