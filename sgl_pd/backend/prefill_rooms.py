@@ -151,7 +151,8 @@ class PrefillRooms:
                 room.destinations[decoder.rank] = Destination(
                     request, links, mine, first.src_rank == self.rank
                 )
-            if len(room.requests) == room.decoder_tp:
+            waiting = self._states.state(room.room) is _P.WAITING_FOR_DECODER
+            if waiting and len(room.requests) == room.decoder_tp:
                 self._states.transition(room.room, _P.READY)
             return None
 

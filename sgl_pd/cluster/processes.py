@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,17 +27,43 @@ class ServerStartError(SglPdError):
     """A server exited or did not become ready in time; the message quotes its log."""
 
 
+# Servers started here listen on ports from below the kernel's ephemeral range. A port
+# the kernel may hand out in the minute a server takes to start - to any outgoing
+# connection, even a readiness probe that connects to itself, or to a bind on port 0 -
+# would make the server's own bind fail. Mooncake picks its ports in 12000-17000.
+SERVER_PORTS = range(20000, 32768)
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _server_port_candidates() -> list[int]:
+    try:
+        ephemeral_low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default
+    ports = [p for p in SERVER_PORTS if p < ephemeral_low]
+    random.shuffle(ports)
+    return ports
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return free_ports(1, host)[0]
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """Distinct free ports, all held open until chosen so no two calls return the same."""
+    """Distinct free ports outside the ephemeral range (the kernel's own choice when
+    that range leaves none), all held open until chosen so no two are the same."""
     with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
+        ports: list[int] = []
+        for port in _server_port_candidates():
+            if len(ports) == count:
+                break
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            ports.append(port)
+        while len(ports) < count:
             s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
             s.bind((host, 0))
             ports.append(int(s.getsockname()[1]))
