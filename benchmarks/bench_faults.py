@@ -157,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n outcome          requests")
     for kind in ("ok", "aborted", "error", "wrong_tokens", "lost"):
         print(f" {kind:15s}  {result.count(kind):8d}")
+    for outcome in result.wrong():
+        print(f"   wrong: request {outcome.index} (aborted: {outcome.aborted_on_purpose}): "
+              f"{outcome.detail}")  # fmt: skip
     print(f" recovered after restart: {sum(r['recovered'] for r in rounds)}/{len(rounds)}")
     print(f" pages (tokens) still in use when idle: {leaked}")
     summary = {

@@ -42,7 +42,19 @@ class DecodeKVManager(SglPdKVManager):
             query_timeout_s=self.config.bootstrap_timeout_s,
             name=f"decode-{self.rank}",
         )
-        return self.decode
+        return self
+
+    # -- what the liveness thread watches -------------------------------------------------
+
+    def active_peers(self) -> set[str]:
+        return self.decode.active_peers()
+
+    def peer_lost(self, inbox: str, why: str, gone: bool) -> None:
+        self.peers.invalidate_inbox(inbox)  # a restarted prefiller has new endpoints
+        self.decode.peer_lost(inbox, why, gone)
+
+    def housekeeping(self) -> None:
+        self.decode.housekeeping()
 
     def register_to_bootstrap(self) -> None:
         """Decode ranks register nowhere: they look prefillers up (SGLang's abstract API)."""

@@ -271,15 +271,23 @@ class DecodeMessenger:
                 if rank not in t.drained
             }
 
-    def peer_lost(self, inbox: str, why: str) -> None:
-        """A prefill rank stopped answering: it writes nothing more; fail what it fed."""
+    def peer_lost(self, inbox: str, why: str, gone: bool) -> None:
+        """A prefill rank stopped answering: fail what it feeds, so clients hear within the
+        liveness bound. Its pages count as drained only if the rank is provably `gone`; a
+        rank that is merely slow still acks the Abort that failing sends, and SGLang's
+        deferred-release timeout is the last resort."""
+        failed = 0
         with self._lock:
             for track in self._tracks.values():
                 ranks = [r for r, i in track.prefills.items() if i == inbox]
                 if not ranks or track.done_s is not None:
                     continue
-                track.drained.update(ranks)
+                if gone:
+                    track.drained.update(ranks)
+                failed += track.error is None
                 self._fail(track, why)
+        if failed or gone:
+            logger.error("%s: %d request(s) failed", why, failed)
 
     def housekeeping(self) -> None:
         with self._lock:

@@ -16,6 +16,7 @@ from sgl_pd.core.clock import Clock
 from sgl_pd.core.liveness import PeerLiveness
 from sgl_pd.core.wire import Heartbeat, HeartbeatAck
 from sgl_pd.messenger.outbox import Outbox
+from sgl_pd.messenger.probe import listener_gone
 
 logger = logging.getLogger("sgl_pd.liveness")
 
@@ -27,7 +28,9 @@ class Watched(Protocol):
 
     def active_peers(self) -> set[str]: ...
 
-    def peer_lost(self, inbox: str, why: str) -> None: ...
+    def peer_lost(self, inbox: str, why: str, gone: bool) -> None:
+        """`inbox` stopped answering; `gone`: its port refuses connections, so the
+        process is dead and can write nothing more (else it may only be slow)."""
 
     def housekeeping(self) -> None: ...
 
@@ -89,12 +92,12 @@ class Heartbeats:
         for endpoint, seq in tick.pings:
             self._outbox.send(endpoint, Heartbeat(sender=self._me, seq=seq, time_s=now))
         for endpoint in tick.dead:
+            gone = listener_gone(endpoint)
             why = (
-                f"peer {endpoint} did not answer heartbeats for "
-                f"{self._liveness.timeout_s:g} s (process gone or unreachable)"
+                f"peer {endpoint} did not answer heartbeats for {self._liveness.timeout_s:g} s"
+                + (" (its process is gone)" if gone else " (busy, frozen or unreachable)")
             )
-            logger.error("%s: failing its requests", why)
-            self._watched.peer_lost(endpoint, why)
+            self._watched.peer_lost(endpoint, why, gone)
         self._watched.housekeeping()
 
     def stop(self, timeout_s: float = 2.0) -> None:

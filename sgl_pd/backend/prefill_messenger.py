@@ -163,7 +163,9 @@ class PrefillMessenger:
     def active_peers(self) -> set[str]:
         return self.rooms.active_decoders()
 
-    def peer_lost(self, inbox: str, why: str) -> None:
+    def peer_lost(self, inbox: str, why: str, gone: bool) -> None:
+        """A decode rank stopped answering: stop writing to it (always safe, whether it
+        is `gone` or slow); its requests' source pages free once their writes ended."""
         for room_id in self.rooms.decoder_lost(inbox, why):
             logger.warning("request %d: %s", room_id, why)
             self._metrics.add_failure()

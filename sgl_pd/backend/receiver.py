@@ -11,6 +11,7 @@ from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll
 from sgl_pd.core.states import DECODE_TABLE, DecodeState
 from sgl_pd.core.wire import AbortReason
 from sgl_pd.errors import SglPdError
+from sgl_pd.messenger.peers import PrefillTable
 
 logger = logging.getLogger("sgl_pd.receiver")
 
@@ -33,6 +34,9 @@ class SglPdKVReceiver(BaseKVReceiver):
         self.bootstrap_infos: list[Any] | None = None
         self.conclude_state: int | None = None
         self._requested = False
+        # the prefiller's ranks as found at bootstrap: this request keeps talking to them
+        # even if the directory forgets the server meanwhile (another request's failure)
+        self._table: PrefillTable | None = None
         self._error: str | None = None
 
     def init(self, prefill_dp_rank: int) -> None:
@@ -45,10 +49,13 @@ class SglPdKVReceiver(BaseKVReceiver):
         if self.conclude_state is not None:
             return self.conclude_state
         if not self._requested:
-            if self.kv_mgr.peers.lookup(self.bootstrap_addr) is not None:
+            if self._table is None:
+                self._table = self.kv_mgr.peers.lookup(self.bootstrap_addr)
+            if self._table is not None:
                 return KVPoll.WaitingForInput
             failure = self.kv_mgr.peers.failure(self.bootstrap_addr)
             if failure is not None:
+                self.kv_mgr.peers.invalidate(self.bootstrap_addr)  # ask afresh next time
                 self._fail(str(failure))
                 return KVPoll.Failed
             return KVPoll.Bootstrapping
@@ -73,7 +80,7 @@ class SglPdKVReceiver(BaseKVReceiver):
         if decode_prefix_len:
             self._fail("sgl_pd does not resume from a decode-side prefix cache")
             return
-        table = self.kv_mgr.peers.lookup(self.bootstrap_addr)
+        table = self._table
         if table is None or aux_index is None:
             self._fail("destination pages were sent before the prefiller was found")
             return
@@ -117,15 +124,11 @@ class SglPdKVReceiver(BaseKVReceiver):
         if self._requested:
             self.kv_mgr.decode.fail(self.bootstrap_room, reason, abort)
             self.abort_notified = True
-        elif (table := self.kv_mgr.peers.lookup(self.bootstrap_addr)) is not None:
+        elif self._table is not None:
             # no page was asked for, so nothing is in flight; but the prefiller holds the
             # router's copy of the request and would wait for us until its timeout
-            self.kv_mgr.decode.abort_unrequested(
-                self.bootstrap_room, [peer.inbox for peer in table.shards], reason, abort
-            )
-        if abort is not AbortReason.CLIENT:
-            # the prefiller may have restarted or gone: look it up afresh next time
-            self.kv_mgr.peers.invalidate(self.bootstrap_addr)
+            inboxes = [peer.inbox for peer in self._table.shards]
+            self.kv_mgr.decode.abort_unrequested(self.bootstrap_room, inboxes, reason, abort)
         logger.warning("request %d: %s", self.bootstrap_room, reason)
 
     def _conclude(self, state: int) -> None:

@@ -30,6 +30,7 @@ class Outcome:
     kind: str  # "ok" | "wrong_tokens" | "error" | "aborted" | "lost"
     aborted_on_purpose: bool
     fault_to_end_s: float | None  # from the abort call to the client's answer
+    detail: str = ""  # for wrong tokens: what came back against what was expected
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class CampaignResult:
     @property
     def aborts_sent(self) -> int:
         return sum(o.aborted_on_purpose for o in self.outcomes)
+
+    def wrong(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.kind == "wrong_tokens"]
 
     def fault_to_end_s(self) -> list[float]:
         return sorted(o.fault_to_end_s for o in self.outcomes if o.fault_to_end_s is not None)
@@ -152,14 +156,16 @@ def run_campaign(
                 timer.cancel()
         fault_to_end = ended - aborted_at[0] if aborted_at else None
         if response.status_code != 200:
-            return Outcome(index, "error", abort, fault_to_end)
+            return Outcome(index, "aborted" if abort else "error", abort, fault_to_end)
         body = response.json()
         finish = (body.get("meta_info") or {}).get("finish_reason") or {}
         if isinstance(finish, dict) and finish.get("type") == "abort":
             return Outcome(index, "aborted" if abort else "error", abort, fault_to_end)
         ids = [int(t) for t in body["output_ids"]]
-        kind = "ok" if ids == list(expected[index]) else "wrong_tokens"
-        return Outcome(index, kind, abort, fault_to_end if kind != "ok" else None)
+        if ids == list(expected[index]):
+            return Outcome(index, "ok", abort, None)
+        detail = f"finish {finish}, got {ids}, expected {list(expected[index])}"
+        return Outcome(index, "wrong_tokens", abort, fault_to_end, detail)
 
     outcomes = []
     with ThreadPoolExecutor(max_workers=concurrency) as pool:

@@ -131,6 +131,14 @@ class PeerDirectory:
             self._failures.pop(addr, None)
             self._generation[addr] = self._generation.get(addr, 0) + 1
 
+    def invalidate_inbox(self, inbox: str) -> None:
+        """Forget every prefill server one of whose ranks listens at `inbox` (a rank that
+        stopped answering: the server may have restarted with new endpoints)."""
+        with self._cond:
+            stale = [a for a, t in self._tables.items() if any(s.inbox == inbox for s in t.shards)]
+        for addr in stale:
+            self.invalidate(addr)
+
     def wait(self, addr: str, timeout_s: float) -> PrefillTable:
         """Blocking `lookup` for threads that may wait (start-up, tests): the table, or the
         query's error, or `BootstrapTimeout` after `timeout_s`."""

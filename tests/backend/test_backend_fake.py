@@ -81,11 +81,30 @@ def test_a_lost_prefill_rank_fails_its_requests_and_releases_their_pages() -> No
     d = rig.add_decoder("decode-a")
     rig.request(d, 3, list(range(30, 34)), slot=3)
     assert d.messenger.active_peers() == {"prefill-0"}
-    d.messenger.peer_lost("prefill-0", "peer prefill-0 did not answer heartbeats")
+    d.messenger.peer_lost("prefill-0", "peer prefill-0 did not answer heartbeats", gone=True)
     state, error = d.messenger.poll(3)
     assert state is DecodeState.FAILED and "heartbeats" in (error or "")
     assert d.messenger.is_release_safe(3, 1)
     assert d.messenger.active_peers() == set()
+    rig.prefill.writers.close()
+
+
+def test_a_silent_but_living_prefill_rank_keeps_the_pages_until_it_acks() -> None:
+    """Heartbeats can go unanswered under load: the request fails at once, but its pages
+    stay held until the rank acks the Abort (it may still be writing)."""
+    rig = Rig()
+    d = rig.add_decoder("decode-a")
+    rig.prefill_engine.gate.clear()
+    rig.request(d, 12, list(range(30, 42)), slot=6)
+    rig.prefill_all(12, list(range(10, 22)))
+    assert rig.prefill_engine.waiting.wait(5)  # a write is in flight
+    d.messenger.peer_lost("prefill-0", "peer prefill-0 did not answer heartbeats", gone=False)
+    assert d.messenger.poll(12)[0] is DecodeState.FAILED  # the client hears now
+    assert not d.messenger.is_release_safe(12, 1)  # but the pages are not free yet
+    d.messenger.fail(12, "peer prefill-0 did not answer heartbeats")  # what the receiver does
+    assert not d.messenger.is_release_safe(12, 1)
+    rig.prefill_engine.gate.set()
+    _wait(lambda: d.messenger.is_release_safe(12, 1))
     rig.prefill.writers.close()
 
 
@@ -95,7 +114,7 @@ def test_a_lost_decoder_stops_the_writes_into_it() -> None:
     rig.request(d, 4, list(range(30, 34)), slot=4)
     rig.prefill.track(4)
     assert rig.prefill.active_peers() == {"decode-a"}
-    rig.prefill.peer_lost("decode-a", "peer decode-a did not answer heartbeats")
+    rig.prefill.peer_lost("decode-a", "peer decode-a did not answer heartbeats", gone=False)
     state, drained, error = rig.prefill.state(4)  # type: ignore[misc]
     assert state is PrefillState.FAILED and drained and "heartbeats" in (error or "")
     rig.prefill.expect(4, 4, aux_index=0)

@@ -118,7 +118,7 @@ def test_campaign_with_aborts_and_failures(mono: Server, faulty: PdCluster) -> N
         concurrency=16,
         seed=5,
     )
-    assert result.count("wrong_tokens") == 0
+    assert not result.wrong(), "\n".join(map(str, result.wrong()))
     assert result.count("lost") == 0
     assert result.count("ok") >= PROMPTS_IN_CAMPAIGN * 0.6
     assert result.aborts_sent >= 5
@@ -153,6 +153,11 @@ def test_killed_decoder_stops_the_prefillers_writes(mono: Server, faulty: PdClus
     while (state := last_pool_state(faulty.prefill.process.log_path)) is None or state[0]:
         assert time.monotonic() < deadline, f"prefill pages still held: {state}"
         time.sleep(0.5)
-    log = faulty.prefill.process.log_path.read_text(errors="replace")
-    assert "did not answer heartbeats" in log
+    # it stopped because heartbeats went unanswered or a write to the dead peer failed
+    failed = [
+        line
+        for line in faulty.prefill.process.log_path.read_text(errors="replace").splitlines()
+        if "rid='k2'" in line and "failed" in line
+    ]
+    assert failed, "the prefiller did not fail the request of the killed decoder"
     _restart_and_serve(mono, faulty, faulty.decode)

@@ -36,15 +36,15 @@ def test_a_dead_peer_does_not_delay_messages_to_a_live_one() -> None:
 class _Watched:
     def __init__(self, peers: set[str]) -> None:
         self.peers = peers
-        self.lost: queue.Queue[str] = queue.Queue()
+        self.lost: queue.Queue[tuple[str, bool]] = queue.Queue()
         self.ticks = threading.Event()
 
     def active_peers(self) -> set[str]:
         return set(self.peers)
 
-    def peer_lost(self, inbox: str, why: str) -> None:
+    def peer_lost(self, inbox: str, why: str, gone: bool) -> None:
         self.peers.discard(inbox)
-        self.lost.put(inbox)
+        self.lost.put((inbox, gone))
 
     def housekeeping(self) -> None:
         self.ticks.set()
@@ -88,10 +88,24 @@ def test_a_peer_that_stops_answering_is_declared_lost() -> None:
             deadline.wait(2.5)
             assert watched_by_a.lost.empty(), "a live peer was declared lost"
             inbox_b.close()  # B's process is gone, as far as A can tell
-            assert watched_by_a.lost.get(timeout=10) == inbox_b.endpoint
+            # nothing listens at B's port any more: proof that B can write nothing
+            assert watched_by_a.lost.get(timeout=10) == (inbox_b.endpoint, True)
         finally:
             for hb in (*a_box, *b_box):
                 hb.stop()
             inbox_a.close()
             inbox_b.close()
             outbox.close()
+
+
+def test_a_listening_port_is_not_gone_and_a_closed_one_is() -> None:
+    import socket
+
+    from sgl_pd.messenger.probe import listener_gone
+
+    with socket.socket() as listening:
+        listening.bind((HOST, 0))
+        listening.listen()
+        endpoint = f"tcp://{HOST}:{listening.getsockname()[1]}"
+        assert not listener_gone(endpoint)
+    assert listener_gone(endpoint)
