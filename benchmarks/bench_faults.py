@@ -30,7 +30,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from sgl_pd.cluster.campaign import Outcome, first_success, kill_mid_transfer, run_campaign
+from sgl_pd.cluster.campaign import (
+    Outcome,
+    expected_tokens,
+    first_success,
+    kill_mid_transfer,
+    run_campaign,
+)
 from sgl_pd.cluster.client import generate_ids
 from sgl_pd.cluster.local import PdCluster, Server, local_patience, monolithic_server, pd_cluster
 from sgl_pd.cluster.logs import last_pool_state
@@ -108,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         with ThreadPoolExecutor(max_workers=16) as pool:
             expected = list(
                 tqdm(
-                    pool.map(lambda p: generate_ids(mono.url, p, 6), prompts),
+                    pool.map(lambda p: expected_tokens(mono.url, p, 6), prompts),
                     total=count,
                     desc="monolithic",
                     unit="req",
@@ -155,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f" SIGKILL {victim:8s}        {len(mine):8d}  "
               f"{_percentile(mine, 0.5):6.2f} / {_percentile(mine, 0.99):.2f}")  # fmt: skip
     print("\n outcome          requests")
-    for kind in ("ok", "aborted", "error", "wrong_tokens", "lost"):
+    for kind in ("ok", "near_tie", "aborted", "error", "wrong_tokens", "lost"):
         print(f" {kind:15s}  {result.count(kind):8d}")
     for outcome in result.wrong():
         print(f"   wrong: request {outcome.index} (aborted: {outcome.aborted_on_purpose}): "

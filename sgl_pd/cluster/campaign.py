@@ -3,6 +3,12 @@ router, some aborted on purpose at the decoder mid-flight, while the servers may
 write delays and failures. Every request must end as one of: the monolithic tokens, an
 error the client sees, or an abort it asked for - never wrong tokens, never a hang.
 
+Tokens are compared with the monolithic server's greedy choice and its margin (top-1
+minus top-2 log-probability, nats). The CPU engine's results move slightly with batch
+composition (fp16 KV), so where two candidates were within `NEAR_TIE_NATS` of each other
+either choice is right: a run that first departs from the monolithic tokens at such a
+step counts as `near_tie`, not as wrong.
+
 Shared by the end-to-end tests and `benchmarks/bench_faults.py`.
 """
 
@@ -22,12 +28,53 @@ from sgl_pd.cluster.client import generate_ids
 from sgl_pd.cluster.processes import ManagedProcess
 
 REQUEST_TIMEOUT_S = 300.0  # a request that takes longer is counted lost
+NEAR_TIE_NATS = 0.1  # seen: 0.012 and 0.039 nats between the top two first tokens
+
+
+@dataclass(frozen=True)
+class Expected:
+    """The monolithic server's greedy tokens, and at each step how far (nats) the chosen
+    token was ahead of the next one."""
+
+    tokens: tuple[int, ...]
+    margins: tuple[float, ...]
+
+    def judge(self, got: Sequence[int]) -> str:
+        """ "ok", "near_tie" (the first departure is at a near tie) or "wrong_tokens"."""
+        if tuple(got) == self.tokens:
+            return "ok"
+        first = next(
+            (i for i, (a, b) in enumerate(zip(got, self.tokens, strict=False)) if a != b),
+            min(len(got), len(self.tokens)),
+        )
+        if first < len(self.margins) and self.margins[first] < NEAR_TIE_NATS:
+            return "near_tie"
+        return "wrong_tokens"
+
+
+def expected_tokens(url: str, ids: Sequence[int], max_new_tokens: int) -> Expected:
+    """Greedy tokens of a (monolithic) server with each step's top-1 / top-2 margin."""
+    response = requests.post(
+        f"{url}/generate",
+        json={
+            "input_ids": list(ids),
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+        },
+        timeout=REQUEST_TIMEOUT_S,
+    )
+    response.raise_for_status()
+    body = response.json()
+    tops = body["meta_info"]["output_top_logprobs"]
+    margins = tuple(float(t[0][0] - t[1][0]) if len(t) > 1 else float("inf") for t in tops)
+    return Expected(tuple(int(t) for t in body["output_ids"]), margins)
 
 
 @dataclass(frozen=True)
 class Outcome:
     index: int
-    kind: str  # "ok" | "wrong_tokens" | "error" | "aborted" | "lost"
+    kind: str  # "ok" | "near_tie" | "wrong_tokens" | "error" | "aborted" | "lost"
     aborted_on_purpose: bool
     fault_to_end_s: float | None  # from the abort call to the client's answer
     detail: str = ""  # for wrong tokens: what came back against what was expected
@@ -118,7 +165,7 @@ def run_campaign(
     router_url: str,
     decode_url: str,
     prompts: Sequence[list[int]],
-    expected: Sequence[list[int]],
+    expected: Sequence[Expected],
     *,
     max_new_tokens: int,
     abort_fraction: float,
@@ -127,7 +174,7 @@ def run_campaign(
     on_done: Callable[[Outcome], None] | None = None,
 ) -> CampaignResult:
     """Sends every prompt through the router; `abort_fraction` of them are aborted at the
-    decoder after a random delay of up to 1 s. `expected`: monolithic greedy tokens."""
+    decoder after a random delay of up to 1 s. `expected`: the monolithic server's."""
     rng = random.Random(seed)
     plan = [(i, rng.random() < abort_fraction, rng.uniform(0.05, 1.0)) for i in range(len(prompts))]
     tag = f"campaign-{seed}-{time.monotonic_ns()}"
@@ -162,10 +209,11 @@ def run_campaign(
         if isinstance(finish, dict) and finish.get("type") == "abort":
             return Outcome(index, "aborted" if abort else "error", abort, fault_to_end)
         ids = [int(t) for t in body["output_ids"]]
-        if ids == list(expected[index]):
-            return Outcome(index, "ok", abort, None)
-        detail = f"finish {finish}, got {ids}, expected {list(expected[index])}"
-        return Outcome(index, "wrong_tokens", abort, fault_to_end, detail)
+        kind = expected[index].judge(ids)
+        if kind == "ok":
+            return Outcome(index, kind, abort, None)
+        detail = f"finish {finish}, got {ids}, expected {expected[index]}"
+        return Outcome(index, kind, abort, fault_to_end, detail)
 
     outcomes = []
     with ThreadPoolExecutor(max_workers=concurrency) as pool:

@@ -19,6 +19,7 @@ import requests
 
 from sgl_pd.cluster.campaign import (
     abort_at_decoder,
+    expected_tokens,
     first_success,
     kill_mid_transfer,
     post_generate,
@@ -107,7 +108,7 @@ def test_campaign_with_aborts_and_failures(mono: Server, faulty: PdCluster) -> N
     few failing on injected write errors: nothing else is lost or wrong."""
     prompts = [prompt_ids(p) for p in varied_prompts(PROMPTS_IN_CAMPAIGN, seed=23)]
     with ThreadPoolExecutor(max_workers=16) as pool:
-        expected = list(pool.map(lambda p: generate_ids(mono.url, p, 6), prompts))
+        expected = list(pool.map(lambda p: expected_tokens(mono.url, p, 6), prompts))
     result = run_campaign(
         faulty.router_url,
         faulty.decode.url,
@@ -120,7 +121,7 @@ def test_campaign_with_aborts_and_failures(mono: Server, faulty: PdCluster) -> N
     )
     assert not result.wrong(), "\n".join(map(str, result.wrong()))
     assert result.count("lost") == 0
-    assert result.count("ok") >= PROMPTS_IN_CAMPAIGN * 0.6
+    assert result.count("ok") + result.count("near_tie") >= PROMPTS_IN_CAMPAIGN * 0.6
     assert result.aborts_sent >= 5
     _pools_idle(faulty)
 
