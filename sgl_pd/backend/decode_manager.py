@@ -5,14 +5,15 @@ deferred release when an early-ended request's pages are safe to reuse."""
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from sgl_pd.backend.decode_messenger import DecodeMessenger
 from sgl_pd.backend.heartbeats import Watched
 from sgl_pd.backend.manager import SglPdKVManager
 from sgl_pd.core.clock import Clock
-from sgl_pd.core.wire import AbortAck, ChunkNotice, ErrorMsg, Message, Role
-from sgl_pd.messenger.peers import PeerDirectory
+from sgl_pd.core.wire import AbortAck, AbortReason, ChunkNotice, ErrorMsg, Message, Role
+from sgl_pd.messenger.peers import PeerDirectory, PrefillTable
 
 logger = logging.getLogger("sgl_pd.manager")
 
@@ -37,6 +38,10 @@ class DecodeKVManager(SglPdKVManager):
         self.registration = self.registration_for(
             layer_group_size=1, completion=self.decode.completion_area
         )
+        # (bootstrap addr, room, reason, abort reason, since): see `abort_unrequested`
+        self._parked_aborts: list[tuple[str, int, str, AbortReason, float]] = []
+        self._parked_lock = threading.Lock()
+        self._clock = clock
         self.peers = PeerDirectory(
             self.codec.layout_hash,
             query_timeout_s=self.config.bootstrap_timeout_s,
@@ -55,6 +60,41 @@ class DecodeKVManager(SglPdKVManager):
 
     def housekeeping(self) -> None:
         self.decode.housekeeping()
+        self._send_parked_aborts()
+
+    # -- aborts of requests that never asked for pages ------------------------------------
+
+    def abort_unrequested(
+        self,
+        addr: str,
+        table: PrefillTable | None,
+        room: int,
+        reason: str,
+        abort: AbortReason,
+    ) -> None:
+        """Tells the prefiller at `addr` to drop `room`. Its ranks may not be known yet
+        (the request ended while still bootstrapping): then the abort waits here until
+        the lookup finishes, for at most the bootstrap timeout."""
+        table = table or self.peers.lookup(addr)
+        if table is not None:
+            inboxes = [peer.inbox for peer in table.shards]
+            self.decode.abort_unrequested(room, inboxes, reason, abort)
+            return
+        with self._parked_lock:
+            self._parked_aborts.append((addr, room, reason, abort, self._clock.monotonic()))
+
+    def _send_parked_aborts(self) -> None:
+        with self._parked_lock:
+            parked, self._parked_aborts = self._parked_aborts, []
+        now = self._clock.monotonic()
+        for addr, room, reason, abort, since in parked:
+            table = self.peers.lookup(addr)
+            if table is not None:
+                inboxes = [peer.inbox for peer in table.shards]
+                self.decode.abort_unrequested(room, inboxes, reason, abort)
+            elif now - since < self.config.bootstrap_timeout_s:
+                with self._parked_lock:
+                    self._parked_aborts.append((addr, room, reason, abort, since))
 
     def register_to_bootstrap(self) -> None:
         """Decode ranks register nowhere: they look prefillers up (SGLang's abstract API)."""

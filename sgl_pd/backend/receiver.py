@@ -124,11 +124,12 @@ class SglPdKVReceiver(BaseKVReceiver):
         if self._requested:
             self.kv_mgr.decode.fail(self.bootstrap_room, reason, abort)
             self.abort_notified = True
-        elif self._table is not None:
+        else:
             # no page was asked for, so nothing is in flight; but the prefiller holds the
             # router's copy of the request and would wait for us until its timeout
-            inboxes = [peer.inbox for peer in self._table.shards]
-            self.kv_mgr.decode.abort_unrequested(self.bootstrap_room, inboxes, reason, abort)
+            self.kv_mgr.abort_unrequested(
+                self.bootstrap_addr, self._table, self.bootstrap_room, reason, abort
+            )
         logger.warning("request %d: %s", self.bootstrap_room, reason)
 
     def _conclude(self, state: int) -> None:
