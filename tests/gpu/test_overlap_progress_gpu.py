@@ -18,25 +18,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from gpu_marks import GPU_ONLY
 
 from sgl_pd.backend.layerwise_glue import forward_stream_of
 from sgl_pd.layerwise import CudaProgress, decode, encode
 
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not _cuda_available(), reason="needs a CUDA device: torch.cuda.is_available() is False"
-    ),
-]
+pytestmark = GPU_ONLY
 
 NUM_LAYERS = 8
 HIDDEN = 4096

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from gpu_marks import GPU_ONLY
 
 from sgl_pd.core.clock import SystemClock
 from sgl_pd.layerwise import (
@@ -22,21 +23,7 @@ from sgl_pd.layerwise import (
     encode,
 )
 
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not _cuda_available(), reason="needs a CUDA device: torch.cuda.is_available() is False"
-    ),
-]
+pytestmark = GPU_ONLY
 
 NUM_LAYERS = 8
 HIDDEN = 2048
