@@ -271,10 +271,6 @@ class TransferRequest(_Message, tag="transfer", frozen=True):
             raise InvalidMessage("a transfer request carries a decode rank's registration")
 
     @property
-    def decoder_rank(self) -> int:
-        return self.decoder.rank
-
-    @property
     def decoder_inbox(self) -> str:
         """Where the prefiller sends chunk notices, errors and drain acks."""
         return self.decoder.inbox
