@@ -10,11 +10,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import asdict, dataclass
+import stat
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from sgl_pd.errors import ConfigError
 
 CONFIG_ENV = "SGL_PD_CONFIG"
+SECRET_ENV = "SGL_PD_AUTH_SECRET"  # the cluster secret itself, when no secret file is given
+MIN_SECRET_BYTES = 16
 BACKEND_NAME = "sgl_pd"  # the value of SGLang's --disaggregation-transfer-backend that selects us
 TRANSPORTS = ("auto", "tcp", "rdma", "efa")
 KV_SEND_MODES = ("layerwise", "after-forward")
@@ -29,6 +34,11 @@ class SglPdConfig:
     transfer_timeout_s: float = 120.0  # a request's KV, from its destination pages to done
     kv_send: str = "layerwise"  # when a prefiller sends a chunk's KV: per layer or after it
     liveness_timeout_s: float = 1.5  # a peer silent this long is declared lost
+    # The cluster secret (hex of its bytes) that authenticates every control connection;
+    # "" with no_auth=False: not configured, and PD serving refuses to start.
+    auth_secret_hex: str = field(default="", repr=False)
+    no_auth: bool = False  # serve without authentication (--pd-no-auth; trusted hosts only)
+    allow_loopback_advertise: bool = False  # advertise 127.x while binding all interfaces
     # Fault injection, for fault campaigns only (tests, benchmarks/bench_faults.py):
     inject_write_delay_ms: float = 0.0  # added before every KV write batch
     inject_write_failure_rate: float = 0.0  # probability that a KV write batch fails
@@ -51,6 +61,21 @@ class SglPdConfig:
                 f"{self.inject_write_failure_rate}"
             )
 
+        if self.auth_secret_hex and len(self.auth_secret_hex) < 2 * MIN_SECRET_BYTES:
+            raise ConfigError(
+                f"the cluster secret must have at least {MIN_SECRET_BYTES} bytes: make one"
+                " with `openssl rand -hex 32`"
+            )
+
+    def auth_secret(self) -> bytes | None:
+        """The cluster secret, None when serving without authentication. Raises
+        `ConfigError` when neither a secret nor --pd-no-auth was given."""
+        if self.no_auth:
+            return None
+        if not self.auth_secret_hex:
+            raise ConfigError(MISSING_SECRET)
+        return bytes.fromhex(self.auth_secret_hex)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
@@ -67,6 +92,53 @@ class SglPdConfig:
         """The configuration the launcher handed down, or defaults for a plain SGLang launch."""
         text = os.environ.get(CONFIG_ENV)
         return cls() if text is None else cls.from_json(text)
+
+
+MISSING_SECRET = (
+    "sgl_pd needs the cluster secret that authenticates its servers to each other: write"
+    " one (`openssl rand -hex 32 > pd.secret; chmod 600 pd.secret`), give the same file to"
+    f" every prefill and decode server with --pd-auth-secret-file, or set {SECRET_ENV};"
+    " --pd-no-auth serves without authentication (only where no untrusted process can"
+    " reach any server's ports)"
+)
+
+
+def read_secret_file(path: str) -> bytes:
+    """The secret in `path` (surrounding whitespace removed); refuses a file that other
+    users can read, or one too short to be a secret."""
+    where = Path(path)
+    try:
+        mode = where.stat().st_mode
+        secret = where.read_bytes().strip()
+    except OSError as e:
+        raise ConfigError(f"--pd-auth-secret-file {path}: cannot read it ({e})") from e
+    if mode & stat.S_IROTH:
+        raise ConfigError(
+            f"--pd-auth-secret-file {path} is readable by every user of this host:"
+            f" `chmod 600 {path}`"
+        )
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(
+            f"--pd-auth-secret-file {path} holds {len(secret)} bytes, at least"
+            f" {MIN_SECRET_BYTES} are needed: `openssl rand -hex 32 > {path}`"
+        )
+    return secret
+
+
+def _secret_hex(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
+    from_env = environ.get(SECRET_ENV, "").strip()
+    if args.pd_auth_secret_file and from_env:
+        raise ConfigError(
+            f"both --pd-auth-secret-file and {SECRET_ENV} give a cluster secret: keep one"
+        )
+    if args.pd_auth_secret_file:
+        return read_secret_file(args.pd_auth_secret_file).hex()
+    if from_env and len(from_env.encode()) < MIN_SECRET_BYTES:
+        raise ConfigError(
+            f"{SECRET_ENV} holds {len(from_env)} characters, at least {MIN_SECRET_BYTES} are"
+            " needed: `export SGL_PD_AUTH_SECRET=$(openssl rand -hex 32)`"
+        )
+    return from_env.encode().hex()
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -104,6 +176,28 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "machine's address when --host is 0.0.0.0).",
     )
     group.add_argument(
+        "--pd-allow-loopback-advertise",
+        action="store_true",
+        help="Allow advertising a loopback address (127.x) while --host binds every "
+        "interface: a single-host setup. Without it such a start is refused, because "
+        "servers on other hosts could not reach this one.",
+    )
+    group.add_argument(
+        "--pd-auth-secret-file",
+        default="",
+        metavar="PATH",
+        help="File holding the cluster secret (at least 16 bytes, e.g. `openssl rand -hex "
+        f"32`; not readable by other users). Every prefill and decode server of a cluster "
+        f"needs the same one. Or set {SECRET_ENV} to the secret itself.",
+    )
+    group.add_argument(
+        "--pd-no-auth",
+        action="store_true",
+        help="Serve without authenticating peers: any process that reaches a server's "
+        "ports can then register, learn KV addresses and act on messages. Only for hosts "
+        "and networks where no untrusted process runs.",
+    )
+    group.add_argument(
         "--pd-bootstrap-timeout",
         type=float,
         default=SglPdConfig.bootstrap_timeout_s,
@@ -138,7 +232,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def config_from_args(args: argparse.Namespace) -> SglPdConfig:
+def config_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] = os.environ
+) -> SglPdConfig:
+    """The configuration of one launch; `environ` supplies the secret's variable."""
+    if args.pd_no_auth and (args.pd_auth_secret_file or environ.get(SECRET_ENV)):
+        raise ConfigError("--pd-no-auth contradicts the cluster secret also given: keep one")
     return SglPdConfig(
         harness=args.pd_harness,
         transport=args.pd_transport,
@@ -149,4 +248,7 @@ def config_from_args(args: argparse.Namespace) -> SglPdConfig:
         liveness_timeout_s=args.pd_liveness_timeout,
         inject_write_delay_ms=args.pd_inject_write_delay_ms,
         inject_write_failure_rate=args.pd_inject_write_failure_rate,
+        auth_secret_hex="" if args.pd_no_auth else _secret_hex(args, environ),
+        no_auth=args.pd_no_auth,
+        allow_loopback_advertise=args.pd_allow_loopback_advertise,
     )

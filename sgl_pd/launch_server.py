@@ -13,7 +13,14 @@ import logging
 import os
 import sys
 
-from sgl_pd.config import CONFIG_ENV, SglPdConfig, add_cli_args, config_from_args
+from sgl_pd.config import (
+    BACKEND_NAME,
+    CONFIG_ENV,
+    SglPdConfig,
+    add_cli_args,
+    config_from_args,
+)
+from sgl_pd.errors import ConfigError
 from sgl_pd.harness.cpu import Harness, plan_harness
 
 logger = logging.getLogger("sgl_pd.launch_server")
@@ -28,6 +35,23 @@ _HARNESS_APPLIED_ENV = "SGL_PD_HARNESS_APPLIED"
 # a lost rank is declared within --pd-liveness-timeout, so wait well past both.
 DEFERRED_RELEASE_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
 DEFERRED_RELEASE_TIMEOUT_S = "120"
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of SGLang's `flag` in `argv` ("--flag value" or "--flag=value")."""
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _serves_pd(sglang_argv: list[str]) -> bool:
+    """This launch is one side of an sgl_pd pair (so it needs the cluster secret)."""
+    mode = _flag_value(sglang_argv, "--disaggregation-mode")
+    backend = _flag_value(sglang_argv, "--disaggregation-transfer-backend")
+    return mode in ("prefill", "decode") and backend == BACKEND_NAME
 
 
 def _split_args(argv: list[str]) -> tuple[SglPdConfig, list[str]]:
@@ -71,7 +95,15 @@ def _serve(sglang_argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s")
-    config, sglang_argv = _split_args(argv)
+    try:
+        config, sglang_argv = _split_args(argv)
+        if _serves_pd(sglang_argv) and config.auth_secret() is None:
+            logger.warning(
+                "--pd-no-auth: peers are not authenticated; any process that reaches this"
+                " server's ports can act on it"
+            )
+    except ConfigError as e:
+        sys.exit(f"sgl_pd: {e}")
 
     if os.environ.get(_HARNESS_APPLIED_ENV) != "1":
         requested = None if config.harness == "auto" else Harness(config.harness)

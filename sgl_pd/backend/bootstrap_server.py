@@ -10,6 +10,8 @@ import logging
 
 from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer, KVPoll
 
+from sgl_pd.backend.manager import cluster_auth
+from sgl_pd.config import SglPdConfig
 from sgl_pd.messenger.registry import RegistryServer
 
 logger = logging.getLogger("sgl_pd.bootstrap")
@@ -18,7 +20,8 @@ logger = logging.getLogger("sgl_pd.bootstrap")
 class SglPdBootstrapServer(BaseKVBootstrapServer):
     def __init__(self, host: str, port: int) -> None:
         bind_host = "0.0.0.0" if host in ("", "0.0.0.0", "::") else host
-        self._server = RegistryServer(bind_host, int(port))
+        auth = cluster_auth(SglPdConfig.from_environment())
+        self._server = RegistryServer(bind_host, int(port), auth=auth)
         logger.info("sgl_pd registry listening on %s:%d", bind_host, port)
 
     def poll(self) -> int:

@@ -27,6 +27,7 @@ class DecodeKVManager(SglPdKVManager):
     def _start_role(self, server_args: Any, clock: Clock) -> Watched:
         self.decode = DecodeMessenger(
             rank=self.rank,
+            instance=self.instance,
             scheme=self.scheme,
             pool=self.pool,
             engine=self.engine,
@@ -46,6 +47,7 @@ class DecodeKVManager(SglPdKVManager):
             self.codec.layout_hash,
             query_timeout_s=self.config.bootstrap_timeout_s,
             name=f"decode-{self.rank}",
+            auth=self.auth,
         )
         return self
 
@@ -107,7 +109,7 @@ class DecodeKVManager(SglPdKVManager):
         elif isinstance(message, ErrorMsg):
             self.decode.on_error(message)
         else:
-            logger.warning("decode rank ignores %s", type(message).__name__)
+            self.ignore(message)
 
     # -- SGLang's deferred release of a decode request that ended early --------------------
 

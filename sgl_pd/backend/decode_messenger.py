@@ -55,9 +55,23 @@ from sgl_pd.core.wire import (
     SlotArea,
     TransferRequest,
 )
+from sgl_pd.log_limits import LogLimiter, peer_text
 from sgl_pd.transfer.engine import TransferEngine
 
 logger = logging.getLogger("sgl_pd.decode")
+_log = LogLimiter(logger)
+MAX_EARLY_NOTICES = 4096  # last-chunk notices kept for requests not tracked yet
+
+
+def _refused(room: int, sender: int | None, what: str) -> None:
+    _log.warning(
+        what,
+        "ignored a %s for request %d from prefill instance %s, which was not asked for it",
+        what,
+        room,
+        sender,
+    )
+
 
 SendFn = Callable[[str, Message], object]  # (inbox endpoint, message): never blocks
 _D = DecodeState
@@ -73,6 +87,7 @@ class _Track:
     counter: CompletionCounter
     metadata_source: int  # the prefill rank that writes word 0
     prefills: dict[int, str]  # every prefill rank asked -> its inbox (where aborts go)
+    instances: dict[int, int]  # every prefill rank asked -> its instance (who may report)
     reply_to: str  # this rank's inbox, where drain acks come back
     started_s: float
     num_pages: int
@@ -88,6 +103,7 @@ class DecodeMessenger:
         self,
         *,
         rank: int,
+        instance: int,
         scheme: ShardingScheme,
         pool: PoolDescription,
         engine: TransferEngine,
@@ -97,6 +113,7 @@ class DecodeMessenger:
         clock: Clock,
     ) -> None:
         self.rank = rank
+        self.instance = instance  # this rank's, named in its aborts
         self.scheme = scheme
         self.pool = pool
         self.engine = engine
@@ -111,9 +128,10 @@ class DecodeMessenger:
         self._tracks: dict[int, _Track] = {}
         deadlines = {_D.REQUESTED: transfer_timeout_s, _D.TRANSFERRING: transfer_timeout_s}
         self._states: RequestTracker[DecodeState] = RequestTracker(DECODE_TABLE, deadlines, clock)
-        # room -> (chunks, seen at): a last-chunk notice that came before the request was
-        # tracked here; dropped after the transfer timeout so strangers cannot grow it
-        self._sealed: dict[int, tuple[int, float]] = {}
+        # room -> (chunks, seen at, sender instance): a last-chunk notice that came before
+        # the request was tracked here; at most MAX_EARLY_NOTICES, each dropped after the
+        # transfer timeout, so that strangers cannot grow it
+        self._sealed: dict[int, tuple[int, float, int]] = {}
 
     @property
     def completion_area(self) -> SlotArea:
@@ -131,24 +149,39 @@ class DecodeMessenger:
         with self._lock:
             track = self._tracks.get(notice.request_id)
             if track is None:
-                self._sealed[notice.request_id] = (notice.chunk_index + 1, self._now())
+                if len(self._sealed) < MAX_EARLY_NOTICES:
+                    early = (notice.chunk_index + 1, self._now(), notice.prefill_instance)
+                    self._sealed[notice.request_id] = early
+                return
+            if notice.prefill_instance not in track.instances.values():
+                _refused(notice.request_id, notice.prefill_instance, "chunk notice")
                 return
             self._seal(track, notice.chunk_index + 1)
 
     def on_error(self, error: ErrorMsg) -> None:
         if error.request_id is None:
-            logger.warning("prefill reports: %s (%s)", error.message, error.code.value)
+            _log.warning(
+                "error", "prefill reports: %s (%s)", peer_text(error.message), error.code.value
+            )
             return
         with self._lock:
             track = self._tracks.get(error.request_id)
-            if track is not None:
-                self._fail(track, f"prefill reports {error.code.value}: {error.message}")
+            if track is None:
+                return
+            if error.sender_instance not in track.instances.values():
+                _refused(error.request_id, error.sender_instance, "error")
+                return
+            self._fail(track, f"prefill reports {error.code.value}: {error.message}")
 
     def on_abort_ack(self, ack: AbortAck) -> None:
         with self._lock:
             track = self._tracks.get(ack.request_id)
-            if track is not None and ack.prefill_rank in track.prefills:
-                track.drained.add(ack.prefill_rank)
+            if track is None:
+                return
+            if track.instances.get(ack.prefill_rank) != ack.prefill_instance:
+                _refused(ack.request_id, ack.prefill_instance, "drain ack")
+                return
+            track.drained.add(ack.prefill_rank)
 
     # -- scheduler thread -----------------------------------------------------------------
 
@@ -180,6 +213,7 @@ class DecodeMessenger:
             CompletionCounter(expectation),
             expectation.metadata_source,
             {peer.rank: peer.inbox for peer in prefills},
+            {peer.rank: peer.instance for peer in prefills},
             my_registration.inbox,
             self._now(),
             len(dst_pages),
@@ -191,7 +225,7 @@ class DecodeMessenger:
             self._states.add(room)
             self._states.transition(room, _D.REQUESTED)
             early = self._sealed.pop(room, None)
-            if early is not None:
+            if early is not None and early[2] in track.instances.values():
                 self._seal(track, early[0])
         message = TransferRequest(
             request_id=room,
@@ -225,7 +259,13 @@ class DecodeMessenger:
                 return
             track.abort_sent = True
             targets, reply_to = dict(track.prefills), track.reply_to
-        message = Abort(request_id=room, reason=abort, detail=reason[:200], reply_to=reply_to)
+        message = Abort(
+            request_id=room,
+            reason=abort,
+            decoder_instance=self.instance,
+            detail=reason[:200],
+            reply_to=reply_to,
+        )
         for inbox in targets.values():
             self._send(inbox, message)
 
@@ -234,7 +274,9 @@ class DecodeMessenger:
     ) -> None:
         """Tells a prefiller to drop a request this rank never asked pages for (no ack
         needed: none of its writes can target this rank)."""
-        message = Abort(request_id=room, reason=abort, detail=reason[:200])
+        message = Abort(
+            request_id=room, reason=abort, decoder_instance=self.instance, detail=reason[:200]
+        )
         for inbox in inboxes:
             self._send(inbox, message)
 
@@ -300,7 +342,7 @@ class DecodeMessenger:
                         "--pd-transfer-timeout or check the prefill server's log"
                     )
             now = self._now()
-            for room in [r for r, (_, t) in self._sealed.items() if now - t > self._timeout_s]:
+            for room in [r for r, (_, t, _) in self._sealed.items() if now - t > self._timeout_s]:
                 del self._sealed[room]
 
     # -- helpers (lock held) --------------------------------------------------------------

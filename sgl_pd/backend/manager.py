@@ -14,13 +14,13 @@ from __future__ import annotations
 import abc
 import logging
 import random
-import socket
 import threading
 from typing import Any
 
 from sglang.srt.disaggregation.base.conn import BaseKVManager
 
 from sgl_pd.backend import health
+from sgl_pd.backend.addresses import Hosts, resolve_hosts
 from sgl_pd.backend.heartbeats import Heartbeats, Watched
 from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription, describe_pool
@@ -38,6 +38,8 @@ from sgl_pd.core.wire import (
     SlotArea,
 )
 from sgl_pd.errors import ConfigError
+from sgl_pd.log_limits import LogLimiter
+from sgl_pd.messenger.auth import ClusterAuth
 from sgl_pd.messenger.inbox import Inbox
 from sgl_pd.messenger.link import LinkPool
 from sgl_pd.messenger.outbox import Outbox
@@ -47,6 +49,7 @@ from sgl_pd.transfer.faults import FaultInjectingEngine, WriteFaults
 from sgl_pd.transfer.mooncake import MooncakeTransferEngine
 
 logger = logging.getLogger("sgl_pd.manager")
+_ignored = LogLimiter(logger)
 
 
 class _SingleDataParallelRank:
@@ -60,6 +63,18 @@ class _SingleDataParallelRank:
         return self
 
 
+def cluster_auth(config: SglPdConfig) -> ClusterAuth | None:
+    """The key every control connection of this cluster uses; None with --pd-no-auth.
+    Raises `ConfigError` when no secret was given."""
+    secret = config.auth_secret()
+    if secret is None:
+        logger.warning("sgl_pd serves without authentication (--pd-no-auth)")
+        return None
+    auth = ClusterAuth.from_secret(secret)
+    logger.info("sgl_pd control plane authenticated, cluster key %s", auth.fingerprint)
+    return auth
+
+
 def _kv_heads(kv_args: Any, server_args: Any) -> tuple[int, int]:
     """(KV heads on this rank, KV heads of the model), as SGLang shards them."""
     if hasattr(kv_args, "kv_head_num") and hasattr(kv_args, "total_kv_head_num"):
@@ -71,21 +86,14 @@ def _kv_heads(kv_args: Any, server_args: Any) -> tuple[int, int]:
     return int(model.get_num_kv_heads(tp)), int(model.get_total_num_kv_heads())
 
 
-def _advertise_host(config: SglPdConfig, server_args: Any) -> str:
-    if config.advertise_host:
-        return config.advertise_host
-    host = str(server_args.host)
-    if host not in ("", "0.0.0.0", "::"):
-        return "127.0.0.1" if host == "localhost" else host
-    return socket.gethostbyname(socket.gethostname())
-
-
-def _transport(config: SglPdConfig, server_args: Any, host: str) -> TransportConfig:
+def _transport(config: SglPdConfig, server_args: Any, hosts: Hosts) -> TransportConfig:
     ib_device = server_args.disaggregation_ib_device or ""
     protocol = config.transport
     if protocol == "auto":
         protocol = "rdma" if ib_device else "tcp"
-    return TransportConfig(protocol=protocol, hostname=host, ib_device=ib_device)
+    return TransportConfig(
+        protocol=protocol, hostname=hosts.advertise, bind_host=hosts.bind, ib_device=ib_device
+    )
 
 
 class SglPdKVManager(BaseKVManager):
@@ -118,6 +126,7 @@ class SglPdKVManager(BaseKVManager):
     ) -> None:
         self.kv_args = args
         self.config = SglPdConfig.from_environment()
+        self.auth = cluster_auth(self.config)
         for flag, value in (("--dp-size", server_args.dp_size), ("--pp-size", server_args.pp_size)):
             if int(value) != 1:
                 raise ConfigError(f"sgl_pd serves {flag} 1 for now, got {value}")
@@ -130,10 +139,13 @@ class SglPdKVManager(BaseKVManager):
         self.rank = int(args.engine_rank)
         self.scheme = ShardingScheme(int(server_args.tp_size))
         self.instance = random.getrandbits(63)
-        host = _advertise_host(self.config, server_args)
+        # listeners bind --host; peers are told an address they can reach
+        hosts = resolve_hosts(
+            str(server_args.host), self.config.advertise_host, self.config.allow_loopback_advertise
+        )
 
         self.engine: TransferEngine = MooncakeTransferEngine(
-            _transport(self.config, server_args, host), shard=self.rank
+            _transport(self.config, server_args, hosts), shard=self.rank
         )
         faults = WriteFaults(
             delay_s=self.config.inject_write_delay_ms / 1000,
@@ -146,11 +158,18 @@ class SglPdKVManager(BaseKVManager):
         for region in (*self.pool.kv.regions, *self.pool.aux):
             self.engine.register(region.base, region.length)
         self.codec = FrameCodec(self.layout.compat_hash())
-        self.links = LinkPool(self.codec.layout_hash)
+        self.links = LinkPool(self.codec.layout_hash, auth=self.auth)
         self.outbox = Outbox(self.links, name=f"{self.role.value}-{self.rank}")
         self.closing = threading.Event()
         self.metrics = TransferMetrics(bool(server_args.enable_metrics), self.role.value)
-        self.inbox = Inbox(host, self.codec, self._on_message, name=f"sgl-pd-inbox-{self.rank}")
+        self.inbox = Inbox(
+            hosts.bind,
+            self.codec,
+            self._on_message,
+            name=f"sgl-pd-inbox-{self.rank}",
+            advertise_host=hosts.advertise,
+            auth=self.auth,
+        )
 
         clock = SystemClock()
         watched = self._start_role(server_args, clock)
@@ -216,6 +235,11 @@ class SglPdKVManager(BaseKVManager):
             instance=self.instance,
         )
 
+    def ignore(self, message: Message) -> None:
+        """A message this role does not take (a peer's bug, or a hostile one)."""
+        kind = type(message).__name__
+        _ignored.warning(kind, "%s rank ignores %s messages", self.role.value, kind)
+
     def _on_message(self, message: Message) -> None:
         """Inbox thread: heartbeats here, everything else to the role."""
         if isinstance(message, Heartbeat):
@@ -231,6 +255,8 @@ class SglPdKVManager(BaseKVManager):
             return "the messenger's inbox thread stopped: no message from peers arrives"
         if not self.heartbeats.alive:
             return "the liveness thread stopped: lost peers would go unnoticed"
+        if self.outbox.thread_failures:
+            return f"{self.outbox.thread_failures} outbox thread(s) died: messages may be lost"
         return self._role_problem()
 
     def close(self) -> None:

@@ -63,7 +63,7 @@ class PrefillKVManager(SglPdKVManager):
             instance=self.instance,
             registration=self.codec.encode(self.registration),
         )
-        client = RegistryClient(f"prefill-{self.rank}")
+        client = RegistryClient(f"prefill-{self.rank}", auth=self.auth)
         try:
             client.register(
                 self._bootstrap_addr,
@@ -89,9 +89,9 @@ class PrefillKVManager(SglPdKVManager):
         if isinstance(message, TransferRequest):
             self.prefill.on_transfer_request(message)
         elif isinstance(message, Abort):
-            self.prefill.on_abort(message, message.reply_to or None)
+            self.prefill.on_abort(message)
         else:
-            logger.warning("prefill rank ignores %s", type(message).__name__)
+            self.ignore(message)
 
     def _role_problem(self) -> str | None:
         if self.prefill.writers.thread_failures:

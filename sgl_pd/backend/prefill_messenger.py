@@ -39,9 +39,11 @@ from sgl_pd.core.wire import (
     Message,
     TransferRequest,
 )
+from sgl_pd.log_limits import LogLimiter, peer_text
 from sgl_pd.transfer.engine import TransferEngine
 
 logger = logging.getLogger("sgl_pd.prefill")
+_peer_log = LogLimiter(logger)
 
 SendFn = Callable[[str, Message], object]  # (inbox endpoint, message): never blocks
 
@@ -84,7 +86,7 @@ class PrefillMessenger:
         )
         self.writers = DestinationWriters(
             self.rooms,
-            KvWriter(rank, pool, engine, self.layer_group_size, send_to_decoder),
+            KvWriter(rank, instance, pool, engine, self.layer_group_size, send_to_decoder),
             on_failure=self.fail,
             on_drained=self._ack,
             on_bytes=metrics.add_bytes,
@@ -98,11 +100,23 @@ class PrefillMessenger:
         if refused is not None:
             self._tell_decoders([request], refused)
 
-    def on_abort(self, abort: Abort, decoder_inbox: str | None) -> None:
-        """A decoder gave up on a request: stop writing it; ack once nothing is in flight."""
+    def on_abort(self, abort: Abort) -> None:
+        """A decoder gave up on a request: stop writing it; ack once nothing is in flight.
+        An abort from a decode rank that does not own the request is refused."""
         acks = self.rooms.abort(
-            abort.request_id, f"decoder aborted: {abort.reason.value}", decoder_inbox
+            abort.request_id,
+            f"decoder aborted: {abort.reason.value}",
+            abort.reply_to or None,
+            abort.decoder_instance,
         )
+        if acks is None:
+            _peer_log.warning(
+                "abort",
+                "refused an abort of request %d from decode instance %d, which did not ask for it",
+                abort.request_id,
+                abort.decoder_instance,
+            )
+            return
         self._ack(abort.request_id, acks)
 
     # -- scheduler thread -----------------------------------------------------------------
@@ -131,7 +145,7 @@ class PrefillMessenger:
 
     def abort(self, room_id: int, reason: str) -> None:
         """SGLang's own abort: no decoder to ack, but the writes stop all the same."""
-        self.rooms.abort(room_id, reason, None)
+        self.rooms.abort(room_id, reason, None, None)
 
     def forget(self, room_id: int) -> tuple[int, float | None]:
         """Drops a concluded request; returns (bytes sent, seconds from first write to done)."""
@@ -173,7 +187,8 @@ class PrefillMessenger:
     def housekeeping(self) -> None:
         """Deadlines and bounded memory, a few times a second."""
         for room_id, why in self.rooms.expire():
-            logger.warning("request %d: %s", room_id, why)
+            # a flood of forged requests expires in bursts: one line per 10 s tells of it
+            _peer_log.warning("expired", "request %d: %s", room_id, peer_text(why, 300))
             for room in self.rooms.rooms_of([room_id]):
                 self._tell_decoders(list(room.requests.values()), why)
         self.rooms.sweep()
@@ -207,7 +222,10 @@ class PrefillMessenger:
             self._send(
                 request.decoder_inbox,
                 ErrorMsg(
-                    request_id=request.request_id, code=ErrorCode.TRANSFER_FAILED, message=why
+                    request_id=request.request_id,
+                    code=ErrorCode.TRANSFER_FAILED,
+                    message=why[:1000],
+                    sender_instance=self.instance,
                 ),
             )
 

@@ -30,6 +30,9 @@ from sgl_pd.core.wire import TransferRequest
 
 _P = PrefillState
 UNOWNED_GRACE_S = 60.0  # a request no SGLang sender claimed is dropped this long after it ends
+# Requests decoders asked for that SGLang has not seen (yet): in the router flow both sides
+# get a request at about the same time, so a few; more is a peer flooding this rank.
+MAX_UNOWNED_ROOMS = 4096
 
 
 @dataclass(frozen=True)
@@ -132,9 +135,20 @@ class PrefillRooms:
         """A decode rank's destinations. Returns why it is refused, or None."""
         decoder = request.decoder
         with self._lock:
+            if request.request_id not in self._rooms and self._unowned() >= MAX_UNOWNED_ROOMS:
+                return (
+                    f"{MAX_UNOWNED_ROOMS} requests wait for their prefill here already: send"
+                    " each request to the prefill server as well (the router does)"
+                )
             room = self._room(request.request_id)
             if room.error is not None:
                 return room.error
+            held = room.requests.get(decoder.rank)
+            if held is not None and held.decoder.instance != decoder.instance:
+                return (
+                    f"decode rank {decoder.rank} of another instance already asked for"
+                    f" request {room.room}"
+                )
             if room.decoder_tp not in (None, decoder.scheme.tp_size):
                 return (
                     f"decode ranks disagree on TP ({room.decoder_tp} vs {decoder.scheme.tp_size})"
@@ -293,14 +307,23 @@ class PrefillRooms:
             self._end(room, state)
             return list(room.requests.values())
 
-    def abort(self, room_id: int, reason: str, ack_to: str | None) -> set[str]:
-        """A decoder's (or SGLang's) abort. Returns inboxes to drain-ack now; later acks
-        come from `end_write` once the writes in flight ended."""
+    def abort(
+        self, room_id: int, reason: str, ack_to: str | None, decoder_instance: int | None
+    ) -> set[str] | None:
+        """A decoder's abort (`decoder_instance`: the sending decode rank), or SGLang's own
+        (None). Returns inboxes to drain-ack now (later acks come from `end_write` once the
+        writes in flight ended), or None when refused: other decode ranks asked for it."""
         with self._lock:
             room = self._rooms.get(room_id)
+            owners = {q.decoder.instance for q in room.requests.values()} if room else set()
+            if decoder_instance is not None and owners and decoder_instance not in owners:
+                return None
             if room is None:
                 # Nothing of it is or will be in flight. Remember it failed, so that the
-                # router's copy, if it comes later, fails at once instead of waiting.
+                # router's copy, if it comes later, fails at once instead of waiting
+                # (unless too many such records exist: then that copy times out).
+                if self._unowned() >= MAX_UNOWNED_ROOMS:
+                    return {ack_to} if ack_to else set()
                 room = self._room(room_id)
                 room.error = reason
                 self._end(room, _P.ABORTED)
@@ -409,6 +432,9 @@ class PrefillRooms:
             room = self._rooms[room_id] = Room(room_id, self._clock.monotonic())
             self._states.add(room_id)
         return room
+
+    def _unowned(self) -> int:
+        return sum(1 for r in self._rooms.values() if not r.owned)
 
     def _live(self, room: Room) -> bool:
         return not PREFILL_TABLE.is_final(self._states.state(room.room))

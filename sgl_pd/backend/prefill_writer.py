@@ -57,12 +57,14 @@ class KvWriter:
     def __init__(
         self,
         rank: int,
+        instance: int,
         pool: PoolDescription,
         engine: TransferEngine,
         layer_group_size: int,
         send: SendFn,
     ) -> None:
         self.rank = rank
+        self.instance = instance
         self.pool = pool
         self.layout = pool.layout
         self.layer_group_size = layer_group_size
@@ -121,6 +123,7 @@ class KvWriter:
                 token_stop=max(1, room.tokens_planned),
                 page_ids=(),
                 is_last=True,
+                prefill_instance=self.instance,
             ),
         )
         return sent

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import math
 import os
+import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,6 +176,16 @@ class PdCluster:
     bootstrap_port: int
 
 
+def write_cluster_secret(path: Path) -> Path:
+    """A fresh random cluster secret in `path`, readable by this user only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    os.chmod(path, 0o600)  # O_CREAT's mode applies only to a new file
+    return path
+
+
 def pd_server_args(role: str, bootstrap_port: int | None = None) -> list[str]:
     """SGLang's own flags that make a server one side of an sgl_pd pair."""
     args = ["--disaggregation-mode", role, "--disaggregation-transfer-backend", "sgl_pd"]
@@ -255,16 +266,19 @@ def pd_cluster(
     """
     patience = patience if patience is not None else local_patience()
     prefill_port, decode_port, bootstrap_port, router_port, metrics_port = free_ports(5)
+    secret = ("--pd-auth-secret-file", str(write_cluster_secret(log_dir / "cluster.secret")))
     prefill = ManagedProcess(
         "prefill",
         server_argv(
-            model, prefill_port, [*pd_server_args("prefill", bootstrap_port), *prefill_extra]
+            model,
+            prefill_port,
+            [*pd_server_args("prefill", bootstrap_port), *secret, *prefill_extra],
         ),
         log_dir / "prefill.log",
     )
     decode = ManagedProcess(
         "decode",
-        server_argv(model, decode_port, [*pd_server_args("decode"), *decode_extra]),
+        server_argv(model, decode_port, [*pd_server_args("decode"), *secret, *decode_extra]),
         log_dir / "decode.log",
     )
     prefill_url, decode_url = f"http://{HOST}:{prefill_port}", f"http://{HOST}:{decode_port}"

@@ -37,16 +37,21 @@ from sgl_pd.core.regions import Region
 from sgl_pd.core.sharding import ShardingScheme
 from sgl_pd.errors import SglPdError
 
-PROTOCOL_VERSION = 2  # 2: count words, drain acks, heartbeat echoes, self-describing requests
+# 2: count words, drain acks, heartbeat echoes, self-describing requests
+# 3: senders named in Abort, ErrorMsg and ChunkNotice (ownership checks), bounded requests
+PROTOCOL_VERSION = 3
 MAGIC = b"SGPD"
 MAX_BODY_BYTES = 64 << 20  # a 1M-token prompt with its page table stays far below this
 _HEADER = struct.Struct("<4sHHQII")
 HEADER_BYTES = _HEADER.size  # 24
+MAX_FRAME_BYTES = HEADER_BYTES + MAX_BODY_BYTES  # what a listener lets ZMQ receive
 
 U32 = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at 2**64 - 1
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
 Positive = Annotated[int, msgspec.Meta(ge=1, lt=1 << 32)]
+MAX_TEXT = 256  # characters of a free-text or address field a peer may send
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 
 
 class Role(enum.Enum):
@@ -62,6 +67,8 @@ class ErrorCode(enum.Enum):
     TRANSFER_FAILED = "transfer_failed"
     INTERNAL = "internal"
     NOT_READY = "not_ready"  # prefill ranks still starting (not all registered); retry
+    CONFLICT = "conflict"  # another live instance holds that identity; do not retry
+    NOT_OWNER = "not_owner"  # the sender does not own the request it names
 
 
 class AbortReason(enum.Enum):
@@ -108,8 +115,8 @@ class ShardRegistration(_Message, tag="register", frozen=True):
     role: Role
     rank: Rank
     scheme: ShardingScheme
-    session: str  # transfer engine session id, "host:port"
-    inbox: str  # ZMQ endpoint of this rank's inbox, "tcp://host:port"
+    session: Text  # transfer engine session id, "host:port"
+    inbox: Text  # ZMQ endpoint of this rank's inbox, "tcp://host:port"
     instance: U64  # random per process start: a new one for the same (role, rank) = restart
     layout: KvLayout
     num_pages: U32
@@ -153,7 +160,7 @@ class PrefillRequest(_Message, tag="prefill", frozen=True):
     sampling: SamplingParams
     dst_pages: tuple[U32, ...]  # decoder page per logical page of the prompt
     decoder: ShardingScheme
-    decoder_sessions: tuple[str, ...]  # session of each decoder rank
+    decoder_sessions: tuple[Text, ...]  # session of each decoder rank
     metadata_slot: U32
     completion_slot: U32
 
@@ -173,6 +180,7 @@ class ChunkNotice(_Message, tag="chunk", frozen=True):
     token_stop: U32
     page_ids: tuple[U32, ...]  # destination pages the chunk touches
     is_last: bool
+    prefill_instance: U64  # the sending prefill rank: only a rank that was asked counts
 
     def __post_init__(self) -> None:
         if self.token_start >= self.token_stop:
@@ -180,16 +188,24 @@ class ChunkNotice(_Message, tag="chunk", frozen=True):
 
 
 class Abort(_Message, tag="abort", frozen=True):
+    """Decode rank -> prefill rank: stop writing this request. Obeyed only from the decode
+    rank that asked for the request's pages (or, before any did, from the first to speak
+    of it: the prefill rank then refuses the others' requests for it)."""
+
     request_id: U64
     reason: AbortReason
-    detail: str = ""
-    reply_to: str = ""  # inbox owed an `AbortAck` once nothing is in flight; "" for none
+    decoder_instance: U64  # the sending decode rank's `ShardRegistration.instance`
+    detail: Text = ""
+    reply_to: Text = ""  # the inbox owed an `AbortAck` once nothing is in flight; "": none
 
 
 class ErrorMsg(_Message, tag="error", frozen=True):
     request_id: U64 | None  # None: about the connection, not one request
     code: ErrorCode
-    message: str
+    message: Annotated[str, msgspec.Meta(max_length=4 * MAX_TEXT)]
+    # The prefill rank that reports it (a decoder obeys only ranks it asked); None from a
+    # registry, whose answers come on the asker's own connection.
+    sender_instance: U64 | None = None
 
 
 class AbortAck(_Message, tag="abort_ack", frozen=True):
@@ -205,13 +221,13 @@ class AbortAck(_Message, tag="abort_ack", frozen=True):
 class Heartbeat(_Message, tag="heartbeat", frozen=True):
     """A liveness ping; the receiver answers with a `HeartbeatAck` to `sender`."""
 
-    sender: str  # the pinging rank's inbox endpoint
+    sender: Text  # the pinging rank's inbox endpoint
     seq: U64
     time_s: float  # sender's monotonic clock, seconds
 
 
 class HeartbeatAck(_Message, tag="heartbeat_ack", frozen=True):
-    sender: str  # the answering rank's inbox endpoint (the one that was pinged)
+    sender: Text  # the answering rank's inbox endpoint (the one that was pinged)
     seq: U64  # the ping's sequence number
     time_s: float  # the ping's time, echoed: the pinger measures its round trip
 
@@ -242,7 +258,7 @@ class RegisterAck(_Message, tag="register_ack", frozen=True):
 
 
 class RegistryQuery(_Message, tag="registry_query", frozen=True):
-    sender: str  # who asks, for the registry's log
+    sender: Text  # who asks, for the registry's log
 
 
 class RegistryReply(_Message, tag="registry_reply", frozen=True):
@@ -267,8 +283,25 @@ class TransferRequest(_Message, tag="transfer", frozen=True):
     completion_slot: U32
 
     def __post_init__(self) -> None:
-        if self.decoder.role is not Role.DECODE or self.decoder.completion is None:
+        decoder = self.decoder
+        if decoder.role is not Role.DECODE or decoder.completion is None:
             raise InvalidMessage("a transfer request carries a decode rank's registration")
+        # Every index is checked against what the decode rank registered (its pool).
+        if len(self.dst_pages) > decoder.num_pages:
+            raise InvalidMessage(
+                f"{len(self.dst_pages)} destination pages, the decoder has {decoder.num_pages}"
+            )
+        if self.dst_pages and max(self.dst_pages) >= decoder.num_pages:
+            raise InvalidMessage(f"a destination page is outside the decoder's {decoder.num_pages}")
+        if self.completion_slot >= decoder.completion.num_slots:
+            raise InvalidMessage(
+                f"completion slot {self.completion_slot} outside the decoder's"
+                f" {decoder.completion.num_slots}"
+            )
+        if decoder.metadata is not None and self.metadata_slot >= decoder.metadata.rows:
+            raise InvalidMessage(
+                f"metadata slot {self.metadata_slot} outside the decoder's {decoder.metadata.rows}"
+            )
 
     @property
     def decoder_inbox(self) -> str:
@@ -291,6 +324,15 @@ Message = (
     | RegistryReply
     | TransferRequest
 )
+
+
+def frame_layout_hash(frame: bytes | bytearray | memoryview) -> int:
+    """The layout hash a frame was encoded with (read from its header, nothing checked):
+    lets a party that does not know the model decode a frame with the matching codec."""
+    data = memoryview(frame).cast("B")
+    if len(data) < HEADER_BYTES:
+        raise TruncatedFrame(f"frame of {len(data)} bytes, a header needs {HEADER_BYTES}")
+    return int(_HEADER.unpack_from(data)[3])
 
 
 class FrameCodec:

@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
+from sgl_pd.log_limits import LogLimiter
 from sgl_pd.messenger.errors import AddressInUse, BindError, InvalidAddress
+
+if TYPE_CHECKING:
+    from sgl_pd.messenger.auth import ClusterAuth
 
 # pyzmq's sockets and contexts are generic in what recv returns; ours return bytes.
 ZmqSocket = zmq.Socket[bytes]
 ZmqContext = zmq.Context[ZmqSocket]
 
 POLL_S = 0.1  # seconds a socket thread waits for input before it checks its stop event
+# A connection closed before its greeting (a TCP probe such as `probe.listener_gone`)
+# fails with NO_DETAIL; it is no refusal worth a warning.
+_HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+_refusals = LogLimiter(logging.getLogger(__name__))
 
 
 def tcp_endpoint(addr: str) -> str:
@@ -62,27 +71,95 @@ class ContextOwner:
 class RouterThread:
     """A ROUTER socket bound on the constructing thread (so a bind error reaches the
     caller), then used and closed only by one named thread running `_run(sock)`, which
-    must return soon after `_stop` is set. Subclasses set their own state, then `_start`."""
+    must return soon after `_stop` is set and wait for input with `_wait_input`.
+    Subclasses set their own state, then `_start`.
+
+    With `auth`, the socket is a CURVE server of the cluster (`messenger.auth`) and its
+    context, always its own, gets a ZAP responder that this same thread answers; refused
+    handshakes are counted (`refused_handshakes`). `max_message_bytes` is enforced by ZMQ
+    as a message arrives: a bigger one drops the connection before it is buffered.
+    """
 
     def __init__(
-        self, host: str, port: int, context: ZmqContext | None, rcv_hwm: int | None = None
+        self,
+        host: str,
+        port: int,
+        context: ZmqContext | None,
+        *,
+        max_message_bytes: int,
+        rcv_hwm: int | None = None,
+        auth: ClusterAuth | None = None,
     ) -> None:
         """Binds tcp://host:port (0: a free port). Raises `AddressInUse` / `BindError`."""
+        if auth is not None and context is not None:
+            raise ValueError("an authenticating listener owns its context (one ZAP handler each)")
         self._ctx = ContextOwner(context)
         sock = self._ctx.context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         if rcv_hwm is not None:
             sock.setsockopt(zmq.RCVHWM, rcv_hwm)
+        from sgl_pd.messenger.auth import ZapResponder  # it needs this module's types
+
+        self._zap: ZapResponder | None = None
+        self._monitor: ZmqSocket | None = None
         try:
+            if auth is not None:
+                self._zap = ZapResponder(self._ctx.context, auth)
+                auth.make_server(sock)
+                self._monitor = sock.get_monitor_socket(_HANDSHAKE_FAILURES)
             self._port = bind(sock, host, port)
         except BaseException:
-            sock.close(linger=0)
+            self._close_sockets(sock)
             self._ctx.release()
             raise
         self._sock = sock
+        self._poller = zmq.Poller()
+        for s in (sock, self._zap.socket if self._zap else None, self._monitor):
+            if s is not None:
+                self._poller.register(s, zmq.POLLIN)
+        self._refused_handshakes = 0  # written by the thread only
         self._stop = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
+
+    @property
+    def refused_handshakes(self) -> int:
+        """Connections refused in the CURVE handshake (no or another cluster secret)."""
+        return self._refused_handshakes
+
+    def _wait_input(self, sock: ZmqSocket) -> bool:
+        """Thread only: waits up to POLL_S; answers ZAP requests and monitor events that
+        arrive meanwhile; True when `sock` has a message."""
+        ready = dict(self._poller.poll(int(POLL_S * 1000)))
+        if self._zap is not None and self._zap.socket in ready:
+            self._zap.answer()
+        if self._monitor is not None and self._monitor in ready:
+            self._on_monitor_event(self._monitor)
+        return sock in ready
+
+    def _on_monitor_event(self, monitor: ZmqSocket) -> None:
+        try:
+            event = recv_monitor_message(monitor, zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        if event["event"] & _HANDSHAKE_FAILURES:
+            self._refused_handshakes += 1
+            _refusals.warning(
+                f"handshake:{self._port}",
+                "listener on port %d refused a connection in its handshake (%d so far): the"
+                " peer lacks this cluster's secret (--pd-auth-secret-file), or is not sgl_pd",
+                self._port,
+                self._refused_handshakes,
+            )
+
+    def _close_sockets(self, sock: ZmqSocket) -> None:
+        if self._monitor is not None:
+            sock.disable_monitor()
+            self._monitor.close(linger=0)
+        sock.close(linger=0)
+        if self._zap is not None:
+            self._zap.close()
 
     @property
     def alive(self) -> bool:

@@ -18,12 +18,14 @@ from collections.abc import Callable
 import zmq
 
 from sgl_pd.core.errors import WireError
-from sgl_pd.core.wire import FrameCodec, Message
-from sgl_pd.messenger._sockets import POLL_S, RouterThread, ZmqContext, ZmqSocket
+from sgl_pd.core.wire import MAX_FRAME_BYTES, FrameCodec, Message
+from sgl_pd.log_limits import LogLimiter, peer_text
+from sgl_pd.messenger._sockets import RouterThread, ZmqContext, ZmqSocket
+from sgl_pd.messenger.auth import ClusterAuth
 
 logger = logging.getLogger(__name__)
 
-RCV_HWM = 10_000  # messages queued before ZMQ drops new ones for a slow inbox thread
+RCV_HWM = 1000  # messages queued before ZMQ drops new ones for a slow inbox thread
 _LOUD_BAD_FRAMES = 10  # log every bad frame up to here, then one in _QUIET_EVERY
 _QUIET_EVERY = 1000
 
@@ -46,17 +48,22 @@ class Inbox(RouterThread):
         name: str,
         *,
         advertise_host: str | None = None,
+        auth: ClusterAuth | None = None,
         context: ZmqContext | None = None,
     ) -> None:
         """`codec` is used only by the inbox thread afterwards. `advertise_host` goes into
-        `endpoint` when `host` is a wildcard such as 0.0.0.0. Raises `BindError`."""
-        super().__init__(host, 0, context, rcv_hwm=RCV_HWM)
+        `endpoint` when `host` is a wildcard such as 0.0.0.0. With `auth`, only members
+        of the cluster can connect (`messenger.auth`). Raises `BindError`."""
+        super().__init__(
+            host, 0, context, max_message_bytes=MAX_FRAME_BYTES, rcv_hwm=RCV_HWM, auth=auth
+        )
         self._name = name
         self._codec = codec
         self._on_message = on_message
         self._endpoint = f"tcp://{advertise_host or host}:{self._port}"
         self._bad_frames = 0  # written by the inbox thread only
         self._handler_errors = 0  # written by the inbox thread only
+        self._handler_log = LogLimiter(logger)
         self._start(f"sgl-pd-inbox-{name}")
 
     @property
@@ -79,7 +86,7 @@ class Inbox(RouterThread):
     def _run(self, sock: ZmqSocket) -> None:
         try:
             while not self._stop.is_set():
-                if not sock.poll(int(POLL_S * 1000), zmq.POLLIN):
+                if not self._wait_input(sock):
                     continue
                 # Drain what is queued, but look at the stop event between bursts.
                 for _ in range(1000):
@@ -91,7 +98,7 @@ class Inbox(RouterThread):
         except zmq.ZMQError:
             logger.exception("inbox %s: socket failed; no more messages will arrive", self._name)
         finally:
-            sock.close(linger=0)
+            self._close_sockets(sock)
 
     def _deliver(self, parts: list[zmq.Frame]) -> None:
         # ROUTER prepends the sender's identity; a Link sends exactly one frame.
@@ -103,11 +110,23 @@ class Inbox(RouterThread):
         except WireError as e:
             self._bad_frame(parts[1], str(e))
             return
+        except Exception as e:  # a decoder bug must not end the inbox thread
+            self._bad_frame(parts[1], f"undecodable: {e!r}")
+            return
         try:
             self._on_message(msg)
         except Exception:
             self._handler_errors += 1
-            logger.exception("inbox %s: handler failed on %s", self._name, type(msg).__name__)
+            kind = type(msg).__name__
+            self._handler_log.log(
+                logging.ERROR,
+                kind,
+                "inbox %s: handler failed on %s (%d so far)",
+                self._name,
+                kind,
+                self._handler_errors,
+                exc_info=True,
+            )
 
     def _bad_frame(self, frame: zmq.Frame, why: str) -> None:
         self._bad_frames += 1
@@ -118,5 +137,5 @@ class Inbox(RouterThread):
                 self._name,
                 _peer_address(frame),
                 n,
-                why,
+                peer_text(why),
             )

@@ -27,12 +27,18 @@ class KeyedWorkers(Generic[T]):
         name: str,
         *,
         max_queued: int = 0,
+        max_keys: int = 0,
         idle_exit_s: float = 30.0,
+        on_retire: Callable[[str], None] | None = None,
     ) -> None:
         """`handle(key, item)` runs on the key's thread; an exception it lets out is logged
         and kills that thread (counted in `thread_failures`), the next item starts a new
-        one. `max_queued`: items waiting per key before `put` refuses (0: no limit)."""
+        one. `max_queued`: items waiting per key before `put` refuses (0: no limit);
+        `max_keys`: keys with a thread at once before `put` refuses a new one (0: no
+        limit). `on_retire(key)` runs on a key's thread when it exits idle."""
         self._handle = handle
+        self._max_keys = max_keys
+        self._on_retire = on_retire
         self._name = name
         self._max_queued = max_queued
         self._idle_exit_s = idle_exit_s
@@ -49,6 +55,8 @@ class KeyedWorkers(Generic[T]):
                 return False
             q = self._queues.get(key)
             if q is None:
+                if self._max_keys and len(self._queues) >= self._max_keys:
+                    return False
                 q = self._queues[key] = queue.Queue(self._max_queued)
                 thread = threading.Thread(
                     target=self._run, args=(key, q), name=self._name, daemon=True
@@ -86,11 +94,14 @@ class KeyedWorkers(Generic[T]):
                     item = q.get(timeout=self._idle_exit_s)
                 except queue.Empty:
                     with self._lock:
-                        if q.empty():  # nothing raced in: retire this key's thread
-                            if self._queues.get(key) is q:
-                                del self._queues[key]
-                            return
-                    continue
+                        retire = q.empty()  # nothing raced in: retire this key's thread
+                        if retire and self._queues.get(key) is q:
+                            del self._queues[key]
+                    if not retire:
+                        continue
+                    if self._on_retire is not None:
+                        self._on_retire(key)
+                    return
                 if item is None:
                     return
                 self._handle(key, item)

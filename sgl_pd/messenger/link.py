@@ -16,6 +16,7 @@ import zmq
 
 from sgl_pd.core.wire import FrameCodec, Message
 from sgl_pd.messenger._sockets import ContextOwner, ZmqContext, ZmqSocket
+from sgl_pd.messenger.auth import ClusterAuth
 from sgl_pd.messenger.errors import InvalidAddress, MessengerClosed, PeerUnreachable
 
 logger = logging.getLogger(__name__)
@@ -38,9 +39,11 @@ class Link:
         *,
         send_timeout_s: float = SEND_TIMEOUT_S,
         hwm: int = SND_HWM,
+        auth: ClusterAuth | None = None,
         context: ZmqContext | None = None,
     ) -> None:
-        """`codec` is used only under this link's lock: do not share it with other threads."""
+        """`codec` is used only under this link's lock: do not share it with other threads.
+        With `auth` the link is a CURVE client of the cluster (`messenger.auth`)."""
         self._endpoint = endpoint
         self._codec = codec
         self._send_timeout_s = send_timeout_s
@@ -59,6 +62,8 @@ class Link:
             (zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS),
         ):
             sock.setsockopt(opt, value)
+        if auth is not None:
+            auth.make_client(sock)
         try:
             sock.connect(endpoint)
         except zmq.ZMQError as e:
@@ -108,9 +113,11 @@ class LinkPool:
         *,
         send_timeout_s: float = SEND_TIMEOUT_S,
         hwm: int = SND_HWM,
+        auth: ClusterAuth | None = None,
         context: ZmqContext | None = None,
     ) -> None:
         self._layout_hash = layout_hash
+        self._auth = auth
         self._send_timeout_s = send_timeout_s
         self._hwm = hwm
         self._ctx = ContextOwner(context)
@@ -129,6 +136,7 @@ class LinkPool:
                     FrameCodec(self._layout_hash),  # one per link: codecs are not thread-safe
                     send_timeout_s=self._send_timeout_s,
                     hwm=self._hwm,
+                    auth=self._auth,
                     context=self._ctx.context,
                 )
                 self._links[endpoint] = link

@@ -27,6 +27,7 @@ from sgl_pd.core.errors import WireError
 from sgl_pd.core.wire import FrameCodec, Role, ShardRegistration
 from sgl_pd.errors import SglPdError
 from sgl_pd.messenger._sockets import POLL_S, tcp_endpoint
+from sgl_pd.messenger.auth import ClusterAuth
 from sgl_pd.messenger.errors import BootstrapError, BootstrapTimeout, MessengerClosed
 from sgl_pd.messenger.registry import QUERY_TIMEOUT_S, RETRY_INTERVAL_S, RegistryClient
 
@@ -80,13 +81,14 @@ class PeerDirectory:
         retry_backoff_s: float = RETRY_BACKOFF_S,
         workers: int = WORKERS,
         name: str = "decode",
+        auth: ClusterAuth | None = None,
     ) -> None:
         """`layout_hash`: this decoder's `KvLayout.compat_hash()`; registrations of another
         layout fail with `LayoutMismatch`. Without `client` the directory makes (and
-        closes) a `RegistryClient` of its own."""
+        closes) a `RegistryClient` of its own, authenticated with `auth`."""
         self._layout_hash = layout_hash
         self._own_client = client is None
-        self._client: RegistryQuerier = client or RegistryClient(f"{name}-peers")
+        self._client: RegistryQuerier = client or RegistryClient(f"{name}-peers", auth=auth)
         self._clock = clock or SystemClock()
         self._query_timeout_s = query_timeout_s
         self._retry_interval_s = retry_interval_s

@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 
 from sgl_pd.core.clock import Clock, SystemClock
 from sgl_pd.core.errors import WireError
 from sgl_pd.core.wire import (
+    HEADER_BYTES,
+    MAX_FRAME_BYTES,
     REGISTRY_LAYOUT_HASH,
     ErrorCode,
     ErrorMsg,
@@ -32,7 +36,12 @@ from sgl_pd.core.wire import (
     RegisterShard,
     RegistryQuery,
     RegistryReply,
+    Role,
+    ShardRegistration,
+    frame_layout_hash,
 )
+from sgl_pd.errors import SglPdError
+from sgl_pd.log_limits import LogLimiter, peer_text
 from sgl_pd.messenger._sockets import (
     POLL_S,
     ContextOwner,
@@ -41,12 +50,14 @@ from sgl_pd.messenger._sockets import (
     ZmqSocket,
     tcp_endpoint,
 )
+from sgl_pd.messenger.auth import ClusterAuth
 from sgl_pd.messenger.errors import (
     BootstrapError,
     BootstrapTimeout,
     InvalidAddress,
     MessengerClosed,
 )
+from sgl_pd.messenger.probe import listener_gone
 
 logger = logging.getLogger(__name__)
 
@@ -54,19 +65,40 @@ REGISTER_TIMEOUT_S = 60.0  # a prefill rank waits this long for its server's reg
 QUERY_TIMEOUT_S = 30.0  # a decode rank waits this long for all prefill ranks of a server
 RETRY_INTERVAL_S = 0.5  # pause after a NOT_READY answer before asking again
 ATTEMPT_TIMEOUT_S = 2.0  # one attempt waits this long for a reply before a fresh one
+MAX_REGISTRATION_BYTES = 1 << 20  # one rank's registration frame (a few KiB in practice)
+MAX_REGISTRY_FRAME_BYTES = MAX_REGISTRATION_BYTES + 4096  # what the registry lets ZMQ receive
+# all ranks' registrations together, so that a reply always fits in one frame
+MAX_REPLY_REGISTRATIONS_BYTES = MAX_FRAME_BYTES - HEADER_BYTES - (1 << 16)
 
 
 class RegistryServer(RouterThread):
     """Answers `RegisterShard` with `RegisterAck` and `RegistryQuery` with `RegistryReply`
-    (or `ErrorMsg(NOT_READY)` until every rank of the announced TP size registered)."""
+    (or `ErrorMsg(NOT_READY)` until every rank of the announced TP size registered).
 
-    def __init__(self, host: str, port: int, *, context: ZmqContext | None = None) -> None:
-        """Binds tcp://host:port (0: a free port). Raises `AddressInUse` / `BindError`."""
-        super().__init__(host, port, context)
+    Who may hold a rank: the instance that registered it. Another instance (a restarted
+    process, or a second server pointed at the same port by mistake) replaces it only
+    once the holder's inbox refuses connections, i.e. the old process is gone; until
+    then it is refused with `CONFLICT`. The same rule guards a change of TP size.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        auth: ClusterAuth | None = None,
+        context: ZmqContext | None = None,
+        is_gone: Callable[[str], bool] = listener_gone,
+    ) -> None:
+        """Binds tcp://host:port (0: a free port). Raises `AddressInUse` / `BindError`.
+        With `auth`, only members of the cluster can register or query."""
+        super().__init__(host, port, context, max_message_bytes=MAX_REGISTRY_FRAME_BYTES, auth=auth)
         self._host = host
+        self._is_gone = is_gone
         self._codec = FrameCodec(REGISTRY_LAYOUT_HASH)  # registry thread only
-        self._shards: dict[int, RegisterShard] = {}  # by rank; registry thread only
+        self._shards: dict[int, _Shard] = {}  # by rank; registry thread only
         self._bad_frames = 0  # written by the registry thread only
+        self._log = LogLimiter(logger)
         self._start(f"sgl-pd-registry-{self._port}")
 
     @property
@@ -87,24 +119,49 @@ class RegistryServer(RouterThread):
     def _run(self, sock: ZmqSocket) -> None:
         try:
             while not self._stop.is_set():
-                if not sock.poll(int(POLL_S * 1000), zmq.POLLIN):
+                if not self._wait_input(sock):
                     continue
-                parts = sock.recv_multipart(zmq.NOBLOCK)
-                if len(parts) != 2:
-                    self._bad_frames += 1
-                    logger.warning("registry %s: %d-part message dropped", self.address, len(parts))
-                    continue
-                ident, frame = parts
-                reply = self._answer(frame)
                 try:
-                    # ROUTER drops a reply to a client that is gone; never blocks.
-                    sock.send_multipart([ident, self._codec.encode(reply)], zmq.NOBLOCK)
-                except zmq.Again:
-                    logger.warning("registry %s: reply dropped, client too slow", self.address)
+                    self._serve_one(sock)
+                except zmq.ZMQError:
+                    raise
+                except Exception:  # whatever a peer sent, the registry keeps answering
+                    self._log.log(
+                        logging.ERROR,
+                        "bug",
+                        "registry %s: request failed",
+                        self.address,
+                        exc_info=True,
+                    )
         except zmq.ZMQError:
             logger.exception("registry %s: socket failed; the registry stopped", self.address)
         finally:
-            sock.close(linger=0)
+            self._close_sockets(sock)
+
+    def _serve_one(self, sock: ZmqSocket) -> None:
+        try:
+            parts = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        if len(parts) != 2:
+            self._bad_frames += 1
+            self._log.warning(
+                "parts", "registry %s: %d-part message dropped", self.address, len(parts)
+            )
+            return
+        ident, frame = parts
+        reply = self._answer(frame)
+        try:
+            encoded = self._codec.encode(reply)
+        except SglPdError as e:  # cannot happen within the size checks; answer anyway
+            encoded = self._codec.encode(
+                ErrorMsg(request_id=None, code=ErrorCode.INTERNAL, message=str(e)[:200])
+            )
+        try:
+            # ROUTER drops a reply to a client that is gone; never blocks.
+            sock.send_multipart([ident, encoded], zmq.NOBLOCK)
+        except zmq.Again:
+            self._log.warning("slow", "registry %s: reply dropped, client too slow", self.address)
 
     def _answer(self, frame: bytes) -> Message:
         try:
@@ -112,36 +169,56 @@ class RegistryServer(RouterThread):
         except WireError as e:
             # The asker decodes our ErrorMsg, or sees our protocol version if it differs.
             self._bad_frames += 1
-            logger.warning("registry %s: bad frame: %s", self.address, e)
-            return ErrorMsg(request_id=None, code=ErrorCode.BAD_REQUEST, message=str(e))
+            self._log.warning("frame", "registry %s: bad frame: %s", self.address, peer_text(e))
+            return _refusal(ErrorCode.BAD_REQUEST, str(e))
         if isinstance(msg, RegisterShard):
             return self._register(msg)
         if isinstance(msg, RegistryQuery):
             return self._reply(msg)
-        return ErrorMsg(
-            request_id=None,
-            code=ErrorCode.BAD_REQUEST,
-            message="a registry answers register_shard and registry_query,"
-            f" not {type(msg).__name__}",
+        return _refusal(
+            ErrorCode.BAD_REQUEST,
+            f"a registry answers register_shard and registry_query, not {type(msg).__name__}",
         )
 
-    def _register(self, msg: RegisterShard) -> RegisterAck:
-        stale = [r for r, s in self._shards.items() if s.tp_size != msg.tp_size]
-        if stale:
-            # The prefill server was relaunched with another TP size: the newest one wins.
-            logger.warning(
-                "registry %s: rank %d registers with TP %d; forgetting ranks %s of another TP",
-                self.address,
-                msg.rank,
-                msg.tp_size,
-                stale,
+    def _register(self, msg: RegisterShard) -> RegisterAck | ErrorMsg:
+        try:
+            reg = _registration_of(msg)
+        except SglPdError as e:
+            self._log.warning("invalid", "registry %s: %s", self.address, peer_text(e))
+            return _refusal(ErrorCode.BAD_REQUEST, str(e))
+        # Ranks this registration would replace: the same rank, or any rank of another TP.
+        displaced = [
+            s
+            for r, s in self._shards.items()
+            if s.instance != msg.instance and (r == msg.rank or s.tp_size != msg.tp_size)
+        ]
+        alive = [s for s in displaced if not self._is_gone(s.inbox)]
+        if alive:
+            held = ", ".join(f"rank {s.rank} of TP {s.tp_size} at {s.inbox}" for s in alive)
+            why = (
+                f"prefill {held} is registered by another running instance: stop it first"
+                " (or give this server another --disaggregation-bootstrap-port)"
             )
-            for r in stale:
-                del self._shards[r]
-        old = self._shards.get(msg.rank)
-        if old is not None and old.instance != msg.instance:
-            logger.info("registry %s: prefill rank %d restarted", self.address, msg.rank)
-        self._shards[msg.rank] = msg
+            self._log.warning(
+                "conflict", "registry %s: refused rank %d: %s", self.address, msg.rank, why
+            )
+            return _refusal(ErrorCode.CONFLICT, why)
+        kept = {r: s for r, s in self._shards.items() if s not in displaced and r != msg.rank}
+        total = sum(len(s.frame) for s in kept.values()) + len(msg.registration)
+        if total > MAX_REPLY_REGISTRATIONS_BYTES:
+            return _refusal(
+                ErrorCode.BAD_REQUEST,
+                f"registrations would total {total} bytes, over {MAX_REPLY_REGISTRATIONS_BYTES}",
+            )
+        for s in displaced:
+            logger.info(
+                "registry %s: prefill rank %d of TP %d was restarted or replaced",
+                self.address,
+                s.rank,
+                s.tp_size,
+            )
+        kept[msg.rank] = _Shard(msg.rank, msg.tp_size, msg.instance, reg.inbox, msg.registration)
+        self._shards = kept
         return RegisterAck(rank=msg.rank)
 
     def _reply(self, msg: RegistryQuery) -> RegistryReply | ErrorMsg:
@@ -153,11 +230,48 @@ class RegistryServer(RouterThread):
                 code=ErrorCode.NOT_READY,
                 message=f"prefill ranks {have} of TP {tp_size or '?'} registered so far",
             )
-        logger.debug("registry %s: registrations sent to %s", self.address, msg.sender)
+        logger.debug("registry %s: registrations sent to %s", self.address, peer_text(msg.sender))
         return RegistryReply(
             tp_size=tp_size,
-            registrations=tuple(self._shards[r].registration for r in range(tp_size)),
+            registrations=tuple(self._shards[r].frame for r in range(tp_size)),
         )
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """One registered prefill rank, as the registry keeps it."""
+
+    rank: int
+    tp_size: int
+    instance: int
+    inbox: str
+    frame: bytes  # its ShardRegistration frame, passed on to decoders as is
+
+
+def _refusal(code: ErrorCode, why: str) -> ErrorMsg:
+    return ErrorMsg(request_id=None, code=code, message=why[:500])
+
+
+def _registration_of(msg: RegisterShard) -> ShardRegistration:
+    """The registration a `RegisterShard` carries, checked against what it claims."""
+    frame = msg.registration
+    if len(frame) > MAX_REGISTRATION_BYTES:
+        raise BootstrapError(f"a registration of {len(frame)} bytes, over {MAX_REGISTRATION_BYTES}")
+    reg = FrameCodec(frame_layout_hash(frame)).decode(frame)
+    if not isinstance(reg, ShardRegistration):
+        raise BootstrapError(f"register_shard carries a {type(reg).__name__}, not a registration")
+    if (reg.role, reg.rank, reg.scheme.tp_size, reg.instance) != (
+        Role.PREFILL,
+        msg.rank,
+        msg.tp_size,
+        msg.instance,
+    ):
+        raise BootstrapError(
+            f"register_shard for prefill rank {msg.rank} of TP {msg.tp_size} carries the"
+            f" registration of {reg.role.value} rank {reg.rank} of TP {reg.scheme.tp_size}"
+            " (or of another instance)"
+        )
+    return reg
 
 
 class RegistryClient:
@@ -175,10 +289,14 @@ class RegistryClient:
         *,
         clock: Clock | None = None,
         attempt_timeout_s: float = ATTEMPT_TIMEOUT_S,
+        auth: ClusterAuth | None = None,
         context: ZmqContext | None = None,
     ) -> None:
-        """`name` identifies this process in the registry's log (RegistryQuery.sender)."""
+        """`name` identifies this process in the registry's log (RegistryQuery.sender).
+        With `auth`, the registry must be a member of the cluster (else no answer comes,
+        and calls end in `BootstrapTimeout`)."""
         self._name = name
+        self._auth = auth
         self._clock = clock or SystemClock()
         self._attempt_timeout_s = attempt_timeout_s
         self._ctx = ContextOwner(context)
@@ -283,6 +401,9 @@ class RegistryClient:
         sock = self._ctx.context.socket(zmq.DEALER)
         try:
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            if self._auth is not None:
+                self._auth.make_client(sock)
             try:
                 sock.connect(endpoint)
                 # Not connected yet: ZMQ keeps the frame on the new pipe and sends it once
@@ -328,5 +449,6 @@ class RegistryClient:
         return (
             f"no answer from a prefill registry at {addr} within {timeout_s} s (to {what}):"
             f" check that the prefill server is up and that {addr} is its bootstrap address"
-            " (--disaggregation-bootstrap-port)"
+            " (--disaggregation-bootstrap-port), and that both use the same cluster secret"
+            " (--pd-auth-secret-file)"
         )

@@ -16,6 +16,7 @@ class TransportProtocol(enum.Enum):
 
 
 METADATA_P2P = "P2PHANDSHAKE"  # peers exchange segment descriptors directly, no etcd
+_WILDCARDS = ("", "0.0.0.0", "::")  # bind hosts meaning every interface
 TCP_INFLIGHT_WRITES = 1024  # writes; Mooncake's TCP transport queue per peer, by default
 
 
@@ -75,6 +76,10 @@ class TransportConfig:
 
     protocol: TransportProtocol | str = TransportProtocol.TCP
     hostname: str = "127.0.0.1"  # address peers use to reach this host; no port
+    # The address our listeners are meant to serve (`--host`); None, "", "0.0.0.0" or "::"
+    # = every interface. Mooncake always binds every interface, so the Mooncake engine pins
+    # its listeners to the network interface that owns this address (see mooncake.py).
+    bind_host: str | None = None
     ib_device: str = ""
     metadata_server: str = METADATA_P2P
     # seconds to wait for a new peer's handshake before `PeerUnreachable`; Mooncake's own
@@ -107,6 +112,15 @@ class TransportConfig:
                 f"transport hostname {self.hostname!r} must be a host name or IP without a "
                 "port (Mooncake picks the port and reports it as the session id)"
             )
+        if self.bind_host is not None:
+            bind = self.bind_host.strip()
+            if bind.count(":") == 1:
+                raise ConfigError(
+                    f"transport bind_host {self.bind_host!r} must be an address or host name "
+                    "without a port"
+                )
+            # one spelling for "every interface", so the engine has one case to test
+            object.__setattr__(self, "bind_host", None if bind in _WILDCARDS else bind)
         if not self.metadata_server:
             raise ConfigError(f'metadata server is empty; use "{METADATA_P2P}" without etcd')
         if not self.connect_timeout_s > 0:

@@ -17,6 +17,8 @@ measured here (mooncake-transfer-engine-non-cuda 0.3.13.post1):
 - The first write to a peer performs a handshake inside the engine's segment lock; a peer
   that accepts TCP but does not answer holds that lock about 60 s. A port with nothing
   listening fails at once. `PeerGate` bounds the first case.
+
+Listeners: Mooncake binds every interface; `listeners.pin_listeners` narrows them.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from sgl_pd.transfer.errors import (
     TransferFailed,
 )
 from sgl_pd.transfer.inflight import InflightLimiter
+from sgl_pd.transfer.listeners import Listener, listening_fds, pin_listeners
 from sgl_pd.transfer.peers import PeerGate
 from sgl_pd.transfer.regions import RegionTable
 from sgl_pd.transfer.waiter import BatchWaiter
@@ -86,6 +89,7 @@ class MooncakeTransferEngine:
             )
         devices = config.devices_for(shard)
         self._te: Any = mc.TransferEngine()
+        before = listening_fds()
         rc = self._te.initialize(
             config.hostname, config.metadata_server, config.transport.value, devices
         )
@@ -96,6 +100,8 @@ class MooncakeTransferEngine:
                 f"devices={devices!r}) returned {rc}; check that the host name is an "
                 "address of this machine and that the NICs exist (ibv_devices)"
             )
+        # before anything is registered, so nothing is exposed while they are open to all
+        self._listeners = pin_listeners(before, config.bind_host)
         port = int(self._te.get_rpc_port())
         self._session_id = f"{config.hostname}:{port}"
         self._regions = RegionTable()
@@ -112,6 +118,11 @@ class MooncakeTransferEngine:
     @property
     def session_id(self) -> str:
         return self._session_id
+
+    @property
+    def listeners(self) -> tuple[Listener, ...]:
+        """The sockets `initialize` started listening on, after pinning (see module doc)."""
+        return self._listeners
 
     @property
     def native(self) -> Any:

@@ -145,8 +145,10 @@ class Rig:
         engine = FakeTransferEngine(self.fabric)
         memory = Memory.make(engine, fill=None)
         pool = memory.pool()
+        instance = len(self.decoders) + 7
         messenger = DecodeMessenger(
             rank=0,
+            instance=instance,
             scheme=ShardingScheme(1),
             pool=pool,
             engine=engine,
@@ -157,7 +159,7 @@ class Rig:
         )
         registration = ShardRegistration(
             role=Role.DECODE, rank=0, scheme=ShardingScheme(1), session=engine.session_id,
-            inbox=inbox, instance=len(self.decoders) + 7, layout=LAYOUT, num_pages=NUM_PAGES,
+            inbox=inbox, instance=instance, layout=LAYOUT, num_pages=NUM_PAGES,
             kv_regions=pool.kv.regions, layer_group_size=1,
             metadata=MetadataBuffers(regions=pool.aux, row_bytes=(AUX_ITEM,), rows=AUX_ROWS),
             completion=messenger.completion_area,
@@ -186,7 +188,7 @@ class Rig:
         if isinstance(message, TransferRequest):
             self.prefill.on_transfer_request(message)
         elif isinstance(message, Abort):
-            self.prefill.on_abort(message, message.reply_to or None)
+            self.prefill.on_abort(message)
         return True
 
     def _to_decoder(self, inbox: str, message: Message) -> bool:

@@ -129,7 +129,8 @@ def test_an_abort_for_an_unknown_request_is_acked_at_once() -> None:
     d = rig.add_decoder("decode-a")
     from sgl_pd.core.wire import Abort
 
-    rig.prefill.on_abort(Abort(request_id=77, reason=AbortReason.ERROR), "decode-a")
+    abort = Abort(request_id=77, reason=AbortReason.ERROR, decoder_instance=7, reply_to="decode-a")
+    rig.prefill.on_abort(abort)
     assert len(_acks(rig, 77)) == 1 and d is not None
     # the router's copy of the request comes later: it fails at once, it does not wait
     rig.prefill.track(77)

@@ -25,6 +25,7 @@ from sgl_pd.core.sharding import ShardingScheme
 from sgl_pd.core.wire import (
     HEADER_BYTES,
     MAGIC,
+    MAX_TEXT,
     PROTOCOL_VERSION,
     REGISTRY_LAYOUT_HASH,
     Abort,
@@ -129,6 +130,7 @@ def chunk_notices(draw: st.DrawFn) -> ChunkNotice:
         token_stop=start + draw(st.integers(1, 2**20)),
         page_ids=tuple(draw(st.lists(u32, max_size=10))),
         is_last=draw(st.booleans()),
+        prefill_instance=draw(u64),
     )
 
 
@@ -149,21 +151,40 @@ def registry_replies(draw: st.DrawFn) -> RegistryReply:
     return RegistryReply(tp_size=len(frames), registrations=tuple(frames))
 
 
-transfer_requests = st.builds(
-    TransferRequest,
-    request_id=u64,
-    decoder=registrations(Role.DECODE),
-    dst_pages=st.lists(u32, max_size=20).map(tuple),
-    metadata_slot=u32,
-    completion_slot=u32,
-)
+@st.composite
+def transfer_requests(draw: st.DrawFn) -> TransferRequest:
+    """Requests whose every index lies inside the decoder's registration."""
+    decoder = draw(registrations(Role.DECODE).filter(lambda r: r.num_pages > 0))
+    assert decoder.metadata is not None and decoder.completion is not None
+    page = st.integers(0, decoder.num_pages - 1)
+    return TransferRequest(
+        request_id=draw(u64),
+        decoder=decoder,
+        dst_pages=tuple(draw(st.lists(page, max_size=min(20, decoder.num_pages)))),
+        metadata_slot=draw(st.integers(0, decoder.metadata.rows - 1)),
+        completion_slot=draw(st.integers(0, decoder.completion.num_slots - 1)),
+    )
+
 
 messages: st.SearchStrategy[Message] = st.one_of(
     registrations(),
     prefill_requests(),
     chunk_notices(),
-    st.builds(Abort, request_id=u64, reason=st.sampled_from(AbortReason), detail=text),
-    st.builds(ErrorMsg, request_id=st.none() | u64, code=st.sampled_from(ErrorCode), message=text),
+    st.builds(
+        Abort,
+        request_id=u64,
+        reason=st.sampled_from(AbortReason),
+        decoder_instance=u64,
+        detail=text,
+        reply_to=text,
+    ),
+    st.builds(
+        ErrorMsg,
+        request_id=st.none() | u64,
+        code=st.sampled_from(ErrorCode),
+        message=text,
+        sender_instance=st.none() | u64,
+    ),
     st.builds(Heartbeat, sender=text, seq=u64, time_s=floats),
     st.builds(HeartbeatAck, sender=text, seq=u64, time_s=floats),
     st.builds(
@@ -173,7 +194,7 @@ messages: st.SearchStrategy[Message] = st.one_of(
     st.builds(RegisterAck, rank=st.integers(0, 2**16 - 1)),
     st.builds(RegistryQuery, sender=text),
     registry_replies(),
-    transfer_requests,
+    transfer_requests(),
 )
 
 
@@ -233,7 +254,7 @@ def _frame(
 
 
 def test_independent_frame_matches_codec() -> None:
-    msg = Abort(request_id=5, reason=AbortReason.CLIENT)
+    msg = Abort(request_id=5, reason=AbortReason.CLIENT, decoder_instance=9)
     assert _frame(msgspec.msgpack.encode(msg)) == CODEC.encode(msg)
     assert len(CODEC.encode(msg)) - HEADER_BYTES == len(msgspec.msgpack.encode(msg))
 
@@ -331,7 +352,13 @@ def test_malformed_bodies(body: bytes) -> None:
 def test_inconsistent_messages_cannot_be_built() -> None:
     with pytest.raises(InvalidMessage):
         ChunkNotice(
-            request_id=1, chunk_index=0, token_start=3, token_stop=3, page_ids=(), is_last=False
+            request_id=1,
+            chunk_index=0,
+            token_start=3,
+            token_stop=3,
+            page_ids=(),
+            is_last=False,
+            prefill_instance=1,
         )
     with pytest.raises(InvalidMessage, match="D16"):
         PrefillRequest(
@@ -387,3 +414,41 @@ def test_registry_frames_nest_layout_checked_registrations() -> None:
     with pytest.raises(LayoutMismatch):
         CODEC.decode(registry.encode(RegistryQuery(sender="d0")))
     assert registry.layout_hash == REGISTRY_LAYOUT_HASH
+
+
+@settings(max_examples=50, deadline=None)
+@given(request=transfer_requests(), field=st.sampled_from(["page", "metadata", "completion"]))
+def test_indices_outside_the_decoders_registration_are_refused(
+    request: TransferRequest, field: str
+) -> None:
+    """Every index a decoder sends is checked against its own registration on decode, so
+    a hostile body with a valid header comes back as a typed error, never as a write."""
+    decoder = request.decoder
+    assert decoder.metadata is not None and decoder.completion is not None
+    fields = msgspec.structs.asdict(request)
+    if field == "page":
+        fields["dst_pages"] = (*request.dst_pages, decoder.num_pages)
+    elif field == "metadata":
+        fields["metadata_slot"] = decoder.metadata.rows
+    else:
+        fields["completion_slot"] = decoder.completion.num_slots
+    body = msgspec.msgpack.encode({"type": "transfer", **msgspec.to_builtins(fields)})
+    with pytest.raises(MalformedMessage, match="outside"):
+        CODEC.decode(_frame(body))
+
+
+def test_peer_text_fields_are_bounded() -> None:
+    long = "x" * (MAX_TEXT + 1)
+    for body in (
+        {
+            "type": "abort",
+            "request_id": 1,
+            "reason": "client",
+            "decoder_instance": 1,
+            "detail": long,
+        },
+        {"type": "heartbeat", "sender": long, "seq": 1, "time_s": 0.0},
+        {"type": "registry_query", "sender": long},
+    ):
+        with pytest.raises(MalformedMessage, match="length"):
+            CODEC.decode(_frame(msgspec.msgpack.encode(body)))

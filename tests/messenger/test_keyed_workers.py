@@ -75,3 +75,22 @@ def test_a_full_queue_refuses() -> None:
     assert accepted.count(False) >= 2  # at most one in hand and two queued
     gate.set()
     workers.close(timeout_s=5)
+
+
+def test_keys_beyond_the_limit_are_refused_and_retired_keys_are_reported() -> None:
+    gate = threading.Event()
+    retired: list[str] = []
+    workers: KeyedWorkers[int] = KeyedWorkers(
+        lambda _k, _i: gate.wait(10),
+        "bounded",
+        max_keys=2,
+        idle_exit_s=0.05,
+        on_retire=retired.append,
+    )
+    assert workers.put("a", 1) and workers.put("b", 1)
+    assert not workers.put("c", 1)  # a third peer while two are busy
+    assert workers.put("a", 2)  # known keys still queue
+    gate.set()
+    _wait(lambda: sorted(retired) == ["a", "b"])
+    assert workers.put("c", 1)  # room again once the others retired
+    workers.close(timeout_s=5)

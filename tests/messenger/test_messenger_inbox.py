@@ -76,7 +76,11 @@ def test_inbox_drops_and_counts_bad_frames_and_survives_handler_errors() -> None
             raw.send(b"not a frame")
             raw.send(FrameCodec(CODEC_HASH ^ 1).encode(ok))  # another model
             raw.send_multipart([FrameCodec(CODEC_HASH).encode(ok)] * 2)  # two frames
-            raw.send(FrameCodec(CODEC_HASH).encode(Abort(request_id=1, reason=AbortReason.CLIENT)))
+            raw.send(
+                FrameCodec(CODEC_HASH).encode(
+                    Abort(request_id=1, reason=AbortReason.CLIENT, decoder_instance=1)
+                )
+            )
             raw.send(FrameCodec(CODEC_HASH).encode(ok))
             assert _drain(got, 1) == [ok]
         finally:

@@ -25,8 +25,12 @@ def test_a_dead_peer_does_not_delay_messages_to_a_live_one() -> None:
     ):
         outbox = Outbox(links, "test")
         for i in range(3):  # each would wait a whole send timeout (1 s) on its own
-            assert outbox.send(dead, Abort(request_id=i, reason=AbortReason.ERROR))
-        assert outbox.send(live.endpoint, Abort(request_id=99, reason=AbortReason.ERROR))
+            assert outbox.send(
+                dead, Abort(request_id=i, reason=AbortReason.ERROR, decoder_instance=1)
+            )
+        assert outbox.send(
+            live.endpoint, Abort(request_id=99, reason=AbortReason.ERROR, decoder_instance=1)
+        )
         message = got.get(timeout=10)
         assert isinstance(message, Abort) and message.request_id == 99
         assert outbox.dropped < 3  # the dead peer's messages were still waiting their turn
