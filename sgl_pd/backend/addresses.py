@@ -94,7 +94,7 @@ def resolve_hosts(
     cannot work), unless `allow_loopback_advertise`, and when the advertised host is a
     wildcard.
     """
-    bind = _normalize(bind_host) or "0.0.0.0"
+    bind = bind_address(bind_host)
     wildcard = bind in WILDCARD_HOSTS
     advertise = _normalize(advertise_host)
     if advertise in WILDCARD_HOSTS - {""}:
@@ -117,6 +117,11 @@ def resolve_hosts(
             "a deployment on this one host, pass --pd-allow-loopback-advertise"
         )
     return Hosts(bind, advertise)
+
+
+def bind_address(host: str) -> str:
+    """What a listener binds for `--host host`: "localhost" is 127.0.0.1, "" every interface."""
+    return _normalize(host) or "0.0.0.0"
 
 
 def _normalize(host: str) -> str:

@@ -10,6 +10,7 @@ import logging
 
 from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer, KVPoll
 
+from sgl_pd.backend.addresses import bind_address
 from sgl_pd.backend.manager import cluster_auth
 from sgl_pd.config import SglPdConfig
 from sgl_pd.messenger.registry import RegistryServer
@@ -19,7 +20,7 @@ logger = logging.getLogger("sgl_pd.bootstrap")
 
 class SglPdBootstrapServer(BaseKVBootstrapServer):
     def __init__(self, host: str, port: int) -> None:
-        bind_host = "0.0.0.0" if host in ("", "0.0.0.0", "::") else host
+        bind_host = bind_address(host)
         auth = cluster_auth(SglPdConfig.from_environment())
         self._server = RegistryServer(bind_host, int(port), auth=auth)
         logger.info("sgl_pd registry listening on %s:%d", bind_host, port)

@@ -7,6 +7,7 @@ import logging
 import threading
 from typing import Any
 
+from sgl_pd.backend.addresses import WILDCARD_HOSTS, bind_address
 from sgl_pd.backend.heartbeats import Watched
 from sgl_pd.backend.layerwise_glue import attach_messenger
 from sgl_pd.backend.manager import SglPdKVManager
@@ -105,7 +106,12 @@ class PrefillKVManager(SglPdKVManager):
 
 
 def _local_bootstrap_addr(server_args: Any) -> str:
+    """Where this server's registry listens: SGLang starts it on --host (all interfaces
+    for a wildcard), on the first node of a multi-node server."""
     port = int(server_args.disaggregation_bootstrap_port)
     if int(server_args.nnodes) > 1 and server_args.dist_init_addr:
         return f"{str(server_args.dist_init_addr).rsplit(':', 1)[0]}:{port}"
-    return f"127.0.0.1:{port}"
+    host = bind_address(str(server_args.host))
+    if host in WILDCARD_HOSTS:
+        host = "127.0.0.1"  # every interface includes loopback
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -36,6 +36,9 @@ def tcp_endpoint(addr: str) -> str:
 
 def bind(sock: ZmqSocket, host: str, port: int) -> int:
     """Bind `sock` to tcp://host:port (port 0: a free port the kernel picks); return the port."""
+    if ":" in host:  # an IPv6 address
+        sock.setsockopt(zmq.IPV6, 1)
+        host = f"[{host}]"
     where = f"tcp://{host}:{port or '*'}"
     try:
         sock.bind(where)

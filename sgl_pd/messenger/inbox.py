@@ -60,7 +60,10 @@ class Inbox(RouterThread):
         self._name = name
         self._codec = codec
         self._on_message = on_message
-        self._endpoint = f"tcp://{advertise_host or host}:{self._port}"
+        shown = advertise_host or host
+        self._endpoint = (
+            f"tcp://[{shown}]:{self._port}" if ":" in shown else f"tcp://{shown}:{self._port}"
+        )
         self._bad_frames = 0  # written by the inbox thread only
         self._handler_errors = 0  # written by the inbox thread only
         self._handler_log = LogLimiter(logger)
