@@ -325,3 +325,23 @@ def test_errors_from_the_registry_name_no_internals(registry: tuple[RegistryServ
         sock.close(linger=0)
         ctx.term()
     assert server.alive
+
+
+def test_registrations_never_outgrow_one_reply(
+    registry: tuple[RegistryServer, _Gone], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The registry refuses a registration that would make its answer to a query too big
+    for one frame, instead of failing every query afterwards."""
+    from sgl_pd.messenger import registry as registry_module
+
+    server, _ = registry
+    one = len(_register_shard(0, 4, 11).registration)
+    monkeypatch.setattr(registry_module, "MAX_REPLY_REGISTRATIONS_BYTES", 2 * one + 10)
+    with _client(MEMBER) as member:
+        member.register(server.address, _register_shard(0, 4, 11, "tcp://h:1"), timeout_s=WAIT_S)
+        member.register(server.address, _register_shard(1, 4, 12, "tcp://h:2"), timeout_s=WAIT_S)
+        with pytest.raises(BootstrapError, match="bad_request.*total"):
+            member.register(server.address, _register_shard(2, 4, 13), timeout_s=WAIT_S)
+        with pytest.raises(BootstrapTimeout, match="not ready"):  # 2 of 4 ranks, still answering
+            member.query(server.address, timeout_s=1.0)
+    assert server.alive
