@@ -21,7 +21,7 @@ from sgl_pd.config import (
     config_from_args,
 )
 from sgl_pd.errors import ConfigError
-from sgl_pd.harness.cpu import Harness, plan_harness
+from sgl_pd.harness.cpu import Harness, flag_value, plan_harness
 
 logger = logging.getLogger("sgl_pd.launch_server")
 
@@ -37,20 +37,10 @@ DEFERRED_RELEASE_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE
 DEFERRED_RELEASE_TIMEOUT_S = "120"
 
 
-def _flag_value(argv: list[str], flag: str) -> str | None:
-    """The value of SGLang's `flag` in `argv` ("--flag value" or "--flag=value")."""
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return None
-
-
 def _serves_pd(sglang_argv: list[str]) -> bool:
     """This launch is one side of an sgl_pd pair (so it needs the cluster secret)."""
-    mode = _flag_value(sglang_argv, "--disaggregation-mode")
-    backend = _flag_value(sglang_argv, "--disaggregation-transfer-backend")
+    mode = flag_value(sglang_argv, "--disaggregation-mode")
+    backend = flag_value(sglang_argv, "--disaggregation-transfer-backend")
     return mode in ("prefill", "decode") and backend == BACKEND_NAME
 
 

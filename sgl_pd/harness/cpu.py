@@ -56,7 +56,8 @@ def _given(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
-def _flag_value(argv: list[str], flag: str) -> str | None:
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of `flag` in `argv` ("--flag value" or "--flag=value"), None if absent."""
     for i, arg in enumerate(argv):
         if arg == flag and i + 1 < len(argv):
             return argv[i + 1]
@@ -83,7 +84,7 @@ def plan_harness(requested: Harness | None, argv: list[str]) -> HarnessPlan:
     library_path = os.pathsep.join(p for p in (stub_dir, os.environ.get("LD_LIBRARY_PATH")) if p)
     extra: list[str] = []
     flags = dict(CPU_SERVER_FLAGS)
-    if _flag_value(argv, "--disaggregation-mode") == "decode":
+    if flag_value(argv, "--disaggregation-mode") == "decode":
         # a decoder backs up retracted requests' KV in pinned host memory unless told to
         # keep plain CPU tensors; pinning needs the CUDA driver
         flags["--disaggregation-decode-retraction-backup"] = "cpu_tensor"
