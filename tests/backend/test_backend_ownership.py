@@ -28,6 +28,19 @@ def _errors(rig: Rig, room: int) -> list[ErrorMsg]:
     return [m for _, m in rig.sent if isinstance(m, ErrorMsg) and m.request_id == room]
 
 
+def _last_notice(room: int, chunks: int, sender: int) -> ChunkNotice:
+    """`sender` says the request had `chunks` chunks in all."""
+    return ChunkNotice(
+        request_id=room,
+        chunk_index=chunks - 1,
+        token_start=0,
+        token_stop=1,
+        page_ids=(),
+        is_last=True,
+        prefill_instance=sender,
+    )
+
+
 def test_an_abort_from_a_decoder_that_did_not_ask_is_refused() -> None:
     rig = Rig()
     owner = rig.add_decoder("decode-a")
@@ -88,17 +101,7 @@ def test_a_decoder_ignores_reports_from_prefill_ranks_it_did_not_ask() -> None:
         ErrorMsg(request_id=8, code=ErrorCode.INTERNAL, message="x", sender_instance=stranger)
     )
     d.messenger.on_error(ErrorMsg(request_id=8, code=ErrorCode.INTERNAL, message="x"))
-    d.messenger.on_chunk_notice(
-        ChunkNotice(
-            request_id=8,
-            chunk_index=99,
-            token_start=0,
-            token_stop=1,
-            page_ids=(),
-            is_last=True,
-            prefill_instance=stranger,
-        )
-    )
+    d.messenger.on_chunk_notice(_last_notice(8, chunks=100, sender=stranger))
     d.messenger.on_abort_ack(AbortAck(request_id=8, prefill_rank=0, prefill_instance=stranger))
     assert d.messenger.poll(8) == (DecodeState.REQUESTED, None)
     rig.prefill_all(8, list(range(10, 20)))
@@ -118,17 +121,7 @@ def test_a_decoder_ignores_reports_from_prefill_ranks_it_did_not_ask() -> None:
 def test_an_early_notice_from_a_stranger_does_not_seal_a_later_request() -> None:
     rig = Rig()
     d = rig.add_decoder("decode-a")
-    d.messenger.on_chunk_notice(
-        ChunkNotice(
-            request_id=4,
-            chunk_index=0,
-            token_start=0,
-            token_stop=1,
-            page_ids=(),
-            is_last=True,
-            prefill_instance=PREFILL_INSTANCE + 5,
-        )
-    )
+    d.messenger.on_chunk_notice(_last_notice(4, chunks=1, sender=PREFILL_INSTANCE + 5))
     rig.request(d, 4, list(range(30, 42)), slot=1)
     rig.prefill_all(4, list(range(10, 22)), chunk=4)  # three chunks, not one
     wait_state(d, 4, DecodeState.COMPLETE)
