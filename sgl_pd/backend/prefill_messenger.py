@@ -106,7 +106,7 @@ class PrefillMessenger:
         acks = self.rooms.abort(
             abort.request_id,
             f"decoder aborted: {abort.reason.value}",
-            abort.reply_to or None,
+            abort.reply_to,
             abort.decoder_instance,
         )
         if acks is None:

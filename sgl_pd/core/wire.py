@@ -52,6 +52,22 @@ Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
 Positive = Annotated[int, msgspec.Meta(ge=1, lt=1 << 32)]
 MAX_TEXT = 256  # characters of a free-text or address field a peer may send
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+# "tcp://host:port": an inbox, where answers go. The host is an IPv4 address, a bracketed
+# IPv6 address or a DNS name; nothing else (no other transport, no spaces or controls).
+Endpoint = Annotated[
+    str,
+    msgspec.Meta(
+        max_length=MAX_TEXT,
+        pattern=r"^tcp://([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}$",
+    ),
+]
+HostPort = Annotated[  # "host:port": a transfer engine session
+    str,
+    msgspec.Meta(
+        max_length=MAX_TEXT,
+        pattern=r"^([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}$",
+    ),
+]
 
 
 class Role(enum.Enum):
@@ -115,8 +131,8 @@ class ShardRegistration(_Message, tag="register", frozen=True):
     role: Role
     rank: Rank
     scheme: ShardingScheme
-    session: Text  # transfer engine session id, "host:port"
-    inbox: Text  # ZMQ endpoint of this rank's inbox, "tcp://host:port"
+    session: HostPort  # transfer engine session id, "host:port"
+    inbox: Endpoint  # ZMQ endpoint of this rank's inbox, "tcp://host:port"
     instance: U64  # random per process start: a new one for the same (role, rank) = restart
     layout: KvLayout
     num_pages: U32
@@ -196,7 +212,7 @@ class Abort(_Message, tag="abort", frozen=True):
     reason: AbortReason
     decoder_instance: U64  # the sending decode rank's `ShardRegistration.instance`
     detail: Text = ""
-    reply_to: Text = ""  # the inbox owed an `AbortAck` once nothing is in flight; "": none
+    reply_to: Endpoint | None = None  # the inbox owed an `AbortAck` once nothing is in flight
 
 
 class ErrorMsg(_Message, tag="error", frozen=True):
@@ -221,13 +237,13 @@ class AbortAck(_Message, tag="abort_ack", frozen=True):
 class Heartbeat(_Message, tag="heartbeat", frozen=True):
     """A liveness ping; the receiver answers with a `HeartbeatAck` to `sender`."""
 
-    sender: Text  # the pinging rank's inbox endpoint
+    sender: Endpoint  # the pinging rank's inbox endpoint
     seq: U64
     time_s: float  # sender's monotonic clock, seconds
 
 
 class HeartbeatAck(_Message, tag="heartbeat_ack", frozen=True):
-    sender: Text  # the answering rank's inbox endpoint (the one that was pinged)
+    sender: Endpoint  # the answering rank's inbox endpoint (the one that was pinged)
     seq: U64  # the ping's sequence number
     time_s: float  # the ping's time, echoed: the pinger measures its round trip
 

@@ -78,7 +78,7 @@ class Outbox:
         except SglPdError as e:
             self._count_drop()
             _drops.warning(
-                f"send:{endpoint}",
+                f"send:{type(message).__name__}",
                 "could not send %s to %s: %s",
                 type(message).__name__,
                 peer_text(endpoint),

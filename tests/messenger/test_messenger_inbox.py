@@ -40,7 +40,7 @@ def test_inbox_gets_every_message_of_several_links() -> None:
 
             def blast(i: int) -> None:
                 for seq in range(20):
-                    links[i].send(Heartbeat(sender=f"p{i}", seq=seq, time_s=0.0))
+                    links[i].send(Heartbeat(sender=f"tcp://p{i}:1", seq=seq, time_s=0.0))
 
             senders = [threading.Thread(target=blast, args=(i,)) for i in range(3)]
             for t in senders:
@@ -53,7 +53,7 @@ def test_inbox_gets_every_message_of_several_links() -> None:
                 link.close()
             ctx.term()
     assert {(m.sender, m.seq) for m in msgs if isinstance(m, Heartbeat)} == {
-        (f"p{i}", s) for i in range(3) for s in range(20)
+        (f"tcp://p{i}:1", s) for i in range(3) for s in range(20)
     }
     assert inbox.bad_frames == 0
 
@@ -66,7 +66,7 @@ def test_inbox_drops_and_counts_bad_frames_and_survives_handler_errors() -> None
             raise RuntimeError("handler bug")
         got.put(msg)
 
-    ok = Heartbeat(sender="p0", seq=7, time_s=1.5)
+    ok = Heartbeat(sender="tcp://p0:1", seq=7, time_s=1.5)
     with Inbox(HOST, FrameCodec(CODEC_HASH), handle, "d0") as inbox:
         ctx = zmq.Context()
         raw = ctx.socket(zmq.DEALER)
@@ -95,17 +95,17 @@ def test_link_to_nothing_fails_fast_and_closed_link_refuses() -> None:
     try:
         start = time.monotonic()
         with pytest.raises(PeerUnreachable, match="unreachable"):
-            link.send(Heartbeat(sender="d0", seq=0, time_s=0.0))
+            link.send(Heartbeat(sender="tcp://d0:1", seq=0, time_s=0.0))
         assert time.monotonic() - start < 0.2 + 2.0
     finally:
         link.close()
     with pytest.raises(MessengerClosed):
-        link.send(Heartbeat(sender="d0", seq=1, time_s=0.0))
+        link.send(Heartbeat(sender="tcp://d0:1", seq=1, time_s=0.0))
 
 
 def test_pool_notices_a_dead_peer_and_reaches_its_successor() -> None:
     got: queue.Queue[Message] = queue.Queue()
-    hb = Heartbeat(sender="d0", seq=0, time_s=0.0)
+    hb = Heartbeat(sender="tcp://d0:1", seq=0, time_s=0.0)
     with LinkPool(CODEC_HASH, send_timeout_s=0.2) as pool:
         first = Inbox(HOST, FrameCodec(CODEC_HASH), got.put, "p0")
         try:

@@ -77,9 +77,14 @@ def test_a_peer_that_stops_answering_is_declared_lost() -> None:
         a_box.append(
             Heartbeats(inbox_a.endpoint, outbox, watched_by_a, timeout_s=1.0, clock=clock, name="a")
         )
-        b_box.append(
+        b_box.append(  # B has requests with A too: it answers only peers it works with
             Heartbeats(
-                inbox_b.endpoint, outbox, _Watched(set()), timeout_s=1.0, clock=clock, name="b"
+                inbox_b.endpoint,
+                outbox,
+                _Watched({inbox_a.endpoint}),
+                timeout_s=1.0,
+                clock=clock,
+                name="b",
             )
         )
         try:
@@ -113,3 +118,26 @@ def test_a_listening_port_is_not_gone_and_a_closed_one_is() -> None:
         endpoint = f"tcp://{HOST}:{listening.getsockname()[1]}"
         assert not listener_gone(endpoint)
     assert listener_gone(endpoint)
+
+
+def test_pings_from_strangers_go_unanswered_and_odd_peers_do_not_stop_the_ticks() -> None:
+    """Answering any ping would let a peer make this rank connect wherever it names; and a
+    peer address that cannot be probed must not stop deadlines and sweeps."""
+    got: queue.Queue[Message] = queue.Queue()
+    with LinkPool(CODEC_HASH) as links, Inbox(HOST, FrameCodec(CODEC_HASH), got.put, "s") as me:
+        outbox = Outbox(links, "hb")
+        watched = _Watched({"tcp://[not-an-address"})  # never answers, cannot be probed
+        beats = Heartbeats(
+            "tcp://127.0.0.1:9", outbox, watched, timeout_s=0.3, clock=SystemClock(), name="s"
+        )
+        try:
+            beats.on_heartbeat(Heartbeat(sender=me.endpoint, seq=1, time_s=0.0))
+            assert watched.lost.get(timeout=10)[0] == "tcp://[not-an-address"
+            for _ in range(3):  # housekeeping goes on
+                watched.ticks.clear()
+                assert watched.ticks.wait(5)
+            assert beats.unanswered == 1
+            assert got.empty()  # no answer went to the stranger
+        finally:
+            beats.stop()
+            outbox.close()

@@ -137,7 +137,10 @@ def test_registry_answers_garbage_and_strangers_with_errors() -> None:
         sock.setsockopt(zmq.RCVTIMEO, 5000)
         try:
             sock.connect(f"tcp://{server.address}")
-            for frame in (b"garbage", codec.encode(Heartbeat(sender="x", seq=1, time_s=0.0))):
+            for frame in (
+                b"garbage",
+                codec.encode(Heartbeat(sender="tcp://x:1", seq=1, time_s=0.0)),
+            ):
                 sock.send(frame)
                 reply = codec.decode(sock.recv())
                 assert isinstance(reply, ErrorMsg) and reply.code is ErrorCode.BAD_REQUEST
