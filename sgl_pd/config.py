@@ -23,6 +23,7 @@ MIN_SECRET_BYTES = 16
 BACKEND_NAME = "sgl_pd"  # the value of SGLang's --disaggregation-transfer-backend that selects us
 TRANSPORTS = ("auto", "tcp", "rdma", "efa")
 KV_SEND_MODES = ("layerwise", "after-forward")
+FIRST_TOKEN_SAMPLERS = ("decode", "prefill")  # who samples a request's first token (D16)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class SglPdConfig:
     bootstrap_timeout_s: float = 30.0  # finding a prefiller and its ranks
     transfer_timeout_s: float = 120.0  # a request's KV, from its destination pages to done
     kv_send: str = "layerwise"  # when a prefiller sends a chunk's KV: per layer or after it
+    first_token: str = "decode"  # who samples the first token: the decoder (D16) or prefill
     liveness_timeout_s: float = 1.5  # a peer silent this long is declared lost
     # The cluster secret (hex of its bytes) that authenticates every control connection;
     # "" with no_auth=False: not configured, and PD serving refuses to start.
@@ -48,6 +50,10 @@ class SglPdConfig:
             raise ConfigError(f"--pd-transport {self.transport!r}: choose one of {TRANSPORTS}")
         if self.kv_send not in KV_SEND_MODES:
             raise ConfigError(f"--pd-kv-send {self.kv_send!r}: choose one of {KV_SEND_MODES}")
+        if self.first_token not in FIRST_TOKEN_SAMPLERS:
+            raise ConfigError(
+                f"--pd-first-token {self.first_token!r}: choose one of {FIRST_TOKEN_SAMPLERS}"
+            )
         for name in ("bootstrap_timeout_s", "transfer_timeout_s", "liveness_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
@@ -170,6 +176,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "SGLang's own behaviour).",
     )
     group.add_argument(
+        "--pd-first-token",
+        choices=FIRST_TOKEN_SAMPLERS,
+        default="decode",
+        help="Who samples a request's first output token: the decoder, whose first decode "
+        "step feeds the prompt's last token (the prefiller prefills all but that token and "
+        "runs no grammar), or the prefiller, as SGLang's own PD does. Both servers of a "
+        "pair must use the same.",
+    )
+    group.add_argument(
         "--pd-advertise-host",
         default="",
         help="Address other servers use to reach this one (default: --host, or this "
@@ -245,6 +260,7 @@ def config_from_args(
         bootstrap_timeout_s=args.pd_bootstrap_timeout,
         transfer_timeout_s=args.pd_transfer_timeout,
         kv_send=args.pd_kv_send,
+        first_token=args.pd_first_token,
         liveness_timeout_s=args.pd_liveness_timeout,
         inject_write_delay_ms=args.pd_inject_write_delay_ms,
         inject_write_failure_rate=args.pd_inject_write_failure_rate,

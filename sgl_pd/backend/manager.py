@@ -233,6 +233,7 @@ class SglPdKVManager(BaseKVManager):
             completion=completion,
             inbox=self.inbox.endpoint,
             instance=self.instance,
+            decoder_samples_first=self.config.first_token == "decode",
         )
 
     def ignore(self, message: Message) -> None:

@@ -84,6 +84,15 @@ class SglPdKVReceiver(BaseKVReceiver):
         if table is None or aux_index is None:
             self._fail("destination pages were sent before the prefiller was found")
             return
+        theirs = table.shards[0].decoder_samples_first
+        if theirs != self.kv_mgr.registration.decoder_samples_first:
+            who = {True: "decode", False: "prefill"}
+            self._fail(
+                f"the prefill server at {self.bootstrap_addr} runs --pd-first-token"
+                f" {who[theirs]}, this decoder --pd-first-token"
+                f" {who[not theirs]}: start both with the same"
+            )
+            return
         try:
             self.kv_mgr.decode.request(
                 self.bootstrap_room,

@@ -81,7 +81,18 @@ def register_backend() -> None:
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.run_batch", after_run_batch, HookType.AFTER
     )
-    from sgl_pd.backend import health, layerwise_glue
+    from sgl_pd.backend import first_token, health, layerwise_glue
+
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.handle_generate_request",
+        first_token.before_handle_generate_request,
+        HookType.BEFORE,
+    )
+    HookRegistry.register(
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue.add",
+        first_token.before_decode_prealloc_add,
+        HookType.BEFORE,
+    )
 
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.handle_generate_request",

@@ -140,6 +140,9 @@ class ShardRegistration(_Message, tag="register", frozen=True):
     layer_group_size: Positive  # prefill: layers per completion group
     metadata: MetadataBuffers | None = None  # D9 buffers (the prefiller's are its source)
     completion: SlotArea | None = None  # decode: completion words (counting.WORD_BYTES)
+    # D16: the decoder samples each request's first token (prefill sends all but the last
+    # prompt token's KV); both sides of a pair must agree (--pd-first-token)
+    decoder_samples_first: bool = True
 
     def __post_init__(self) -> None:
         if self.rank >= self.scheme.tp_size:

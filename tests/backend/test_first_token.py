@@ -1,0 +1,80 @@
+"""D16's two hooks: the prefill server's copy of a request loses its last prompt token and
+every grammar; the decode server marks the request for the pinned SGLang patch. A
+one-token prompt, SGLang's own health checks and other backends are left alone."""
+
+from __future__ import annotations
+
+from array import array
+from types import SimpleNamespace
+
+import pytest
+
+from sgl_pd.backend import first_token
+from sgl_pd.config import BACKEND_NAME
+
+OURS = SimpleNamespace(value=BACKEND_NAME)
+PREFILL = SimpleNamespace(value="prefill")
+
+
+@pytest.fixture(autouse=True)
+def decoder_samples(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(first_token._Process, "decode_first", True)
+
+
+def _recv(ids: list[int], host: str = "10.0.0.1") -> SimpleNamespace:
+    sampling = SimpleNamespace(json_schema='{"type": "object"}', regex=None, ebnf=None,
+                               structural_tag=None, temperature=0.7)  # fmt: skip
+    return SimpleNamespace(input_ids=array("q", ids), sampling_params=sampling, bootstrap_host=host)
+
+
+def _prefill_scheduler(backend: object = OURS) -> SimpleNamespace:
+    return SimpleNamespace(disaggregation_mode=PREFILL, transfer_backend=backend)
+
+
+def test_the_prefill_copy_loses_its_last_token_and_its_grammar() -> None:
+    recv = _recv([5, 6, 7])
+    first_token.before_handle_generate_request(_prefill_scheduler(), recv)
+    assert list(recv.input_ids) == [5, 6]
+    assert recv.sampling_params.json_schema is None
+    assert recv.sampling_params.temperature == 0.7  # sampling itself is untouched
+
+
+@pytest.mark.parametrize(
+    ("recv", "scheduler"),
+    [
+        (_recv([5]), _prefill_scheduler()),  # one token: upstream's way on both sides
+        (_recv([5, 6], host="2.2.2.2"), _prefill_scheduler()),  # SGLang's health check
+        (_recv([5, 6]), _prefill_scheduler(SimpleNamespace(value="mooncake"))),
+        (
+            _recv([5, 6]),
+            SimpleNamespace(
+                disaggregation_mode=SimpleNamespace(value="decode"), transfer_backend=OURS
+            ),
+        ),
+    ],
+)
+def test_what_the_prefill_hook_leaves_alone(recv: SimpleNamespace, scheduler: object) -> None:
+    before = list(recv.input_ids)
+    first_token.before_handle_generate_request(scheduler, recv)
+    assert list(recv.input_ids) == before and recv.sampling_params.json_schema is not None
+
+
+def _req(ids: list[int], output: list[int] | None = None) -> SimpleNamespace:
+    return SimpleNamespace(origin_input_ids=ids, output_ids=output or [], bootstrap_host="h")
+
+
+def test_the_decode_copy_is_marked_unless_it_cannot_be() -> None:
+    queue = SimpleNamespace(transfer_backend=OURS)
+    marked, one_token, resumed = _req([1, 2]), _req([1]), _req([1, 2], output=[9])
+    for req in (marked, one_token, resumed):
+        first_token.before_decode_prealloc_add(queue, req)
+    assert getattr(marked, first_token.MARK, False)
+    assert not hasattr(one_token, first_token.MARK) and not hasattr(resumed, first_token.MARK)
+
+
+def test_upstream_mode_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(first_token._Process, "decode_first", False)
+    recv, req = _recv([5, 6, 7]), _req([1, 2])
+    first_token.before_handle_generate_request(_prefill_scheduler(), recv)
+    first_token.before_decode_prealloc_add(SimpleNamespace(transfer_backend=OURS), req)
+    assert list(recv.input_ids) == [5, 6, 7] and not hasattr(req, first_token.MARK)
