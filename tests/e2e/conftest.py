@@ -21,7 +21,12 @@ from sgl_pd.cluster.local import (
 
 # Small chunks so that prompts of a few hundred tokens are prefilled in several chunks.
 CHUNKED_PREFILL_SIZE = 128
-COMMON_ARGS = ["--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE), "--log-level", "info"]
+# The bundled model loops on whitespace inside JSON unless the grammar forbids it.
+COMMON_ARGS = [
+    "--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE),
+    "--log-level", "info",
+    "--constrained-json-disable-any-whitespace",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -39,11 +44,14 @@ def mono(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterat
 
 
 def start_pd(
-    tmp_path_factory: pytest.TempPathFactory, kv_send: str, patience: Patience | None = None
+    tmp_path_factory: pytest.TempPathFactory,
+    kv_send: str,
+    patience: Patience | None = None,
+    extra: tuple[str, ...] = (),
 ) -> Iterator[PdCluster]:
-    """A PD cluster whose prefiller sends KV as `kv_send` says; `patience`: the waits,
-    `local_patience()` when None."""
-    args = [*COMMON_ARGS, "--enable-metrics"]
+    """A PD cluster whose prefiller sends KV as `kv_send` says; `extra`: more flags for
+    both servers; `patience`: the waits, `local_patience()` when None."""
+    args = [*COMMON_ARGS, "--enable-metrics", *extra]
     with pd_cluster(
         tmp_path_factory.mktemp(f"pd-{kv_send}"),
         prefill_extra=[*args, "--pd-kv-send", kv_send],

@@ -15,7 +15,7 @@ import requests
 from sgl_pd.cluster.client import chat, generate_ids, stream_chat
 from sgl_pd.cluster.local import PdCluster, Server
 from sgl_pd.cluster.logs import last_pool_state, timing_lines
-from sgl_pd.cluster.prompts import long_prompt_ids, varied_prompts
+from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids, varied_prompts
 
 from .conftest import CHUNKED_PREFILL_SIZE, start_pd
 
@@ -52,6 +52,84 @@ def test_fifty_concurrent_prompts_match_monolithic_tokens(mono: Server, pd: PdCl
     mismatches = [i for i, (e, g) in enumerate(zip(expected, got, strict=True)) if e != g]
     assert not mismatches, f"prompts {mismatches} differ from monolithic serving"
     assert all(len(ids) == MAX_NEW_TOKENS for ids in got)  # plain text never ends early
+
+
+def test_one_and_two_token_prompts_match_monolithic_tokens(mono: Server, pd: PdCluster) -> None:
+    """The decoder samples the first token (D16) from prompt token n-1; a one-token prompt
+    has nothing to prefill before it and goes upstream's way. Both give monolithic's tokens."""
+    for ids in ([0], [0, 41], [0, 41, 42], long_prompt_ids(2), long_prompt_ids(3)):
+        assert generate_ids(pd.router_url, ids, 6) == generate_ids(mono.url, ids, 6), ids
+
+
+def _generate(url: str, ids: list[int], **sampling: object) -> dict[str, object]:
+    body = {"input_ids": ids, "sampling_params": sampling, "return_logprob": True}
+    response = requests.post(f"{url}/generate", json=body, timeout=300)
+    response.raise_for_status()
+    return dict(response.json())
+
+
+def test_the_first_token_is_sampled_with_the_requests_own_seed(mono: Server, pd: PdCluster) -> None:
+    """The decoder samples the first token (D16) from the same distribution and with the
+    same seed as monolithic serving: same token, same logprob. (Later sampled tokens may
+    part at near ties: the decoder computed the last prompt token's KV in a decode step,
+    not in the prefill's extend, so logits differ in their last bits.)"""
+    sampling = {"temperature": 0.9, "top_p": 0.95, "top_k": 40, "max_new_tokens": 1}
+    for i, text in enumerate(PROMPTS[:8]):
+        ids = prompt_ids(text)
+        want = _generate(mono.url, ids, sampling_seed=100 + i, **sampling)
+        got = _generate(pd.router_url, ids, sampling_seed=100 + i, **sampling)
+        assert got["output_ids"] == want["output_ids"], i
+        (lp_got, tok_got, _), (lp_want, tok_want, _) = (
+            r["meta_info"]["output_token_logprobs"][0]  # type: ignore[index]
+            for r in (got, want)
+        )
+        assert tok_got == tok_want and abs(lp_got - lp_want) < 1e-2, (i, lp_got, lp_want)
+
+
+def test_stop_strings_end_the_output_as_in_monolithic(mono: Server, pd: PdCluster) -> None:
+    ids = long_prompt_ids(12)
+    sampling = {"temperature": 0, "max_new_tokens": 16, "stop": ["1"]}
+    want = _generate(mono.url, ids, **sampling)
+    got = _generate(pd.router_url, ids, **sampling)
+    assert got["text"] == want["text"] and got["output_ids"] == want["output_ids"]
+
+
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "done": {"type": "boolean"},
+    },
+    "required": ["count", "done"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_requests_parse_and_validate(pd: PdCluster) -> None:
+    """Grammars run only on the decoder (the prefiller's copy carries none): every output
+    parses and validates, the first token included."""
+    import json
+
+    import jsonschema
+
+    def one(i: int) -> str:
+        body = {
+            "text": PROMPTS[i % len(PROMPTS)],
+            "sampling_params": {
+                "temperature": 0.7,
+                "sampling_seed": i,
+                "max_new_tokens": 48,
+                "json_schema": json.dumps(JSON_SCHEMA),
+            },
+        }
+        response = requests.post(f"{pd.router_url}/generate", json=body, timeout=300)
+        response.raise_for_status()
+        return str(response.json()["text"])
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        texts = list(pool.map(one, range(100)))
+    for text in texts:
+        jsonschema.validate(json.loads(text), JSON_SCHEMA)
 
 
 def test_streaming_chat_through_the_router(mono: Server, pd: PdCluster) -> None:
