@@ -1,6 +1,7 @@
 """The same pair with --pd-kv-send after-forward (SGLang's own timing, kept for
-comparison): same greedy tokens as monolithic serving, and each chunk's KV is written
-only once its forward pass has ended."""
+comparison) and 64-token pages (what GPU deployments use; the other module runs 1-token
+pages): same greedy tokens as monolithic serving, and each chunk's KV is written only
+once its forward pass has ended."""
 
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ from .conftest import CHUNKED_PREFILL_SIZE, start_pd
 pytestmark = pytest.mark.e2e
 
 PROMPTS = varied_prompts(20, seed=11)
+PAGE_SIZE = 64
 
 
 @pytest.fixture(scope="module")
 def pd_after_forward(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdCluster]:
-    yield from start_pd(tmp_path_factory, "after-forward")
+    yield from start_pd(tmp_path_factory, "after-forward", extra=("--page-size", str(PAGE_SIZE)))
 
 
 def test_concurrent_prompts_match_monolithic_tokens(
@@ -42,3 +44,15 @@ def test_kv_is_written_after_the_forward_pass(mono: Server, pd_after_forward: Pd
     # SGLang hands the KV over once per forward, sometimes in one more piece than chunks
     assert line["mode"] == "after_forward" and float(line["chunks"]) >= 4
     assert line["forward_end"] < line["last_chunk_first_write"] <= line["done"]
+
+
+def test_prompts_around_page_boundaries_match_monolithic_tokens(
+    mono: Server, pd_after_forward: PdCluster
+) -> None:
+    """The decoder samples the first token from prompt token n-1 (D16), so the prefiller
+    sends n-1 tokens: prompts that end just before, on and after a page boundary."""
+    for n in (1, 2, PAGE_SIZE - 1, PAGE_SIZE, PAGE_SIZE + 1, PAGE_SIZE + 2, 2 * PAGE_SIZE + 1):
+        ids = long_prompt_ids(n) if n > 1 else [0]
+        assert generate_ids(pd_after_forward.router_url, ids, 6) == generate_ids(
+            mono.url, ids, 6
+        ), n
