@@ -17,6 +17,8 @@ logger = logging.getLogger("sgl_pd.plugin")
 
 def register() -> None:
     from sgl_pd.backend.registration import register_backend
+    from sgl_pd.harness.cpu_shims import apply_cpu_shims
 
     register_backend()
+    apply_cpu_shims()  # acts only on SGLang's CPU engine
     logger.info("sgl_pd plugin registered (transfer backend %r)", BACKEND_NAME)

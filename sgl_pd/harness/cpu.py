@@ -94,6 +94,12 @@ def plan_harness(requested: Harness | None, argv: list[str]) -> HarnessPlan:
     return HarnessPlan(
         Harness.CPU,
         f"{reason}: serving on SGLang's CPU engine with the stand-in driver {STUB_PATH}",
-        {"SGLANG_USE_CPU_ENGINE": "1", "LD_LIBRARY_PATH": library_path},
+        {
+            "SGLANG_USE_CPU_ENGINE": "1",
+            "LD_LIBRARY_PATH": library_path,
+            # SGLang torch.compiles the MoE router's biased top-k (about 100 s of gcc on
+            # the first MoE forward on CPU); eager torch computes the same
+            "TORCHDYNAMO_DISABLE": "1",
+        },
         tuple(extra),
     )

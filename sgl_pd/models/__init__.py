@@ -12,5 +12,8 @@ from pathlib import Path
 
 MODELS_DIR = Path(__file__).resolve().parent
 TINY_LLAMA_PATH = MODELS_DIR / "tiny_llama"
+# DeepSeek-V3 (MLA, MoE, one NextN/MTP layer) and Qwen3-MoE, by train_tiny_moe.py
+TINY_DEEPSEEK_V3_PATH = MODELS_DIR / "tiny_deepseek_v3"
+TINY_QWEN3_MOE_PATH = MODELS_DIR / "tiny_qwen3_moe"
 
-__all__ = ["MODELS_DIR", "TINY_LLAMA_PATH"]
+__all__ = ["MODELS_DIR", "TINY_DEEPSEEK_V3_PATH", "TINY_LLAMA_PATH", "TINY_QWEN3_MOE_PATH"]

@@ -252,6 +252,31 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
     return tok
 
 
+def build_corpus(seed: int, num_docs: int, seq_len: int, vocab_size: int) -> tuple[Any, Any]:
+    """The generated corpus and the tokenizer trained on it (also used by
+    ``train_tiny_moe``, so every bundled model shares one tokenizer).
+
+    Returns ``(tokenizer, data)``: a ``tokenizers.Tokenizer`` and a long tensor
+    ``(num_docs, seq_len + 1)`` of token ids, each row BOS + the start of one document.
+    """
+    import torch
+
+    documents = [Document(f"{seed}-{i}") for i in range(num_docs)]
+    texts = [d.extend(16) for d in documents]
+    tok = train_tokenizer(texts[:6000], vocab_size)
+    rows: list[list[int]] = []
+    for doc, text in zip(documents, texts, strict=True):
+        ids = tok.encode(text).ids  # BOS + document
+        while len(ids) < seq_len + 1:
+            ids = tok.encode(doc.extend(16)).ids
+        rows.append(ids[: seq_len + 1])
+    data = torch.tensor(rows, dtype=torch.long)
+    print(
+        f"corpus: {len(rows)} docs x {seq_len + 1} tokens, vocab {tok.get_vocab_size()}", flush=True
+    )
+    return tok, data
+
+
 # --------------------------------------------------------------------------- files
 
 
@@ -325,23 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.use_deterministic_algorithms(True)
     t_start = time.time()
 
-    # Corpus and tokenizer.
-    documents = [Document(f"{args.seed}-{i}") for i in range(args.num_docs)]
-    texts = [d.extend(16) for d in documents]
-    tok = train_tokenizer(texts[:6000], args.vocab_size)
+    tok, data = build_corpus(args.seed, args.num_docs, args.seq_len, args.vocab_size)
     eos_id = tok.token_to_id(EOS)
     end_id = tok.token_to_id(END)
-    rows: list[list[int]] = []
-    for doc, text in zip(documents, texts, strict=True):
-        ids = tok.encode(text).ids  # BOS + document
-        while len(ids) < args.seq_len + 1:
-            ids = tok.encode(doc.extend(16)).ids
-        rows.append(ids[: args.seq_len + 1])
-    data = torch.tensor(rows, dtype=torch.long)
-    print(
-        f"corpus: {len(rows)} docs x {args.seq_len + 1} tokens, vocab {tok.get_vocab_size()}",
-        flush=True,
-    )
 
     config = LlamaConfig(
         vocab_size=tok.get_vocab_size(),

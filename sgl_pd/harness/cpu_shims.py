@@ -1,0 +1,175 @@
+"""Operations SGLang 0.5.23's CPU engine lacks for DeepSeek-V3 (MLA) and NEXTN/EAGLE
+speculative decoding, supplied at run time (nothing in site-packages is edited).
+
+`apply_cpu_shims` runs from the plugin's ``register()`` in every SGLang process and acts
+only where SGLang itself runs on its CPU engine (``sglang.srt.utils.is_cpu()``, which the
+CPU harness turns on). Each shim is a real implementation of a missing piece, hooked through
+SGLang's ``HookRegistry`` where a hook fits, and logged once per process:
+
+1. MLA on ``torch_native``: DeepSeek's attention looks its backend up in
+   ``AttentionBackendRegistry``; ``torch_native`` is missing, so the triton handler chooses
+   the MHA path for prefills, whose k/v the torch-native backend ignores (it reads the pool,
+   which holds the MLA latent): a shape error. Registered: the absorbed-MLA dispatcher.
+2. RoPE: on CPU ``get_rope_cpu`` serves only DeepSeek's yarn; any other (or no)
+   ``rope_scaling`` falls back to SGLang's generic ``get_rope``, whose rotary embeddings
+   run on plain torch ops.
+3. ``set_embed_and_head`` (the NEXTN draft shares the target's embedding and head) calls
+   ``torch.cuda.synchronize()``; on CPU the swap needs no synchronization.
+4. The EAGLE draft-extend backend factory has no ``torch_native`` entry; added (one draft
+   step: steps > 1 need a multi-step decode container the CPU engine does not have).
+5. The spec kernels missing from the CUDA-only kernel wheel: ``spec_kernels_cpu``.
+6. TARGET_VERIFY on ``torch_native``: the batch has no extend lengths there; each request
+   extends its committed ``seq_lens`` by ``draft_token_num`` tokens (as the intel_amx
+   backend derives them). Exact for chain drafts (topk 1): the causal mask is the chain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from typing import Any
+
+logger = logging.getLogger("sgl_pd.harness.cpu_shims")
+
+_HOOK = "sglang.srt."
+_applied = False
+
+
+def _announce(what: str) -> None:
+    logger.info("applying CPU shim: %s", what)
+
+
+def apply_cpu_shims() -> bool:
+    """Registers the shims when SGLang runs on its CPU engine; True if it did. Idempotent."""
+    global _applied
+    from sglang.srt.utils import is_cpu
+
+    if _applied or not is_cpu():
+        return _applied
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    _register_mla_dispatch()
+    HookRegistry.register(
+        _HOOK + "layers.rotary_embedding.factory.get_rope_cpu", around_get_rope_cpu, HookType.AROUND
+    )
+    _announce("get_rope_cpu falls back to get_rope for rope_scaling other than deepseek_yarn")
+    HookRegistry.register(
+        _HOOK + "models.deepseek_v2.DeepseekV2ForCausalLM.set_embed_and_head",
+        set_embed_and_head,
+        HookType.REPLACE,
+    )
+    _announce("DeepseekV2ForCausalLM.set_embed_and_head without torch.cuda.synchronize")
+    HookRegistry.register(
+        _HOOK + "speculative.draft_utils.DraftBackendFactory._create_backend",
+        around_create_draft_backend,
+        HookType.AROUND,
+    )
+    _announce("torch_native draft-extend backend for EAGLE/NEXTN (one draft step)")
+    _install_spec_kernels()
+    HookRegistry.register(
+        _HOOK + "layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend",
+        around_forward_extend,
+        HookType.AROUND,
+    )
+    _announce("TARGET_VERIFY extend lengths for torch_native (chain drafts, topk 1)")
+    _applied = True
+    return True
+
+
+def _register_mla_dispatch() -> None:
+    from sglang.srt.models.deepseek_common.attention_backend_handler import (
+        AttentionBackendRegistry,
+        _dispatch_mla_subtype,
+    )
+
+    AttentionBackendRegistry.register("torch_native", _dispatch_mla_subtype)
+    _announce("MLA attention dispatch registered for torch_native (absorbed MLA)")
+
+
+def _install_spec_kernels() -> None:
+    import torch
+
+    from sgl_pd.harness.spec_kernels_cpu import KERNELS
+
+    with contextlib.suppress(ImportError):
+        import sgl_kernel  # noqa: F401 - loads whatever ops the installed wheel has
+    namespace = torch.ops.sgl_kernel
+    for name, fn in KERNELS.items():
+        try:
+            getattr(namespace, name)
+            continue  # a kernel build that has it: keep the native op
+        except (AttributeError, RuntimeError):
+            pass
+        setattr(namespace, name, fn)
+        _announce(f"torch.ops.sgl_kernel.{name} (pure torch)")
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+def around_get_rope_cpu(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """``get_rope_cpu`` for DeepSeek yarn; SGLang's generic ``get_rope`` for the rest."""
+    import inspect
+
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    scaling = bound.arguments.get("rope_scaling")
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "deepseek_yarn":
+        return original(*args, **kwargs)
+    from sglang.srt.layers.rotary_embedding.factory import get_rope
+
+    arguments = dict(bound.arguments)
+    arguments.pop("device", None)  # get_rope places its cache on the default device: CPU
+    return get_rope(**arguments)
+
+
+def set_embed_and_head(self: Any, embed: Any, head: Any) -> None:
+    """SGLang's body without the CUDA calls: on CPU the new tensors are ready at once."""
+    del self.model.embed_tokens.weight
+    del self.lm_head.weight
+    self.model.embed_tokens.weight = embed
+    self.lm_head.weight = head
+
+
+def around_create_draft_backend(
+    original: Any, self: Any, backend_name: str, backend_map: dict, *args: Any, **kwargs: Any
+) -> Any:
+    """Adds ``torch_native`` to the draft-extend choices (not to the multi-step decode
+    ones, whose entries build per-step containers)."""
+    stamps_children = kwargs.get("stamps_children", args[1] if len(args) > 1 else False)
+    if "torch_native" not in backend_map and not stamps_children:
+        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+        runner = self.draft_model_runner
+        backend_map = {
+            **backend_map,
+            "torch_native": lambda: ("torch_native", TorchNativeAttnBackend(runner)),
+        }
+    return original(self, backend_name, backend_map, *args, **kwargs)
+
+
+def around_forward_extend(
+    original: Any, self: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any,
+    *args: Any, **kwargs: Any,
+) -> Any:  # fmt: skip
+    """TARGET_VERIFY batches carry committed ``seq_lens`` and no extend lengths; give the
+    backend a copy of the batch with prefix = seq_lens, extend = draft_token_num and
+    seq_lens + draft_token_num, so its causal SDPA covers prefix + chain."""
+    if not forward_batch.forward_mode.is_target_verify():
+        return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+    spec = forward_batch.spec_info
+    topk = getattr(spec, "topk", 1)
+    if topk != 1:
+        raise NotImplementedError(
+            f"torch_native verifies chain drafts only (got --speculative-eagle-topk {topk}); "
+            "use --speculative-eagle-topk 1"
+        )
+    import torch
+
+    n = int(spec.draft_token_num)
+    committed = forward_batch.seq_lens
+    batch = copy.copy(forward_batch)
+    batch.extend_prefix_lens = committed
+    batch.extend_seq_lens = torch.full_like(committed, n)
+    batch.seq_lens = committed + n
+    return original(self, q, k, v, layer, batch, *args, **kwargs)
