@@ -14,6 +14,15 @@ With `--pd-first-token decode` (the default):
   `patches/sglang-*-decode-samples-first.patch` honours the mark in SGLang's decode
   queue and batch).
 
+With speculative decoding (NEXTN/EAGLE) the prefill server also runs the draft model
+over the prompt, whose input is the prompt shifted by one with a tail token appended:
+upstream appends the token it sampled; here it is the known prompt token n-1
+(`before_prefill_bootstrap_add` hands it to the request, the patch's
+`_eagle_prefill_tail_tokens` uses it). The draft's last position then proposes the first
+output token, and the decoder's first step verifies that proposal while it feeds token
+n-1: the draft's KV, top-k and hidden state come from the prefill (the MTP hand-off),
+nothing is re-prefilled.
+
 A one-token prompt has nothing to prefill without its last token, so it goes the upstream
 way on both sides (both decide from n alone, so they always agree).
 `--pd-first-token prefill` keeps upstream's behaviour for every request, for comparison.
@@ -22,18 +31,22 @@ way on both sides (both decide from n alone, so they always agree).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 from sgl_pd.config import BACKEND_NAME, SglPdConfig
 
 logger = logging.getLogger("sgl_pd.first_token")
 
 MARK = "pd_decode_samples_first"  # the Req attribute the SGLang patch reads
+DRAFT_TAIL = "pd_draft_tail_token"  # the Req attribute the patch's draft extend reads
 _CONSTRAINTS = ("json_schema", "regex", "ebnf", "structural_tag")  # grammars, decoder only
 
 
 class _Process:
     decode_first: bool | None = None  # this process's choice, read once
+    # rid -> the prompt token a prefill copy lost, from arrival until SGLang queues its
+    # Req (both happen inside one `handle_generate_request` call)
+    draft_tails: ClassVar[dict[str, int]] = {}
 
 
 def decoder_samples_first() -> bool:
@@ -66,6 +79,8 @@ def before_handle_generate_request(scheduler: Any, recv_req: Any, *args: Any, **
     if input_ids is None or not samples_on_decoder(len(input_ids)):
         return
     recv_req.input_ids = input_ids[:-1]
+    if not scheduler.spec_algorithm.is_none():
+        _Process.draft_tails[recv_req.rid] = int(input_ids[-1])
     sampling = recv_req.sampling_params
     for name in _CONSTRAINTS:
         if getattr(sampling, name, None) is not None:
@@ -84,3 +99,20 @@ def before_decode_prealloc_add(queue: Any, req: Any, *args: Any, **kw: Any) -> N
     if req.output_ids or not samples_on_decoder(len(req.origin_input_ids)):
         return  # a retracted request resumes with its own tokens
     setattr(req, MARK, True)
+
+
+def after_handle_generate_request(
+    result: Any, scheduler: Any, recv_req: Any, *args: Any, **kw: Any
+) -> Any:
+    """AFTER hook of ``Scheduler.handle_generate_request``: a request SGLang refused
+    before queueing it leaves no tail token behind."""
+    _Process.draft_tails.pop(recv_req.rid, None)
+    return result
+
+
+def before_prefill_bootstrap_add(queue: Any, req: Any, *args: Any, **kw: Any) -> None:
+    """BEFORE hook of ``PrefillBootstrapQueue.add``: a speculative prefill's draft extend
+    ends on the prompt's last token, which its copy of the request no longer holds."""
+    tail = _Process.draft_tails.pop(req.rid, None)
+    if tail is not None:
+        setattr(req, DRAFT_TAIL, tail)

@@ -85,7 +85,8 @@ def install_progress_hooks(model: Any, counter_for: Any) -> ProgressCounter:
 def after_load_model(result: Any, model_runner: Any, *args: Any, **kwargs: Any) -> Any:
     """AFTER hook of ``ModelRunner.load_model``."""
     server_args = model_runner.server_args
-    if not layerwise_enabled(server_args):
+    if not layerwise_enabled(server_args) or getattr(model_runner, "is_draft_worker", False):
+        # a speculative draft model runs after the target: its KV goes at SGLang's send
         return result
     on_cpu = str(server_args.device) == "cpu"
 
@@ -105,10 +106,10 @@ def after_load_model(result: Any, model_runner: Any, *args: Any, **kwargs: Any) 
 
 
 def check_layer_counts(hooked: int, kv_layers: int) -> None:
-    """Raises `ConfigError` unless the hooks count as many layers as the KV cache holds:
-    the streamer sends "layer i of the KV cache" when the i-th hooked o_proj has run, so a
-    model whose KV pool has extra layers (say a draft/MTP layer) or whose o_proj names
-    match another set of modules would stream the wrong pages or never finish."""
+    """Raises `ConfigError` unless the hooks count as many layers as the target model's KV
+    cache holds: the streamer sends "layer i of the KV cache" when the i-th hooked o_proj
+    has run, so a model whose o_proj names match another set of modules would stream the
+    wrong pages or never finish. (A draft model's layers are counted apart.)"""
     if hooked != kv_layers:
         raise ConfigError(
             f"layer-wise streaming hooked the attention output projection of {hooked} "
@@ -126,7 +127,9 @@ def attach_messenger(messenger: Any, layerwise: bool) -> LayerStreamer | None:
         return None
     if _process.counter is None:
         raise RuntimeError("layer-wise streaming needs the progress hooks installed first")
-    check_layer_counts(_process.counter.num_layers, messenger.layout.num_layers)
+    check_layer_counts(
+        _process.counter.num_layers, messenger.layout.num_layers - messenger.draft_layers
+    )
     streamer = LayerStreamer(
         _process.counter,
         lambda job, layers: messenger.write_layers(job.payload, layers),

@@ -4,6 +4,11 @@ SGLang hands a transfer backend flat lists: ``kv_data_ptrs`` holds every layer's
 buffer, then every layer's V buffer (MHA/GQA), or one latent buffer per layer (MLA);
 each buffer is NHD, page after page (``kv_item_lens`` bytes per page). The core wants one
 region per (layer, part), layer-major, which is only a reordering of the same buffers.
+
+With speculative decoding, the draft model's pool follows in the same shape (its last
+``num_draft_entries`` buffers). Its pages are the target's pages (the two pools share
+SGLang's req_to_token table), so its layers are simply layers after the target's: a
+NEXTN/MTP layer's KV travels like any other layer, under the same plan and counting.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ class PoolDescription:
     layout: KvLayout
     local_heads: int  # KV heads this rank holds (1 for MLA)
     kv: RegionTable  # this rank's KV regions, indexed by KvLayout.region_index
+    draft_layers: int  # the last layers of `layout` are the draft model's (0: none)
     num_pages: int  # pages every region can hold
     aux: tuple[Region, ...]  # metadata buffers (D9), one row per request slot
     aux_item_bytes: tuple[int, ...]  # bytes of one row of each metadata buffer
@@ -38,30 +44,28 @@ def describe_pool(
     ptrs: list[int] = list(kv_args.kv_data_ptrs)
     lens: list[int] = list(kv_args.kv_data_lens)
     item_lens: list[int] = list(kv_args.kv_item_lens)
-    draft = int(getattr(kv_args, "num_draft_entries", 0) or 0)
-    if draft:
-        raise ConfigError(
-            "sgl_pd does not transfer a speculative draft model's KV yet; "
-            "serve without --speculative-algorithm"
-        )
+    num_draft = int(getattr(kv_args, "num_draft_entries", 0) or 0)
+    if not 0 <= num_draft < len(ptrs):
+        raise ConfigError(f"{num_draft} draft KV buffers out of {len(ptrs)} in all")
     page_size = int(kv_args.page_size)
+    target = _region_order(len(ptrs) - num_draft, is_mla)
+    draft = _region_order(num_draft, is_mla)
+    # the draft's buffers follow the target's in SGLang's list
+    order = [*target, *(len(target) + i for i in draft)]
+    num_layers = len(order) // (1 if is_mla else 2)
+    draft_layers = len(draft) // (1 if is_mla else 2)
     if is_mla:
-        num_layers = len(ptrs)
         local_heads, total_heads = 1, 1
-        order = list(range(num_layers))
+    elif heads is None:
+        local_heads, total_heads = int(kv_args.kv_head_num), int(kv_args.total_kv_head_num)
     else:
-        if len(ptrs) % 2:
-            raise ConfigError(f"expected K and V buffers per layer, got {len(ptrs)} buffers")
-        num_layers = len(ptrs) // 2
-        if heads is None:
-            local_heads, total_heads = int(kv_args.kv_head_num), int(kv_args.total_kv_head_num)
-        else:
-            local_heads, total_heads = heads
-        # core region order is (layer, K), (layer, V), ...; SGLang's is all K then all V
-        order = [i for layer in range(num_layers) for i in (layer, num_layers + layer)]
+        local_heads, total_heads = heads
     page_bytes = item_lens[0]
     if any(n != page_bytes for n in item_lens):
-        raise ConfigError("KV buffers with different page sizes are not supported")
+        raise ConfigError(
+            "KV buffers with different page sizes are not supported"
+            + (" (the draft model's KV rows differ from the target's)" if num_draft else "")
+        )
     row_bytes = page_bytes // (page_size * local_heads)  # bytes per (token, head)
     # The planner works in bytes: the layout records one-byte elements, so a head's row
     # is `row_bytes` elements and both roles hash exactly the geometry they share.
@@ -94,8 +98,20 @@ def describe_pool(
         layout=layout,
         local_heads=local_heads,
         kv=kv,
+        draft_layers=draft_layers,
         num_pages=num_pages,
         aux=tuple(Region(p, n) for p, n in zip(aux_ptrs, aux_lens, strict=True)),
         aux_item_bytes=aux_items,
         aux_rows=aux_rows,
     )
+
+
+def _region_order(num_buffers: int, is_mla: bool) -> list[int]:
+    """Indices into one pool's buffer list in the core's region order: (layer, K),
+    (layer, V), ... for K/V pools (SGLang lists all K then all V); as listed for MLA."""
+    if is_mla:
+        return list(range(num_buffers))
+    if num_buffers % 2:
+        raise ConfigError(f"expected K and V buffers per layer, got {num_buffers} buffers")
+    layers = num_buffers // 2
+    return [i for layer in range(layers) for i in (layer, layers + layer)]

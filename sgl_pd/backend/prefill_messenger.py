@@ -11,6 +11,10 @@ Two ways to send a chunk's KV:
 Either way, once the last chunk is queued and SGLang has filled the request's metadata
 row (its last `send`), a metadata job follows on each destination's queue (D9).
 
+A speculative draft model's KV (a NEXTN/MTP layer) is the layout's last layers. The draft
+runs after the target's forward, so layer by layer its layers go at SGLang's `send`, and
+after the forward they go with the rest.
+
 Who does what: `PrefillRooms` holds every request's state and counts its writes in
 flight; `DestinationWriters` run the writes, one thread per decode rank; this class
 turns SGLang's calls, the streamer's progress and the decoders' messages into jobs, and
@@ -76,6 +80,7 @@ class PrefillMessenger:
         self.layer_group_size = 1 if layerwise else self.layout.num_layers
         self._send = send_to_decoder
         self._metrics = metrics
+        self.draft_layers = pool.draft_layers
         self.rooms = PrefillRooms(
             rank=rank,
             scheme=scheme,
@@ -83,6 +88,7 @@ class PrefillMessenger:
             layerwise=layerwise,
             timeout_s=timeout_s,
             clock=clock,
+            draft_layers=pool.draft_layers,
         )
         self.writers = DestinationWriters(
             self.rooms,
@@ -136,11 +142,12 @@ class PrefillMessenger:
         return self.rooms.notice_chunk(room_id, src_pages, end_token, is_last)
 
     def submit_chunk(self, room_id: int, pages: np.ndarray, num_tokens: int) -> None:
-        chunk = self.rooms.submit_chunk(room_id, pages, num_tokens)
-        if chunk is not None:
-            all_layers = range(self.layout.num_layers)
+        writes = self.rooms.submit_chunk(room_id, pages, num_tokens)
+        for chunk, layers in writes:
             for dest in self._destinations(room_id):
-                self.writers.put(LayersJob(dest, chunk, all_layers))
+                self.writers.put(LayersJob(dest, chunk, layers))
+        # only now may the metadata follow them on the destinations' queues
+        self.rooms.writes_queued(room_id, writes)
         self._queue_metadata(room_id)
 
     def abort(self, room_id: int, reason: str) -> None:

@@ -77,7 +77,12 @@ class Room:
     src_pages: list[int] = field(default_factory=list)  # after-forward mode
     chunks: int = 0
     send_complete: bool = False  # SGLang's last send: the metadata row is filled
-    last_chunk_queued: bool = False  # every layer of the last chunk is queued for writing
+    # Every layer of the last chunk is queued for writing once both are: the target
+    # model's layers (after the forward) and the draft model's (at SGLang's send, since
+    # the draft runs after the target; True from the start when there is no draft).
+    target_layers_queued: bool = False
+    draft_layers_queued: bool = True
+    awaiting_draft: list[Chunk] = field(default_factory=list)  # layer-wise, forwarded chunks
     metadata_queued: bool = False
     metadata_pending: int = 0  # destinations whose metadata job has not finished
     inflight: int = 0  # write jobs between begin_write and end_write
@@ -108,11 +113,15 @@ class PrefillRooms:
         layerwise: bool,
         timeout_s: float,
         clock: Clock,
+        draft_layers: int = 0,
     ) -> None:
         self.rank = rank
         self.scheme = scheme
         self.layout = layout
         self.layerwise = layerwise
+        # the draft model's layers (the layout's last ones); layer-wise mode sends them
+        # at SGLang's send, after the draft forward, and the rest as the target runs
+        self.draft_layers = range(layout.num_layers - draft_layers, layout.num_layers)
         self.timeout_s = timeout_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -194,19 +203,27 @@ class PrefillRooms:
             )
             room.chunks += 1
             room.tokens_planned = end_token
+            if self.draft_layers:
+                room.awaiting_draft.append(chunk)
+                room.draft_layers_queued = False
             self._sending(room)
             return chunk
 
-    def submit_chunk(self, room_id: int, pages: np.ndarray, num_tokens: int) -> Chunk | None:
-        """SGLang's `send` after a forward. After-forward mode: the chunk to write;
-        layer-wise mode: None (its layers went already); both learn whether it was last."""
+    def submit_chunk(
+        self, room_id: int, pages: np.ndarray, num_tokens: int
+    ) -> list[tuple[Chunk, range]]:
+        """SGLang's `send` after a forward: the (chunk, layers) writes due now, to be
+        queued before `writes_queued` is called with them. After-forward mode: the chunk
+        SGLang hands over, every layer; layer-wise mode: the draft model's layers of the
+        chunks forwarded so far (the target's went as the forward ran). Both learn
+        whether this send was the last."""
         with self._lock:
             room = self._room(room_id)
             if room.error is not None:
-                return None
+                return []
             room.pages_sent += len(pages)
             is_last = room.num_pages is not None and room.pages_sent >= room.num_pages
-            chunk = None
+            due: list[tuple[Chunk, range]] = []
             if not self.layerwise:
                 start = len(room.src_pages) * self.layout.page_size
                 room.src_pages.extend(int(p) for p in pages)
@@ -219,31 +236,53 @@ class PrefillRooms:
                 )
                 room.chunks += 1
                 room.tokens_planned = start + num_tokens
-                room.last_chunk_queued |= is_last
                 self._sending(room)
+                due.append((chunk, range(self.layout.num_layers)))
+            else:
+                # a chunk's draft KV exists once SGLang sends the pages that chunk filled
+                sent_tokens = room.pages_sent * self.layout.page_size
+                forwarded = [
+                    c for c in room.awaiting_draft if is_last or c.tokens.stop <= sent_tokens
+                ]
+                room.awaiting_draft = room.awaiting_draft[len(forwarded) :]  # in order
+                due.extend((c, self.draft_layers) for c in forwarded)
             room.send_complete = is_last
             if is_last:
                 room.last_send_s = self._clock.monotonic()
-            return chunk
+            return due
+
+    def writes_queued(self, room_id: int, writes: list[tuple[Chunk, range]]) -> None:
+        """The writes `submit_chunk` returned are queued for every destination."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+            if room is None:
+                return
+            for chunk, layers in writes:
+                if chunk.is_last:
+                    every_layer = len(layers) == self.layout.num_layers  # after-forward
+                    room.target_layers_queued |= every_layer
+                    room.draft_layers_queued |= every_layer or layers == self.draft_layers
 
     def chunk_queued(self, chunk: Chunk) -> None:
-        """Layer-wise mode: every layer of `chunk` is queued for its destinations."""
+        """Layer-wise mode: every target layer of `chunk` is queued for its destinations."""
         if chunk.is_last:
             with self._lock:
                 room = self._rooms.get(chunk.room)
                 if room is not None:
-                    room.last_chunk_queued = True
+                    room.target_layers_queued = True
 
     def take_metadata_due(self, room_id: int) -> list[Destination]:
-        """The destinations whose metadata job should be queued now: once, after the last
-        chunk is queued and SGLang has filled the metadata row."""
+        """The destinations whose metadata job should be queued now: once, after every
+        layer of the last chunk is queued and SGLang has filled the metadata row."""
         with self._lock:
             room = self._rooms.get(room_id)
             if (
                 room is None
                 or room.error is not None
                 or room.metadata_queued
-                or not (room.send_complete and room.last_chunk_queued)
+                or not (
+                    room.send_complete and room.target_layers_queued and room.draft_layers_queued
+                )
             ):
                 return []
             room.metadata_queued = True

@@ -93,6 +93,16 @@ def register_backend() -> None:
         first_token.before_decode_prealloc_add,
         HookType.BEFORE,
     )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.handle_generate_request",
+        first_token.after_handle_generate_request,
+        HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.add",
+        first_token.before_prefill_bootstrap_add,
+        HookType.BEFORE,
+    )
 
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.handle_generate_request",

@@ -62,12 +62,13 @@ class Memory:
             engine.register(int(buf.ctypes.data), buf.nbytes)
         return cls(kv, aux)
 
-    def pool(self) -> PoolDescription:
+    def pool(self, draft_layers: int = 0) -> PoolDescription:
         regions = tuple(Region(int(b.ctypes.data), b.nbytes) for b in self.kv)
         return PoolDescription(
             layout=LAYOUT,
             local_heads=LAYOUT.num_kv_heads,
             kv=RegionTable.for_layout(LAYOUT, regions),
+            draft_layers=draft_layers,
             num_pages=NUM_PAGES,
             aux=(Region(int(self.aux.ctypes.data), self.aux.nbytes),),
             aux_item_bytes=(AUX_ITEM,),
@@ -110,8 +111,12 @@ class Decoder:
 
 @dataclass
 class Rig:
-    """One prefill rank (TP 1) and any number of decode ranks (TP 1 each)."""
+    """One prefill rank (TP 1) and any number of decode ranks (TP 1 each). `layerwise`:
+    the prefill rank streams layer by layer; `draft_layers`: the layout's last layers are
+    a speculative draft model's."""
 
+    layerwise: bool = False
+    draft_layers: int = 0
     fabric: FakeFabric = field(default_factory=FakeFabric)
     clock: ManualClock = field(default_factory=ManualClock)
     sent: list[tuple[str, Message]] = field(default_factory=list)
@@ -120,14 +125,14 @@ class Rig:
     def __post_init__(self) -> None:
         self.prefill_engine = GatedEngine(self.fabric)
         self.prefill_memory = Memory.make(self.prefill_engine, fill=1)
-        pool = self.prefill_memory.pool()
+        pool = self.prefill_memory.pool(self.draft_layers)
         self.prefill = PrefillMessenger(
             rank=0,
             instance=1,
             scheme=ShardingScheme(1),
             pool=pool,
             engine=self.prefill_engine,
-            layerwise=False,
+            layerwise=self.layerwise,
             send_to_decoder=self._to_decoder,
             metrics=TransferMetrics(False, "prefill"),
             timeout_s=30.0,
@@ -144,7 +149,7 @@ class Rig:
     def add_decoder(self, inbox: str) -> Decoder:
         engine = FakeTransferEngine(self.fabric)
         memory = Memory.make(engine, fill=None)
-        pool = memory.pool()
+        pool = memory.pool(self.draft_layers)
         instance = len(self.decoders) + 7
         messenger = DecodeMessenger(
             rank=0,
@@ -180,6 +185,30 @@ class Rig:
         for start in range(0, len(src_pages), chunk):
             part = np.asarray(src_pages[start : start + chunk])
             self.prefill.submit_chunk(room, part, len(part))
+
+    def prefill_layerwise(
+        self, room: int, src_pages: list[int], chunk: int = 4, streamer_lags: bool = False
+    ) -> None:
+        """SGLang's side of a request on the prefill rank, layer-wise mode: per chunk, its
+        notice, the target's layers as the streamer reports them, SGLang's send after the
+        draft ran. `streamer_lags`: the streamer reports the forward done after the send
+        (as it may on a GPU); else before it."""
+        self.prefill.track(room)
+        self.prefill.expect(room, len(src_pages), aux_index=room % AUX_ROWS)
+        target_layers = range(LAYOUT.num_layers - self.draft_layers)
+        for start in range(0, len(src_pages), chunk):
+            part = np.asarray(src_pages[start : start + chunk])
+            end = start + len(part)
+            noticed = self.prefill.notice_chunk(
+                room, np.asarray(src_pages[:end]), end, end == len(src_pages)
+            )
+            assert noticed is not None
+            self.prefill.write_layers([noticed], target_layers)
+            if not streamer_lags:
+                self.prefill.forward_done([noticed])
+            self.prefill.submit_chunk(room, part, len(part))
+            if streamer_lags:
+                self.prefill.forward_done([noticed])
 
     # -- message delivery (what the inboxes would do) ------------------------------------
 

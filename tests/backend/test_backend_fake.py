@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+import pytest
+
 from sgl_pd.core.states import DecodeState, PrefillState
 from sgl_pd.core.wire import AbortAck, AbortReason
 
@@ -35,6 +38,43 @@ def test_a_request_arrives_byte_for_byte_and_counts_complete() -> None:
     d.messenger.hand_off(5)
     assert d.messenger.poll(5) == (DecodeState.HANDED_OFF, None)
     _wait(lambda: rig.prefill.state(5) == (PrefillState.DONE, True, None))
+    rig.prefill.writers.close()
+
+
+@pytest.mark.parametrize("streamer_lags", [False, True])
+def test_a_draft_layer_streams_at_the_send_and_the_metadata_waits_for_it(
+    streamer_lags: bool,
+) -> None:
+    """Layer by layer with a speculative draft layer: the target's layers go as the
+    forward runs, the draft's at SGLang's send (it runs after the target), and every
+    layer of every chunk arrives byte for byte before the request counts complete."""
+    rig = Rig(layerwise=True, draft_layers=1)
+    d = rig.add_decoder("decode-a")
+    src, dst = list(range(10, 20)), list(range(30, 40))
+    rig.request(d, 5, dst, slot=1)
+    rig.prefill_layerwise(5, src, streamer_lags=streamer_lags)
+    wait_state(d, 5, DecodeState.COMPLETE)
+    for s, t in zip(src, dst, strict=True):
+        assert d.memory.page(t) == rig.prefill_memory.page(s)
+    rig.prefill.writers.close()
+
+
+def test_the_metadata_is_not_due_before_the_last_chunks_draft_layers_are_queued() -> None:
+    rig = Rig(layerwise=True, draft_layers=1)
+    d = rig.add_decoder("decode-a")
+    rig.request(d, 6, [1, 2], slot=2)
+    rig.prefill.track(6)
+    rig.prefill.expect(6, 2, aux_index=0)
+    chunk = rig.prefill.notice_chunk(6, np.arange(2), 2, True)
+    assert chunk is not None
+    rig.prefill.write_layers([chunk], range(3))
+    rig.prefill.forward_done([chunk])  # the target's layers: all queued
+    assert rig.prefill.rooms.take_metadata_due(6) == []  # no send yet: no draft KV
+    writes = rig.prefill.rooms.submit_chunk(6, np.arange(2), 2)
+    assert [(c.index, layers) for c, layers in writes] == [(0, range(3, 4))]
+    assert rig.prefill.rooms.take_metadata_due(6) == []  # not queued yet
+    rig.prefill.rooms.writes_queued(6, writes)
+    assert len(rig.prefill.rooms.take_metadata_due(6)) == 1
     rig.prefill.writers.close()
 
 

@@ -21,14 +21,20 @@ def decoder_samples(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(first_token._Process, "decode_first", True)
 
 
-def _recv(ids: list[int], host: str = "10.0.0.1") -> SimpleNamespace:
+def _recv(ids: list[int], host: str = "10.0.0.1", rid: str = "r1") -> SimpleNamespace:
     sampling = SimpleNamespace(json_schema='{"type": "object"}', regex=None, ebnf=None,
                                structural_tag=None, temperature=0.7)  # fmt: skip
-    return SimpleNamespace(input_ids=array("q", ids), sampling_params=sampling, bootstrap_host=host)
+    return SimpleNamespace(
+        rid=rid, input_ids=array("q", ids), sampling_params=sampling, bootstrap_host=host
+    )
 
 
-def _prefill_scheduler(backend: object = OURS) -> SimpleNamespace:
-    return SimpleNamespace(disaggregation_mode=PREFILL, transfer_backend=backend)
+def _prefill_scheduler(backend: object = OURS, speculative: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(
+        disaggregation_mode=PREFILL,
+        transfer_backend=backend,
+        spec_algorithm=SimpleNamespace(is_none=lambda: not speculative),
+    )
 
 
 def test_the_prefill_copy_loses_its_last_token_and_its_grammar() -> None:
@@ -37,6 +43,34 @@ def test_the_prefill_copy_loses_its_last_token_and_its_grammar() -> None:
     assert list(recv.input_ids) == [5, 6]
     assert recv.sampling_params.json_schema is None
     assert recv.sampling_params.temperature == 0.7  # sampling itself is untouched
+
+
+def test_a_speculative_prefill_ends_its_draft_input_on_the_dropped_token() -> None:
+    """The draft extend's tail token is the prompt's last token, not a sampled one."""
+    scheduler = _prefill_scheduler(speculative=True)
+    recv = _recv([5, 6, 7], rid="spec")
+    first_token.before_handle_generate_request(scheduler, recv)
+    req = SimpleNamespace(rid="spec")
+    first_token.before_prefill_bootstrap_add(SimpleNamespace(), req)
+    first_token.after_handle_generate_request(None, scheduler, recv)
+    assert getattr(req, first_token.DRAFT_TAIL) == 7
+    assert not first_token._Process.draft_tails
+
+
+def test_a_refused_request_leaves_no_tail_token_behind() -> None:
+    scheduler = _prefill_scheduler(speculative=True)
+    recv = _recv([5, 6, 7], rid="refused")
+    first_token.before_handle_generate_request(scheduler, recv)
+    first_token.after_handle_generate_request(None, scheduler, recv)  # never queued
+    assert not first_token._Process.draft_tails
+
+
+def test_without_speculation_no_tail_token_is_kept() -> None:
+    recv = _recv([5, 6, 7], rid="plain")
+    first_token.before_handle_generate_request(_prefill_scheduler(), recv)
+    req = SimpleNamespace(rid="plain")
+    first_token.before_prefill_bootstrap_add(SimpleNamespace(), req)
+    assert not hasattr(req, first_token.DRAFT_TAIL)
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,8 @@ WAIT_S = 5.0  # seconds a test waits for a streamer thread to stop
 class FakeMessenger:
     """What attach_messenger and the streamer's callbacks use of a PrefillMessenger."""
 
-    num_layers: int
+    num_layers: int  # the KV layout's, draft layers included
+    draft_layers: int = 0
     written: list[tuple[object, range]] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -81,9 +82,13 @@ def test_attach_refuses_hooks_and_kv_layout_of_different_layer_counts(
     assert process.streamer is None  # nothing started
 
 
-def test_attach_starts_a_streamer_when_the_layer_counts_agree(process: glue._Process) -> None:
+@pytest.mark.parametrize("draft_layers", [0, 1])
+def test_attach_starts_a_streamer_when_the_layer_counts_agree(
+    process: glue._Process, draft_layers: int
+) -> None:
+    """A draft (MTP) layer in the KV layout is not the streamer's: it streams the target's."""
     counter = process.counter = HostProgress(3)
-    messenger = FakeMessenger(num_layers=3)
+    messenger = FakeMessenger(num_layers=3 + draft_layers, draft_layers=draft_layers)
     streamer = glue.attach_messenger(messenger, layerwise=True)
     assert streamer is not None and streamer is process.streamer
     streamer.submit(ForwardJob(1, "chunks of forward 1"))
