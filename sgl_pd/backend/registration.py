@@ -81,7 +81,13 @@ def register_backend() -> None:
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.run_batch", after_run_batch, HookType.AFTER
     )
-    from sgl_pd.backend import first_token, health, layerwise_glue
+    from sgl_pd.backend import first_token, health, layerwise_glue, request_checks
+
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+        request_checks.before_validate_one_request,
+        HookType.BEFORE,
+    )
 
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.handle_generate_request",

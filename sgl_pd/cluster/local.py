@@ -174,6 +174,7 @@ class PdCluster:
     prefill: Server
     decode: Server
     bootstrap_port: int
+    more_prefills: tuple[Server, ...] = ()  # further prefill servers behind the router
 
 
 def write_cluster_secret(path: Path) -> Path:
@@ -203,15 +204,18 @@ def router_argv(
     *,
     patience: Patience | None = None,
     retries: bool = True,
+    more_prefills: Sequence[tuple[str, int]] = (),
 ) -> list[str]:
     """SGLang's router in PD mode over one pair; its health checks from `patience`
     (`local_patience()` when None). `retries=False`: a failed request reaches the client
-    as it failed, instead of being sent again (fault campaigns count failures)."""
+    as it failed, instead of being sent again (fault campaigns count failures).
+    `more_prefills`: (url, bootstrap port) of further prefill servers, taken in turn."""
     patience = patience if patience is not None else local_patience()
+    prefills = [(prefill_url, bootstrap_port), *more_prefills]
     return python_module_argv(
         "sglang_router.launch_router",
         "--pd-disaggregation",
-        "--prefill", prefill_url, str(bootstrap_port),
+        *(arg for url, port in prefills for arg in ("--prefill", url, str(port))),
         "--decode", decode_url,
         "--host", HOST,
         "--port", str(port),
@@ -233,15 +237,18 @@ def serving_pd(
     router_url: str,
     *,
     patience: Patience | None = None,
+    more_prefills: Sequence[tuple[ManagedProcess, str]] = (),
 ) -> Iterator[None]:
-    """Starts a PD pair side by side and the router once both answer; stops all three on
-    exit, whatever happened inside. `patience`: the waits; `local_patience()` when None."""
+    """Starts a PD pair (and `more_prefills`: (process, url) of further prefill servers)
+    side by side and the router once all answer; stops them all on exit, whatever
+    happened inside. `patience`: the waits; `local_patience()` when None."""
     patience = patience if patience is not None else local_patience()
-    with managed([prefill, decode, router]):
-        prefill.start()
-        decode.start()
-        _wait_ready(prefill, f"{prefill_url}/health", patience.server_ready_s, patience)
-        _wait_ready(decode, f"{decode_url}/health", patience.server_ready_s, patience)
+    servers = [(prefill, prefill_url), *more_prefills, (decode, decode_url)]
+    with managed([*(process for process, _ in servers), router]):
+        for process, _ in servers:
+            process.start()
+        for process, url in servers:
+            _wait_ready(process, f"{url}/health", patience.server_ready_s, patience)
         router.start()
         # /readiness answers 200 once the router found both workers healthy
         _wait_ready(router, f"{router_url}/readiness", patience.router_ready_s, patience)
@@ -257,16 +264,31 @@ def pd_cluster(
     *,
     patience: Patience | None = None,
     router_retries: bool = True,
+    more_prefills: Sequence[Sequence[str]] = (),
 ) -> Iterator[PdCluster]:
     """A prefill server, a decode server and SGLang's router in PD mode, all local.
 
-    The two servers start side by side; the router starts once both answer. `patience`:
+    The servers start side by side; the router starts once all answer. `patience`:
     the waits and the router's health checks; `local_patience()` when None.
     `router_retries=False` lets failed requests reach the client unretried.
+    `more_prefills`: one more prefill server per entry, with these flags instead of
+    `prefill_extra`; the router sends requests to the prefill servers in turn.
     """
     patience = patience if patience is not None else local_patience()
-    prefill_port, decode_port, bootstrap_port, router_port, metrics_port = free_ports(5)
+    ports = free_ports(5 + 2 * len(more_prefills))  # one call: all distinct
+    prefill_port, decode_port, bootstrap_port, router_port, metrics_port = ports[:5]
     secret = ("--pd-auth-secret-file", str(write_cluster_secret(log_dir / "cluster.secret")))
+    extra_prefills: list[tuple[ManagedProcess, str, int]] = []
+    for i, extra in enumerate(more_prefills, start=1):
+        port, extra_bootstrap = ports[3 + 2 * i : 5 + 2 * i]
+        process = ManagedProcess(
+            f"prefill{i}",
+            server_argv(
+                model, port, [*pd_server_args("prefill", extra_bootstrap), *secret, *extra]
+            ),
+            log_dir / f"prefill{i}.log",
+        )
+        extra_prefills.append((process, f"http://{HOST}:{port}", extra_bootstrap))
     prefill = ManagedProcess(
         "prefill",
         server_argv(
@@ -292,16 +314,25 @@ def pd_cluster(
             decode_url,
             patience=patience,
             retries=router_retries,
+            more_prefills=[(url, port) for _, url, port in extra_prefills],
         ),
         log_dir / "router.log",
     )
     router_url = f"http://{HOST}:{router_port}"
     with serving_pd(
-        prefill, prefill_url, decode, decode_url, router, router_url, patience=patience
+        prefill,
+        prefill_url,
+        decode,
+        decode_url,
+        router,
+        router_url,
+        patience=patience,
+        more_prefills=[(process, url) for process, url, _ in extra_prefills],
     ):
         yield PdCluster(
             router_url,
             Server(prefill_url, prefill),
             Server(decode_url, decode),
             bootstrap_port,
+            tuple(Server(url, process) for process, url, _ in extra_prefills),
         )

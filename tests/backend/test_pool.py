@@ -1,0 +1,56 @@
+"""`describe_pool` reads SGLang's KVArgs into the core's layer-major regions, a
+speculative draft model's buffers included (they follow the target's)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from sgl_pd.backend.pool import describe_pool
+from sgl_pd.core.layout import AttnKind
+from sgl_pd.errors import ConfigError
+
+PAGE_BYTES = 64
+
+
+def _kv_args(num_buffers: int, num_draft: int, **extra: object) -> SimpleNamespace:
+    # buffer i lives at 1000 * (i + 1): its base says which SGLang buffer it was
+    return SimpleNamespace(
+        kv_data_ptrs=[1000 * (i + 1) for i in range(num_buffers)],
+        kv_data_lens=[PAGE_BYTES * 10] * num_buffers,
+        kv_item_lens=[PAGE_BYTES] * num_buffers,
+        num_draft_entries=num_draft,
+        page_size=1,
+        aux_data_ptrs=[1],
+        aux_data_lens=[80],
+        aux_item_lens=[8],
+        **extra,
+    )
+
+
+def test_an_mla_draft_layer_is_the_last_layer() -> None:
+    pool = describe_pool(_kv_args(4, 1), is_mla=True)
+    assert pool.layout.kind is AttnKind.MLA
+    assert pool.layout.num_layers == 4 and pool.draft_layers == 1
+    assert [r.base for r in pool.kv.regions] == [1000, 2000, 3000, 4000]
+
+
+def test_kv_pools_pair_k_and_v_per_layer_target_first_then_draft() -> None:
+    # SGLang: target K0 K1, target V0 V1, then draft K0, draft V0
+    args = _kv_args(6, 2, kv_head_num=2, total_kv_head_num=2)
+    pool = describe_pool(args, is_mla=False)
+    assert pool.layout.num_layers == 3 and pool.draft_layers == 1
+    assert [r.base for r in pool.kv.regions] == [1000, 3000, 2000, 4000, 5000, 6000]
+
+
+def test_no_draft_means_no_draft_layers() -> None:
+    pool = describe_pool(_kv_args(3, 0), is_mla=True)
+    assert pool.layout.num_layers == 3 and pool.draft_layers == 0
+
+
+def test_a_draft_with_other_rows_is_refused_with_the_reason() -> None:
+    args = _kv_args(3, 1)
+    args.kv_item_lens[-1] = PAGE_BYTES * 2
+    with pytest.raises(ConfigError, match="draft model's KV rows differ"):
+        describe_pool(args, is_mla=True)

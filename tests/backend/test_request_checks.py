@@ -1,0 +1,42 @@
+"""Requests a PD server cannot serve are refused with SGLang's 400 path (a ValueError)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from sgl_pd.backend import request_checks
+from sgl_pd.config import BACKEND_NAME
+
+
+def _manager(mode: str = "decode", backend: str = BACKEND_NAME) -> SimpleNamespace:
+    return SimpleNamespace(
+        server_args=SimpleNamespace(
+            disaggregation_mode=mode, disaggregation_transfer_backend=backend
+        )
+    )
+
+
+def _request(n: int | None) -> SimpleNamespace:
+    params = {"max_new_tokens": 8} if n is None else {"max_new_tokens": 8, "n": n}
+    return SimpleNamespace(sampling_params=params)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_parallel_sampling_is_refused_with_the_reason(mode: str) -> None:
+    with pytest.raises(ValueError, match=r"n > 1 .* send n separate requests"):
+        request_checks.before_validate_one_request(_manager(mode), _request(2), [1, 2])
+
+
+@pytest.mark.parametrize(
+    ("manager", "n"),
+    [
+        (_manager(), None),
+        (_manager(), 1),
+        (_manager(mode="null"), 4),  # an ordinary server samples n in parallel itself
+        (_manager(backend="mooncake"), 4),  # not our backend: not our call
+    ],
+)
+def test_what_is_left_alone(manager: SimpleNamespace, n: int | None) -> None:
+    request_checks.before_validate_one_request(manager, _request(n), [1, 2])
