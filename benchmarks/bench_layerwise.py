@@ -28,8 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import requests
-
+from sgl_pd.cluster.client import stream_generate
 from sgl_pd.cluster.local import Patience, local_patience, pd_cluster
 from sgl_pd.cluster.logs import timing_lines
 from sgl_pd.models import TINY_LLAMA_PATH
@@ -69,20 +68,8 @@ def prompt_ids(num_tokens: int, start: int) -> list[int]:
 
 def ttft_ms(url: str, ids: list[int], patience: Patience) -> float:
     start = time.perf_counter()
-    with requests.post(
-        f"{url}/generate",
-        json={
-            "input_ids": ids,
-            "sampling_params": {"temperature": 0, "max_new_tokens": 2},
-            "stream": True,
-        },
-        stream=True,
-        timeout=patience.seconds(600.0),
-    ) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if line.startswith(b"data: ") and line != b"data: [DONE]":
-                return (time.perf_counter() - start) * 1e3
+    for arrived, _ in stream_generate(url, ids, 2, patience.seconds(600.0)):
+        return (arrived - start) * 1e3
     raise RuntimeError("the stream ended without a token")
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import requests
 
@@ -91,3 +93,31 @@ def generate_ids(base_url: str, prompt: str | list[int], max_new_tokens: int = 1
     )
     response.raise_for_status()
     return [int(t) for t in response.json()["output_ids"]]
+
+
+def stream_generate(
+    base_url: str,
+    prompt: str | list[int],
+    max_new_tokens: int,
+    timeout_s: float = REQUEST_TIMEOUT_S,
+) -> Iterator[tuple[float, dict[str, Any]]]:
+    """Streams one greedy ``/generate`` request (text or token ids): yields
+    (``time.perf_counter()`` at arrival, the chunk's JSON) per streamed chunk."""
+    with requests.post(
+        f"{base_url}/generate",
+        json={
+            ("text" if isinstance(prompt, str) else "input_ids"): prompt,
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
+            "stream": True,
+        },
+        stream=True,
+        timeout=timeout_s,
+    ) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[len(b"data:") :].strip()
+            if payload == b"[DONE]":
+                return
+            yield time.perf_counter(), json.loads(payload)

@@ -1,13 +1,19 @@
-"""The bundled MoE models on ordinary SGLang servers on CPU, one server at a time: tiny
-DeepSeek-V3 (MLA) without and with NEXTN speculative decoding (its trained MTP layer as the
-draft), and tiny Qwen3-MoE.
+"""The bundled models of the mission's architectures, served on CPU: tiny DeepSeek-V3
+(MLA, MoE, a trained NextN/MTP layer) without and with NEXTN speculative decoding, and tiny
+Qwen3-MoE, first on ordinary SGLang servers, then through SGLang's router in PD mode.
 
-Each fixture starts its server, collects every answer the tests look at, and stops it
-before the next one starts (2 cores)."""
+Each monolithic fixture starts its server, collects every answer the tests look at
+(the greedy reference for the PD runs included), and stops it before the next starts
+(2 cores). Each PD cluster has two prefill servers, one streaming layer by layer and one
+sending after the forward, which the router takes in turn: one cluster covers both send
+modes at one page size.
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +22,9 @@ import pytest
 import requests
 
 from sgl_pd.cluster.client import REQUEST_TIMEOUT_S
-from sgl_pd.cluster.local import Patience, Server, monolithic_server
+from sgl_pd.cluster.local import Patience, PdCluster, Server, monolithic_server, pd_cluster
+from sgl_pd.cluster.logs import last_pool_state, timing_lines
+from sgl_pd.cluster.prompts import long_prompt_ids, varied_prompts
 from sgl_pd.models import TINY_DEEPSEEK_V3_PATH, TINY_QWEN3_MOE_PATH
 
 pytestmark = pytest.mark.e2e
@@ -30,15 +38,54 @@ NEXTN_ARGS = [
 ]  # fmt: skip
 PROMPTS = ["Count: 41 42 43", "Days: Friday", "3 + 4 =", "Months: March"]
 MAX_NEW_TOKENS = 24
+# 50 prompts for the PD comparisons: one and two tokens (the first goes the upstream way,
+# the second prefills a single token), then 10 to ~450 tokens (up to 4 chunks of 128)
+PD_PROMPTS: list[str | list[int]] = [
+    long_prompt_ids(1),
+    long_prompt_ids(2),
+    *varied_prompts(48, seed=23),
+]
+PD_NEW_TOKENS = 12
+CHUNK_ARGS = ["--chunked-prefill-size", "128"]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One greedy answer: its token ids and SGLang's meta_info (speculative counts)."""
+
+    ids: list[int]
+    meta: dict[str, Any]
 
 
 @dataclass(frozen=True)
 class Run:
-    """What one server answered: per prompt, the greedy text and SGLang's meta_info."""
+    """What one server answered: per prompt, the greedy text and SGLang's meta_info, and
+    per PD prompt the greedy answer."""
 
     texts: list[str]
     meta: list[dict[str, Any]]
     log: str
+    answers: list[Answer]
+
+
+def ask_one(url: str, prompt: str | list[int]) -> Answer:
+    response = requests.post(
+        f"{url}/generate",
+        json={
+            ("text" if isinstance(prompt, str) else "input_ids"): prompt,
+            "sampling_params": {"max_new_tokens": PD_NEW_TOKENS, "temperature": 0},
+        },
+        timeout=REQUEST_TIMEOUT_S,
+    )
+    response.raise_for_status()
+    body = response.json()
+    return Answer([int(t) for t in body["output_ids"]], body["meta_info"])
+
+
+def ask_all(url: str) -> list[Answer]:
+    """The PD prompts, eight at a time (batches mix lengths and chunked prefills)."""
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda p: ask_one(url, p), PD_PROMPTS))
 
 
 def generate(server: Server, prompts: list[str]) -> tuple[list[str], list[dict[str, Any]]]:
@@ -62,14 +109,18 @@ def serve_and_ask(log_dir: Path, model: Path, extra: list[str], patience: Patien
         # once more, one prompt at a time: batching must not change greedy text
         singles = [generate(server, [p])[0][0] for p in PROMPTS]
         assert singles == texts, (singles, texts)
+        answers = ask_all(server.url)
         log = server.process.log_path.read_text(errors="replace")
-    return Run(texts, meta, log)
+    return Run(texts, meta, log, answers)
 
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterator[Run]:
     yield serve_and_ask(
-        tmp_path_factory.mktemp("deepseek"), TINY_DEEPSEEK_V3_PATH, COMMON_ARGS, patience
+        tmp_path_factory.mktemp("deepseek"),
+        TINY_DEEPSEEK_V3_PATH,
+        [*COMMON_ARGS, *CHUNK_ARGS],
+        patience,
     )
 
 
@@ -78,7 +129,7 @@ def deepseek_nextn(tmp_path_factory: pytest.TempPathFactory, patience: Patience)
     yield serve_and_ask(
         tmp_path_factory.mktemp("deepseek-nextn"),
         TINY_DEEPSEEK_V3_PATH,
-        [*COMMON_ARGS, *NEXTN_ARGS],
+        [*COMMON_ARGS, *CHUNK_ARGS, *NEXTN_ARGS],
         patience,
     )
 
@@ -86,7 +137,10 @@ def deepseek_nextn(tmp_path_factory: pytest.TempPathFactory, patience: Patience)
 @pytest.fixture(scope="module")
 def qwen3_moe(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterator[Run]:
     yield serve_and_ask(
-        tmp_path_factory.mktemp("qwen3-moe"), TINY_QWEN3_MOE_PATH, COMMON_ARGS, patience
+        tmp_path_factory.mktemp("qwen3-moe"),
+        TINY_QWEN3_MOE_PATH,
+        [*COMMON_ARGS, *CHUNK_ARGS],
+        patience,
     )
 
 
@@ -125,3 +179,173 @@ def test_qwen3_moe_answers_deterministically(qwen3_moe: Run) -> None:
     assert fact.startswith(" 7."), fact
     assert months.startswith(" April May June"), months
     assert all(m["completion_tokens"] == MAX_NEW_TOKENS for m in qwen3_moe.meta)
+
+
+# -- through the router, in PD mode --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PdRun:
+    answers: list[Answer]
+    modes: dict[str, int]  # send mode -> requests the prefill servers finished in it
+    pools: dict[str, tuple[int, bool] | None]  # server -> (tokens used, no leak), idle
+    parallel_sampling: requests.Response  # the answer to a request with n = 2
+
+
+def _idle_pools(cluster: PdCluster, patience: Patience) -> dict[str, tuple[int, bool] | None]:
+    """Each server's last idle-pool line once every one reports no pages in use (or the
+    state when the wait ran out: the test shows it)."""
+    servers = [cluster.prefill, *cluster.more_prefills, cluster.decode]
+    deadline = time.monotonic() + patience.seconds(60)
+    while True:
+        states = {s.process.name: last_pool_state(s.process.log_path) for s in servers}
+        if all(state == (0, True) for state in states.values()) or time.monotonic() > deadline:
+            return states
+        time.sleep(1)
+
+
+def serve_pd(log_dir: Path, model: Path, extra: list[str], patience: Patience) -> PdRun:
+    """A decode server and two prefill servers (layer-wise, after-forward) behind the
+    router, all with `extra`; asks the PD prompts, then waits for idle pools."""
+    # Three MoE servers on two cores answer heartbeats late while they compute; these
+    # tests are about tokens, not liveness (which test_pd_faults checks).
+    args = [*COMMON_ARGS, *CHUNK_ARGS, "--pd-liveness-timeout", "15", *extra]
+    with pd_cluster(
+        log_dir,
+        model=model,
+        prefill_extra=[*args, "--pd-kv-send", "layerwise"],
+        more_prefills=[[*args, "--pd-kv-send", "after-forward"]],
+        decode_extra=args,
+        patience=patience,
+    ) as cluster:
+        answers = ask_all(cluster.router_url)
+        parallel = requests.post(
+            f"{cluster.router_url}/generate",
+            json={"text": "Days: Friday", "sampling_params": {"max_new_tokens": 4, "n": 2}},
+            timeout=REQUEST_TIMEOUT_S,
+        )
+        pools = _idle_pools(cluster, patience)
+        modes: dict[str, int] = {}
+        for server in (cluster.prefill, *cluster.more_prefills):
+            for line in timing_lines(server.process.log_path):
+                modes[str(line["mode"])] = modes.get(str(line["mode"]), 0) + 1
+    return PdRun(answers, modes, pools, parallel)
+
+
+@pytest.fixture(scope="module")
+def deepseek_nextn_pd(
+    tmp_path_factory: pytest.TempPathFactory, patience: Patience
+) -> Iterator[PdRun]:
+    yield serve_pd(
+        tmp_path_factory.mktemp("deepseek-nextn-pd"), TINY_DEEPSEEK_V3_PATH, NEXTN_ARGS, patience
+    )
+
+
+@pytest.fixture(scope="module")
+def deepseek_nextn_pd_page64(
+    tmp_path_factory: pytest.TempPathFactory, patience: Patience
+) -> Iterator[PdRun]:
+    yield serve_pd(
+        tmp_path_factory.mktemp("deepseek-nextn-pd-64"),
+        TINY_DEEPSEEK_V3_PATH,
+        [*NEXTN_ARGS, "--page-size", "64"],
+        patience,
+    )
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_pd_page16(
+    tmp_path_factory: pytest.TempPathFactory, patience: Patience
+) -> Iterator[PdRun]:
+    yield serve_pd(
+        tmp_path_factory.mktemp("qwen3-moe-pd-16"),
+        TINY_QWEN3_MOE_PATH,
+        ["--page-size", "16"],
+        patience,
+    )
+
+
+def _assert_same_tokens(reference: Run, pd: PdRun) -> None:
+    mismatches = [
+        (i, want.ids, got.ids)
+        for i, (want, got) in enumerate(zip(reference.answers, pd.answers, strict=True))
+        if want.ids != got.ids
+    ]
+    assert not mismatches, mismatches
+
+
+def _assert_served_well(pd: PdRun) -> None:
+    # both send modes carried requests (one request, one mode: 49 PD prompts in all,
+    # the one-token prompt included; SGLang's warm-up is not ours)
+    assert set(pd.modes) == {"layerwise", "after_forward"}, pd.modes
+    assert all(count >= 10 for count in pd.modes.values()), pd.modes
+    assert all(state == (0, True) for state in pd.pools.values()), pd.pools
+
+
+def _spec(answer: Answer, key: str) -> int:
+    """A speculative count of one answer; SGLang leaves them out of an answer that
+    needed no verify step (say, one that ended on its first token)."""
+    return int(answer.meta.get(key, 0))
+
+
+def _accept_rate(answers: list[Answer]) -> float:
+    correct = sum(_spec(a, "spec_num_correct_drafts") for a in answers)
+    proposed = sum(_spec(a, "spec_num_proposed_drafts") for a in answers)
+    return correct / proposed
+
+
+@pytest.mark.parametrize("page", [1, 64])
+def test_deepseek_nextn_through_pd_gives_monolithic_tokens(
+    request: pytest.FixtureRequest, deepseek: Run, deepseek_nextn: Run, page: int
+) -> None:
+    """Greedy tokens through PD with NEXTN on both sides equal monolithic serving's,
+    with and without NEXTN there, in both send modes."""
+    pd: PdRun = request.getfixturevalue(
+        "deepseek_nextn_pd" if page == 1 else "deepseek_nextn_pd_page64"
+    )
+    _assert_same_tokens(deepseek_nextn, pd)
+    _assert_same_tokens(deepseek, pd)
+    _assert_served_well(pd)
+
+
+@pytest.mark.parametrize("page", [1, 64])
+def test_the_prefill_seeds_the_decoders_first_draft(
+    request: pytest.FixtureRequest, deepseek_nextn: Run, page: int
+) -> None:
+    """The MTP hand-off: the decoder's first verify checks the draft the prefill's MTP
+    layer proposed from the prompt (its KV, top-k and hidden state shipped with the
+    request), so acceptance through PD matches monolithic serving's. A decoder that had
+    to start the draft from nothing could not accept the first proposal of a short
+    answer; here every short prompt's drafts are all accepted, as monolithically."""
+    pd: PdRun = request.getfixturevalue(
+        "deepseek_nextn_pd" if page == 1 else "deepseek_nextn_pd_page64"
+    )
+    mono_rate, pd_rate = _accept_rate(deepseek_nextn.answers), _accept_rate(pd.answers)
+    assert abs(pd_rate - mono_rate) <= 0.05, (mono_rate, pd_rate)
+    for mono, through_pd in zip(deepseek_nextn.answers, pd.answers, strict=True):
+        # one verify fewer or more at most: PD's first verify also checks the first token
+        verifies = _spec(through_pd, "spec_verify_ct"), _spec(mono, "spec_verify_ct")
+        assert abs(verifies[0] - verifies[1]) <= 1, (mono.meta, through_pd.meta)
+    perfect = [
+        i for i, mono in enumerate(deepseek_nextn.answers) if mono.meta.get("spec_accept_rate") == 1
+    ]
+    assert perfect, "the MTP layer accepted no prompt's drafts in full monolithically"
+    still = [i for i in perfect if pd.answers[i].meta.get("spec_accept_rate") == 1]
+    assert len(still) >= 0.9 * len(perfect), [(i, pd.answers[i].meta) for i in perfect]
+
+
+def test_qwen3_moe_through_pd_gives_monolithic_tokens(
+    qwen3_moe: Run, qwen3_moe_pd_page16: PdRun
+) -> None:
+    """Qwen3-MoE (GQA) at 16-token pages; page 1 is the tiny Llama's (GQA) everyday case
+    and DeepSeek-V3's above."""
+    _assert_same_tokens(qwen3_moe, qwen3_moe_pd_page16)
+    _assert_served_well(qwen3_moe_pd_page16)
+
+
+def test_parallel_sampling_is_refused_with_its_reason(qwen3_moe_pd_page16: PdRun) -> None:
+    """n > 1 cannot work through SGLang's PD (the copies share one bootstrap room): the
+    client is told so, nothing hangs, and no page is left behind (checked above)."""
+    answer = qwen3_moe_pd_page16.parallel_sampling
+    assert answer.status_code == 400, answer.text
+    assert "send n separate requests" in answer.text, answer.text
