@@ -155,12 +155,17 @@ def monolithic_server(
     extra: Sequence[str] = (),
     *,
     patience: Patience | None = None,
+    placement: Placement | None = None,
 ) -> Iterator[Server]:
     """One ordinary (mixed prefill + decode) SGLang server through our launcher.
-    `patience`: how long to wait for it; `local_patience()` when None."""
+    `patience`: how long to wait for it; `local_patience()` when None. `placement`: its
+    cores (default: all this process may use)."""
     patience = patience if patience is not None else local_patience()
+    placement = placement if placement is not None else place_servers(1)[0]
     (port,) = free_ports(1)
-    process = ManagedProcess("server", server_argv(model, port, extra), log_dir / "server.log")
+    process = placed_process(
+        "server", server_argv(model, port, extra), log_dir / "server.log", placement
+    )
     with managed([process]):
         process.start()
         url = f"http://{HOST}:{port}"
@@ -175,6 +180,52 @@ class PdCluster:
     decode: Server
     bootstrap_port: int
     more_prefills: tuple[Server, ...] = ()  # further prefill servers behind the router
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one local server runs: the CPU cores it is pinned to, and as many torch
+    threads as it has cores. A server's idle torch threads spin for a while before they
+    sleep, so servers sharing cores slow each other down (PD decode measured ten times
+    slower per token with every server on all cores than with one core each)."""
+
+    cpus: tuple[int, ...]
+
+    def env(self) -> dict[str, str]:
+        listed = ",".join(map(str, self.cpus))
+        # SGLang binds its OpenMP threads to SGLANG_CPU_OMP_THREADS_BIND where its CPU
+        # kernels can (AMX, arm64); elsewhere OMP_NUM_THREADS is what counts.
+        return {"OMP_NUM_THREADS": str(len(self.cpus)), "SGLANG_CPU_OMP_THREADS_BIND": listed}
+
+    def wrap(self, argv: Sequence[str]) -> list[str]:
+        """`argv` started on this placement's cores (taskset, from util-linux)."""
+        return ["taskset", "--cpu-list", ",".join(map(str, self.cpus)), *argv]
+
+
+def place_servers(num_servers: int, cores: Sequence[int] | None = None) -> list[Placement]:
+    """Cores for `num_servers` servers sharing `cores` (default: the cores this process
+    may use): contiguous blocks, the first servers one core more when they do not divide
+    evenly; with more servers than cores, one core each, in turn."""
+    if num_servers < 1:
+        raise ValueError(f"num_servers must be >= 1, got {num_servers}")
+    available = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    if not available:
+        raise ValueError("no CPU cores to place servers on")
+    if num_servers >= len(available):
+        return [Placement((available[i % len(available)],)) for i in range(num_servers)]
+    share, extra = divmod(len(available), num_servers)
+    placements, start = [], 0
+    for i in range(num_servers):
+        size = share + (1 if i < extra else 0)
+        placements.append(Placement(tuple(available[start : start + size])))
+        start += size
+    return placements
+
+
+def placed_process(
+    name: str, argv: Sequence[str], log_path: Path, placement: Placement
+) -> ManagedProcess:
+    return ManagedProcess(name, placement.wrap(argv), log_path, placement.env())
 
 
 def write_cluster_secret(path: Path) -> Path:
@@ -278,18 +329,21 @@ def pd_cluster(
     ports = free_ports(5 + 2 * len(more_prefills))  # one call: all distinct
     prefill_port, decode_port, bootstrap_port, router_port, metrics_port = ports[:5]
     secret = ("--pd-auth-secret-file", str(write_cluster_secret(log_dir / "cluster.secret")))
+    # the first prefill, the further ones, the decoder: each its own cores where possible
+    placements = place_servers(2 + len(more_prefills))
     extra_prefills: list[tuple[ManagedProcess, str, int]] = []
     for i, extra in enumerate(more_prefills, start=1):
         port, extra_bootstrap = ports[3 + 2 * i : 5 + 2 * i]
-        process = ManagedProcess(
+        process = placed_process(
             f"prefill{i}",
             server_argv(
                 model, port, [*pd_server_args("prefill", extra_bootstrap), *secret, *extra]
             ),
             log_dir / f"prefill{i}.log",
+            placements[i],
         )
         extra_prefills.append((process, f"http://{HOST}:{port}", extra_bootstrap))
-    prefill = ManagedProcess(
+    prefill = placed_process(
         "prefill",
         server_argv(
             model,
@@ -297,11 +351,13 @@ def pd_cluster(
             [*pd_server_args("prefill", bootstrap_port), *secret, *prefill_extra],
         ),
         log_dir / "prefill.log",
+        placements[0],
     )
-    decode = ManagedProcess(
+    decode = placed_process(
         "decode",
         server_argv(model, decode_port, [*pd_server_args("decode"), *secret, *decode_extra]),
         log_dir / "decode.log",
+        placements[-1],
     )
     prefill_url, decode_url = f"http://{HOST}:{prefill_port}", f"http://{HOST}:{decode_port}"
     router = ManagedProcess(
@@ -336,3 +392,78 @@ def pd_cluster(
             bootstrap_port,
             tuple(Server(url, process) for process, url, _ in extra_prefills),
         )
+
+
+@dataclass(frozen=True)
+class MixedCluster:
+    router_url: str
+    servers: tuple[Server, ...]
+
+
+@contextlib.contextmanager
+def mixed_cluster(
+    log_dir: Path,
+    num_servers: int,
+    model: Path = TINY_LLAMA_PATH,
+    extra: Sequence[str] = (),
+    *,
+    patience: Patience | None = None,
+) -> Iterator[MixedCluster]:
+    """`num_servers` ordinary (mixed prefill + decode) servers, each on its own cores,
+    behind SGLang's router (round robin): the baseline a PD deployment is compared with
+    on the same hardware."""
+    patience = patience if patience is not None else local_patience()
+    ports = free_ports(num_servers + 2)
+    router_port, metrics_port = ports[-2:]
+    servers = [
+        Server(
+            f"http://{HOST}:{port}",
+            placed_process(
+                f"server{i}", server_argv(model, port, extra), log_dir / f"server{i}.log", place
+            ),
+        )
+        for i, (port, place) in enumerate(zip(ports, place_servers(num_servers), strict=False))
+    ]
+    router_cmd = python_module_argv(
+        "sglang_router.launch_router",
+        "--worker-urls", *(s.url for s in servers),
+        "--host", HOST,
+        "--port", str(router_port),
+        "--prometheus-port", str(metrics_port),
+        "--policy", "round_robin",
+        *patience.router_args(),
+        "--log-level", "warn",
+    )  # fmt: skip
+    router = ManagedProcess("router", router_cmd, log_dir / "router.log")
+    router_url = f"http://{HOST}:{router_port}"
+    with managed([*(s.process for s in servers), router]):
+        for server in servers:
+            server.process.start()
+        for server in servers:
+            _wait_ready(server.process, f"{server.url}/health", patience.server_ready_s, patience)
+        router.start()
+        _wait_ready(router, f"{router_url}/readiness", patience.router_ready_s, patience)
+        yield MixedCluster(router_url, tuple(servers))
+
+
+@contextlib.contextmanager
+def deployment(
+    kind: str,
+    log_dir: Path,
+    model: Path,
+    extra: Sequence[str] = (),
+    patience: Patience | None = None,
+) -> Iterator[str]:
+    """One of the two setups benchmarks compare on this machine's cores, all servers with
+    `extra`: "mixed", two ordinary servers behind the router, or "pd", one prefill and
+    one decode server behind the router in PD mode. Yields the router's URL."""
+    if kind == "mixed":
+        with mixed_cluster(log_dir, 2, model=model, extra=extra, patience=patience) as mixed:
+            yield mixed.router_url
+    elif kind == "pd":
+        with pd_cluster(
+            log_dir, model=model, prefill_extra=extra, decode_extra=extra, patience=patience
+        ) as cluster:
+            yield cluster.router_url
+    else:
+        raise ValueError(f"unknown deployment {kind!r}: 'mixed' or 'pd'")
