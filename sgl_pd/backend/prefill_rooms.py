@@ -23,7 +23,7 @@ import numpy as np
 from sgl_pd.core.clock import Clock
 from sgl_pd.core.counting import links_into
 from sgl_pd.core.layout import KvLayout
-from sgl_pd.core.plan import TokenRange
+from sgl_pd.core.plan import AddressedPlan, TokenRange
 from sgl_pd.core.sharding import ShardingScheme, ShardLink, link_shards
 from sgl_pd.core.states import PREFILL_TABLE, PrefillState, RequestTracker
 from sgl_pd.core.wire import TransferRequest
@@ -56,6 +56,8 @@ class Destination:
     mine: frozenset[int]  # indices into `links` of the ones this rank writes
     writes_metadata: bool  # this rank writes the decode rank's metadata row (D9)
     groups_done: int = 0  # groups this rank finished into it: its count word (writer only)
+    # chunk index -> its plan, addressed for every layer, until its last layers are written
+    plans: dict[int, AddressedPlan] = field(default_factory=dict)  # (writer thread only)
 
     @property
     def session(self) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.prefill_rooms import Chunk, Destination, PrefillRooms, Room
 from sgl_pd.core.counting import count_word, metadata_word, source_word_offset
-from sgl_pd.core.plan import plan_transfer
+from sgl_pd.core.plan import AddressedPlan, plan_transfer
 from sgl_pd.core.regions import RegionTable
 from sgl_pd.core.wire import ChunkNotice, Message
 from sgl_pd.errors import SglPdError
@@ -51,6 +51,15 @@ AckFn = Callable[[int, set[str]], None]  # (room, decoder inboxes owed a drain a
 BytesFn = Callable[[int], None]
 
 
+def layer_writes(addressed: AddressedPlan, layers: range) -> tuple[Writes, int]:
+    """The writes of `layers` (whole layer groups) of one planned chunk on one sender's
+    links, and how many completion groups they finish. One batch per link over all of
+    `layers` (a view when the sender has one link): the count word follows them all."""
+    batches = [addressed.batch(i, layers) for i in addressed.sending]
+    writes = Writes.concat([Writes(b.src_addrs, b.dst_addrs, b.lengths) for b in batches])
+    return writes, addressed.group_count(layers)
+
+
 class KvWriter:
     """What a job writes, in Mooncake batches: data first, then this rank's count word."""
 
@@ -74,26 +83,33 @@ class KvWriter:
     def write_layers(self, dest: Destination, chunk: Chunk, layers: range) -> int:
         """Writes `layers` of `chunk` on this rank's links into `dest`; returns bytes."""
         request, decoder = dest.request, dest.request.decoder
-        plan = plan_transfer(
-            self.layout, dest.links, chunk.src_pages, request.dst_pages, chunk.tokens, layers
-        )
-        dst_table = RegionTable.for_layout(self.layout, decoder.kv_regions)
-        parts, groups = [], 0
-        for group in plan.groups(chunk.index, self.layer_group_size):
-            if group.link_index not in dest.mine:
-                continue
-            batch = plan.batch(group.link_index, group.layers, self.pool.kv, dst_table)
-            parts.append(Writes.of(batch.src_addrs, batch.dst_addrs, batch.lengths))
-            groups += 1
+        addressed = self._addressed(dest, chunk)
+        writes, groups = layer_writes(addressed, layers)
+        if layers.stop == addressed.plan.layers.stop:
+            del dest.plans[chunk.index]  # the chunk's last layers: its plan is done
         if not groups:
             return 0
-        writes = Writes.concat(parts)
         # the count covers every group of this batch, written once they all completed
         dest.groups_done += groups
         word = (self._slot_base(dest) + source_word_offset(self.rank),
                 count_word(request.request_id, dest.groups_done))  # fmt: skip
         self._words.send_many(decoder.session, writes, [word])
         return writes.total_bytes
+
+    def _addressed(self, dest: Destination, chunk: Chunk) -> AddressedPlan:
+        """The chunk's plan into `dest` over every layer, made on its first layer group."""
+        addressed = dest.plans.get(chunk.index)
+        if addressed is None:
+            request = dest.request
+            plan = plan_transfer(
+                self.layout, dest.links, chunk.src_pages, request.dst_pages, chunk.tokens
+            )
+            dst_table = RegionTable.for_layout(self.layout, request.decoder.kv_regions)
+            addressed = AddressedPlan(
+                plan, dest.mine, self.pool.kv, dst_table, self.layer_group_size
+            )
+            dest.plans[chunk.index] = addressed
+        return addressed
 
     def write_metadata(self, dest: Destination, aux_index: int | None, room: Room) -> int:
         """D9: the metadata row if this rank writes it, then the last chunk's notice."""

@@ -16,7 +16,7 @@ Write counts per link, per (layer, part) and page of the chunk (P = page size):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -164,6 +164,62 @@ class TransferPlan:
             for g in chunk_groups(tuple(lw.link for lw in self.links), chunk_index, groups)
             if first <= g.layer_group < first + len(mine) and self.links[g.link_index].count
         )
+
+
+class AddressedPlan:
+    """One sender's writes of a plan, addressed for every layer of the plan in one numpy
+    pass per link; a layer group's batch is then a slice of those arrays (a view when the
+    sender has one link into the destination, the common case).
+
+    Layer-wise streaming asks for one layer group at a time; planning and addressing
+    once per (request, destination, chunk) instead of once per group keeps the work per
+    request to one pass over its writes. Arrays are (regions, writes per region), regions
+    layer-major over the plan's layers, int64 bytes.
+    """
+
+    def __init__(
+        self,
+        plan: TransferPlan,
+        links: Iterable[int],
+        src: RegionTable,
+        dst: RegionTable,
+        layer_group_size: int,
+    ) -> None:
+        self.plan = plan
+        # the sender's links that carry writes; a link without writes has no groups
+        self.sending = tuple(sorted(i for i in set(links) if plan.links[i].count))
+        self._parts = len(plan.layout.parts)
+        groups = plan.layout.layer_groups(layer_group_size)
+        self._group_of = {layer: g for g, r in enumerate(groups) for layer in r}
+        self._group_starts = frozenset(r.start for r in groups)
+        self._rows: dict[int, tuple[I64, I64, I64]] = {}
+        for i in self.sending:
+            whole = plan.batch(i, plan.layers, src, dst)
+            n = plan.links[i].count
+            self._rows[i] = (
+                whole.src_addrs.reshape(-1, n),
+                whole.dst_addrs.reshape(-1, n),
+                whole.lengths.reshape(-1, n),
+            )
+
+    def group_count(self, layers: range) -> int:
+        """Completion groups this sender finishes with `layers` (whole layer groups)."""
+        whole = layers.start in self._group_starts and (
+            layers.stop == self.plan.layers.stop or layers.stop in self._group_starts
+        )
+        inside = self.plan.layers.start <= layers.start < layers.stop <= self.plan.layers.stop
+        if not (whole and inside):
+            raise PlanError(f"layers {layers} are not whole layer groups of {self.plan.layers}")
+        spanned = self._group_of[layers.stop - 1] - self._group_of[layers.start] + 1
+        return spanned * len(self.sending)
+
+    def batch(self, link_index: int, layers: range) -> AddressBatch:
+        """Absolute addresses of one of this sender's links for `layers`."""
+        lw = self.plan.links[link_index]
+        first = (layers.start - self.plan.layers.start) * self._parts
+        rows = slice(first, first + len(layers) * self._parts)
+        src, dst, lengths = (a[rows].ravel() for a in self._rows[link_index])
+        return AddressBatch(lw.link.src_rank, lw.link.dst_rank, src, dst, lengths)
 
 
 def _coalesce(src: I64, dst: I64, length: I64) -> tuple[I64, I64, I64]:

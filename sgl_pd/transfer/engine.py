@@ -75,6 +75,8 @@ class Writes:
     def concat(cls, parts: list[Writes]) -> Writes:
         if not parts:
             return cls.empty()
+        if len(parts) == 1:
+            return parts[0]  # immutable by contract: no copy needed
         return cls(
             np.concatenate([p.src for p in parts]),
             np.concatenate([p.dst for p in parts]),

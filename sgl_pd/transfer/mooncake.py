@@ -66,7 +66,8 @@ def load_mooncake() -> Any:
     return mc_engine
 
 
-def _lists(writes: Writes) -> _Lists:
+def engine_columns(writes: Writes) -> _Lists:
+    """The three columns as the Python int lists the engine binding takes."""
     # numpy's tolist() is the cheapest way to the Python ints pybind11 converts (~1 ms per
     # 64k writes per column)
     return writes.src.tolist(), writes.dst.tolist(), writes.nbytes.tolist()
@@ -154,11 +155,11 @@ class MooncakeTransferEngine:
         n = len(writes)
         lim = self._limiter
         if lim is not None and not (n <= self._chunk and lim.try_acquire(peer, n)):
-            if not self._write_chunked(peer, _lists(writes)):
+            if not self._write_chunked(peer, engine_columns(writes)):
                 self._raise_failed(peer, writes, "a chunk of the batch failed")
             return
         try:
-            rc = self._te.batch_transfer_sync_write(peer, *_lists(writes))
+            rc = self._te.batch_transfer_sync_write(peer, *engine_columns(writes))
         finally:
             if lim is not None:
                 lim.release(peer, n)
@@ -174,11 +175,11 @@ class MooncakeTransferEngine:
         lim = self._limiter
         if lim is not None and not (n <= self._chunk and lim.try_acquire(peer, n)):
             # too big for one go, or the cap is full: the waiter thread pushes it in chunks
-            lists = _lists(writes)
+            lists = engine_columns(writes)
             self._waiter.add(handle.id, lambda: self._write_chunked(peer, lists))
             return handle
         credits = n if lim is not None else 0
-        native_id = self._submit_native(peer, _lists(writes), credits)
+        native_id = self._submit_native(peer, engine_columns(writes), credits)
         if native_id is None:
             self._raise_failed(peer, writes, "batch_transfer_async_write did not submit")
         self._waiter.add(handle.id, lambda: self._finish(peer, native_id, credits))

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from sgl_pd.core.counting import CompletionCounter, WriteGroup, expected_groups
 from sgl_pd.core.errors import PlanError
 from sgl_pd.core.layout import KvLayout, PageLayout
-from sgl_pd.core.plan import TokenRange, plan_transfer
+from sgl_pd.core.plan import AddressedPlan, TokenRange, plan_transfer
 from sgl_pd.core.regions import Region, RegionTable
 from sgl_pd.core.sharding import ShardingScheme, link_shards
 
@@ -316,3 +316,46 @@ def test_batch_layers_must_lie_in_the_plan() -> None:
             plan.batch(0, bad, table, table)
     with pytest.raises(PlanError, match="fewer regions"):
         plan.batch(0, range(1, 2), RegionTable(table.regions[:2]), table)
+
+
+@pytest.mark.parametrize(
+    ("tp_p", "tp_d", "layout"),
+    [(2, 4, PageLayout.HND), (4, 2, PageLayout.NHD), (2, 2, PageLayout.NHD)],
+)
+def test_an_addressed_plan_gives_each_layer_groups_batches(
+    tp_p: int, tp_d: int, layout: PageLayout
+) -> None:
+    """Addressing a sender's links once for every layer, then slicing a layer group,
+    gives the batches addressing that group alone gives, and counts its groups."""
+    lay = _qwen(layout)
+    links = link_shards(lay, ShardingScheme(tp_p), ShardingScheme(tp_d), 3)
+    plan = plan_transfer(lay, links, [5, 2, 7], [0, 1, 4], TokenRange(3, 40))
+    src = RegionTable.packed(lay, 8, lay.num_kv_heads // tp_p, base=1 << 32)
+    dst = RegionTable.packed(lay, 8, lay.num_kv_heads // tp_d, base=1 << 40)
+    group_size = 2
+    for rank in range(tp_p):
+        mine = [i for i, link in enumerate(links) if link.src_rank == rank]
+        addressed = AddressedPlan(plan, mine, src, dst, group_size)
+        assert addressed.sending == tuple(i for i in mine if plan.links[i].count)
+        for layers in lay.layer_groups(group_size):
+            for i in addressed.sending:
+                want, got = plan.batch(i, layers, src, dst), addressed.batch(i, layers)
+                for column in ("src_addrs", "dst_addrs", "lengths"):
+                    assert np.array_equal(getattr(want, column), getattr(got, column))
+            sent = sorted({g.link_index for g in plan.groups(0, group_size) if g.layers == layers})
+            assert addressed.group_count(layers) == len(set(sent) & set(mine))
+        assert addressed.group_count(plan.layers) == len(addressed.sending) * len(
+            lay.layer_groups(group_size)
+        )
+
+
+def test_an_addressed_plan_takes_only_whole_layer_groups() -> None:
+    lay = _qwen(PageLayout.HND)  # 2 layers: one group of 2
+    links = link_shards(lay, ShardingScheme(1), ShardingScheme(1), 0)
+    plan = plan_transfer(lay, links, [0, 1], [0, 1], TokenRange(0, 32))
+    table = RegionTable.packed(lay, 4, 8)
+    addressed = AddressedPlan(plan, [0], table, table, 2)
+    assert addressed.group_count(range(0, 2)) == 1
+    for bad in (range(0, 1), range(1, 2), range(0, 3)):
+        with pytest.raises(PlanError, match="whole layer groups"):
+            addressed.group_count(bad)
