@@ -10,6 +10,30 @@ command -v "$python" >/dev/null 2>&1 || python=python3
 
 say() { printf '[install] %s\n' "$*"; }
 
+# pip's own output (hundreds of lines, mostly warnings about packages it does not touch)
+# goes to a log file; the terminal gets a line every 15 s with the packages pip has
+# collected so far, and the log's tail only if pip fails.
+pip_log="${TMPDIR:-/tmp}/sgl_pd-install-pip.log"
+pip_quietly() {
+    local what="$1"
+    shift
+    say "$what (pip's log: $pip_log)"
+    "$venv/bin/python" -m pip install --progress-bar off "$@" >>"$pip_log" 2>&1 &
+    local pid=$! waited=0
+    while kill -0 "$pid" 2>/dev/null; do
+        sleep 1
+        waited=$((waited + 1))
+        if ((waited % 15 == 0)); then
+            say "  ... ${waited} s, $(grep -c '^Collecting' "$pip_log" || true) packages collected"
+        fi
+    done
+    if ! wait "$pid"; then
+        say "pip failed; the last lines of $pip_log:"
+        tail -n 40 "$pip_log" >&2
+        exit 1
+    fi
+}
+
 # Mooncake's transfer engine links the RDMA and NUMA libraries even when it only uses TCP;
 # gcc builds the stand-in driver library, patch applies patches/.
 system_libs=(libibverbs1 librdmacm1 libnuma1 patch gcc)
@@ -40,9 +64,10 @@ fi
 stamp="$venv/.sgl_pd-installed"
 fingerprint="$extra $(sha256sum "$root/pyproject.toml" | cut -c1-16)"
 if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$fingerprint" ]]; then
+    : >"$pip_log"
     say "installing sgl_pd[$extra,test] and SGLang into $venv (first run: about 5 minutes)"
-    "$venv/bin/python" -m pip install -q --upgrade pip
-    "$venv/bin/python" -m pip install -q -e "$root[$extra,test]"
+    pip_quietly "upgrading pip" --upgrade pip
+    pip_quietly "installing sgl_pd and its dependencies" -e "$root[$extra,test]"
     echo "$fingerprint" >"$stamp"
 else
     say "python packages up to date"
