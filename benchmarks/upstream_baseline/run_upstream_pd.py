@@ -61,6 +61,7 @@ COMMON_ARGS = [
     "--max-total-tokens", "32768",
     "--max-running-requests", "16",
     "--log-level", "info",
+    "--sleep-on-idle",  # as sgl_pd's local servers: idle schedulers do not spin
 ]  # fmt: skip
 
 

@@ -124,6 +124,9 @@ DEFAULT_SERVER_ARGS: tuple[str, ...] = (
     "--max-total-tokens", "32768",
     "--max-running-requests", "64",
     "--log-level", "warning",
+    # an idle scheduler otherwise polls its queues non-stop, a core's worth of CPU taken
+    # from the servers that are working (SGLang sleeps only with nothing queued at all)
+    "--sleep-on-idle",
 )  # fmt: skip
 
 
