@@ -13,10 +13,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -169,12 +170,33 @@ def _group_alive(pgid: int) -> bool:
 
 @contextlib.contextmanager
 def managed(processes: Sequence[ManagedProcess]) -> Iterator[Sequence[ManagedProcess]]:
-    """Stops every process on exit, in reverse start order, whatever happened inside."""
+    """Stops every process on exit, in reverse start order, whatever happened inside -
+    a SIGTERM to this process included (Python's default would end it at once, leaving
+    the servers running)."""
+    restore = _exit_on_sigterm()
     try:
         yield processes
     finally:
-        for p in reversed(processes):
-            p.stop()
+        try:
+            for p in reversed(processes):
+                p.stop()
+        finally:
+            restore()
+
+
+def _exit_on_sigterm() -> Callable[[], None]:
+    """Makes SIGTERM raise SystemExit (so `finally` blocks run) while the returned
+    function is not called; only from the main thread and if nobody handles it yet."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return lambda: None
+
+    def _exit(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def python_module_argv(module: str, *args: str) -> list[str]:
