@@ -73,6 +73,15 @@ def apply_cpu_shims() -> bool:
         HookType.AROUND,
     )
     _announce("TARGET_VERIFY extend lengths for torch_native (chain drafts, topk 1)")
+    from sgl_pd.harness.extend_attention_cpu import around_run_sdpa_forward_extend
+
+    HookRegistry.register(
+        _HOOK + "layers.attention.torch_native_backend.TorchNativeAttnBackend."
+        "_run_sdpa_forward_extend",
+        around_run_sdpa_forward_extend,
+        HookType.AROUND,
+    )
+    _announce("torch_native extend attention over the new tokens only (not context x context)")
     _applied = True
     return True
 
