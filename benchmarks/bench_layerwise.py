@@ -1,7 +1,9 @@
 """Exposed KV transfer time: layer-wise streaming against sending after the forward pass.
 
-Starts a local prefill + decode + router cluster (bundled model, CPU) once per mode, sends
-prompts of 512, 2k and 8k tokens (each prefilled in one chunk), and reads the prefill
+Starts two local prefill + decode + router clusters (bundled model, CPU) side by side, one
+per mode, sends fresh prompts of 512, 2k and 8k tokens (each prefilled in one chunk) to
+them in turn, and reads, for each request, the timing line its prefill writes (a request
+without its own new line fails the run: no sample is ever reused), from the prefill
 messenger's own timestamps (time.monotonic, shared by all processes of this machine):
 
     exposed transfer = KV transfer done - end of the prompt's forward pass
@@ -20,6 +22,7 @@ SGL_PD_LOCAL_PATIENCE=3 makes every wait (servers, router, requests) three times
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sgl_pd.cluster.client import stream_generate
-from sgl_pd.cluster.local import Patience, local_patience, pd_cluster
+from sgl_pd.cluster.local import Patience, PdCluster, local_patience, pd_cluster
 from sgl_pd.cluster.logs import timing_lines
 from sgl_pd.models import TINY_LLAMA_PATH
 
@@ -73,38 +76,60 @@ def ttft_ms(url: str, ids: list[int], patience: Patience) -> float:
     raise RuntimeError("the stream ended without a token")
 
 
-def run_mode(
-    mode: str, sizes: list[int], reps: int, log_dir: Path, patience: Patience
-) -> list[Sample]:
-    args = [*SERVER_ARGS, "--pd-kv-send", mode]
+def sample_once(
+    mode: str, cluster: PdCluster, tokens: int, seed: int, patience: Patience
+) -> Sample:
+    """One fresh prompt through `cluster`; its prefill server's timing line for it."""
+    log = cluster.prefill.process.log_path
+    seen = len(timing_lines(log))
+    ttft = ttft_ms(cluster.router_url, prompt_ids(tokens, seed), patience)
+    deadline = time.monotonic() + patience.seconds(30.0)
+    while len(lines := timing_lines(log)) <= seen:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{mode}: no timing line for the request within the wait ({log})")
+        time.sleep(0.05)
+    if len(lines) != seen + 1:
+        raise RuntimeError(f"{mode}: {len(lines) - seen} timing lines for one request ({log})")
+    line = lines[-1]
+    done, forward_end = float(line["done"]), float(line["forward_end"])
+    return Sample(
+        mode,
+        tokens,
+        (done - forward_end) * 1e3,
+        (done - float(line["last_chunk_first_write"])) * 1e3,
+        ttft,
+    )
+
+
+def run_modes(sizes: list[int], reps: int, log_dir: Path, patience: Patience) -> list[Sample]:
+    """Both modes' clusters up side by side; each size's requests alternate between them
+    (the order flips every repetition), so both see the same machine."""
     samples = []
-    with pd_cluster(
-        log_dir / mode, prefill_extra=args, decode_extra=SERVER_ARGS, patience=patience
-    ) as cluster:
-        log = cluster.prefill.process.log_path
+    with contextlib.ExitStack() as stack:
+        clusters = {
+            mode: stack.enter_context(
+                pd_cluster(
+                    log_dir / mode,
+                    prefill_extra=[*SERVER_ARGS, "--pd-kv-send", mode],
+                    decode_extra=SERVER_ARGS,
+                    patience=patience,
+                )
+            )
+            for mode in MODES
+        }
         for tokens in sizes:
-            ttft_ms(cluster.router_url, prompt_ids(tokens, 1), patience)  # warm-up
+            for mode, cluster in clusters.items():
+                sample_once(mode, cluster, tokens, 1, patience)  # warm-up, not kept
             for rep in range(reps):
-                seen = len(timing_lines(log))
-                ttft = ttft_ms(cluster.router_url, prompt_ids(tokens, 1000 * (rep + 2)), patience)
-                deadline = time.monotonic() + patience.seconds(30.0)  # the timing line
-                while len(timing_lines(log)) <= seen and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                line = timing_lines(log)[-1]
-                done, forward_end = float(line["done"]), float(line["forward_end"])
-                sample = Sample(
-                    mode,
-                    tokens,
-                    (done - forward_end) * 1e3,
-                    (done - float(line["last_chunk_first_write"])) * 1e3,
-                    ttft,
-                )
-                samples.append(sample)
-                print(
-                    f"  {mode:13s} {tokens:6d} tokens  rep {rep + 1}/{reps}: exposed "
-                    f"{sample.exposed_ms:8.2f} ms  TTFT {ttft:8.1f} ms",
-                    flush=True,
-                )
+                order = MODES if rep % 2 == 0 else MODES[::-1]
+                for mode in order:
+                    sample = sample_once(mode, clusters[mode], tokens, 1000 * (rep + 2), patience)
+                    samples.append(sample)
+                    print(
+                        f"  {mode:13s} {tokens:6d} tokens  rep {rep + 1}/{reps}: exposed "
+                        f"{sample.exposed_ms:8.2f} ms  TTFT {sample.ttft_ms:8.1f} ms",
+                        flush=True,
+                    )
     return samples
 
 
@@ -152,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench] {NUM_LAYERS} layers, prompts {sizes}, {reps} reps; logs in {log_dir}")
 
     patience = local_patience()
-    samples = [s for mode in MODES for s in run_mode(mode, sizes, reps, log_dir, patience)]
+    samples = run_modes(sizes, reps, log_dir, patience)
     rows: dict[tuple[str, int], dict[str, float]] = {}
     for mode in MODES:
         for n in sizes:
@@ -164,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
             }
     print("\n tokens  exposed ms layer-wise  exposed ms after-forward  one layer ms  ratio  "
           "TTFT ms lw / af")  # fmt: skip
+    print(
+        " one layer ms: from the after-forward runs, where every layer is written back to back"
+        " after the forward: (transfer done - first write of the last chunk) / layers"
+    )
     for n in sizes:
         lw, af = rows[("layerwise", n)], rows[("after-forward", n)]
         print(

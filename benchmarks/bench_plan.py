@@ -22,7 +22,8 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -177,6 +178,7 @@ def _ratios(rows: list[Row], page_layout: PageLayout) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="few repeats")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out"), help="JSON here")
     args = parser.parse_args()
     reps, served_reps = (5, 2) if args.quick else (200, 15)
     rows = measure(reps, served_reps)
@@ -201,19 +203,24 @@ def main() -> None:
     # its cost is the count of writes, which only HND pages remove (D15)
     per_slot = [r for r in rows if r.page_layout is PageLayout.NHD and r.tp[0] != r.tp[1]]
     others = [r for r in rows if r not in per_slot]
-    print(
+    headline = {
+        "plan_and_addr_ms_8k": round(max(r.served_layerwise_ms for r in others), 4),
+        "plan_and_addr_ms_8k_nhd_mismatch": round(max(r.served_layerwise_ms for r in per_slot), 3),
+        "plan_ms_8k": round(max(r.plan_ms for r in rows), 4),
+        "hnd_writes_vs_identical": round(max(_ratios(rows, PageLayout.HND)), 3),
+        "nhd_writes_vs_identical": round(max(_ratios(rows, PageLayout.NHD)), 3),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "plan.json").write_text(
         json.dumps(
             {
-                "plan_and_addr_ms_8k": round(max(r.served_layerwise_ms for r in others), 4),
-                "plan_and_addr_ms_8k_nhd_mismatch": round(
-                    max(r.served_layerwise_ms for r in per_slot), 3
-                ),
-                "plan_ms_8k": round(max(r.plan_ms for r in rows), 4),
-                "hnd_writes_vs_identical": round(max(_ratios(rows, PageLayout.HND)), 3),
-                "nhd_writes_vs_identical": round(max(_ratios(rows, PageLayout.NHD)), 3),
-            }
+                "rows": [asdict(r) | {"page_layout": r.page_layout.name} for r in rows],
+                "headline": headline,
+            },
+            indent=2,
         )
     )
+    print(json.dumps(headline))
 
 
 if __name__ == "__main__":

@@ -100,14 +100,21 @@ def stream_generate(
     prompt: str | list[int],
     max_new_tokens: int,
     timeout_s: float = REQUEST_TIMEOUT_S,
+    *,
+    ignore_eos: bool = False,
 ) -> Iterator[tuple[float, dict[str, Any]]]:
     """Streams one greedy ``/generate`` request (text or token ids): yields
-    (``time.perf_counter()`` at arrival, the chunk's JSON) per streamed chunk."""
+    (``time.perf_counter()`` at arrival, the chunk's JSON) per streamed chunk.
+    `ignore_eos`: generate all `max_new_tokens` (timing runs want a fixed length)."""
     with requests.post(
         f"{base_url}/generate",
         json={
             ("text" if isinstance(prompt, str) else "input_ids"): prompt,
-            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
+            "sampling_params": {
+                "temperature": 0,
+                "max_new_tokens": max_new_tokens,
+                "ignore_eos": ignore_eos,
+            },
             "stream": True,
         },
         stream=True,

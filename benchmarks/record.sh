@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Runs one benchmark and keeps its whole output as a result to commit:
+# benchmarks/results/NAME.txt starts with the command, the commit (and whether the tree
+# had changes), the date and the machine, then everything the benchmark printed; the
+# files it writes (plots, JSON) go to benchmarks/results/NAME/ through its --out flag.
+#   bash benchmarks/record.sh NAME benchmarks/bench_x.py [its arguments...]
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+name="$1"
+shift
+out="benchmarks/results/$name"
+mkdir -p "$out"
+dirty=""
+git diff --quiet HEAD -- sgl_pd benchmarks patches || dirty=" (with uncommitted changes)"
+{
+    echo "# command: .venv/bin/python $* --out $out"
+    echo "# commit: $(git rev-parse --short HEAD)$dirty"
+    echo "# date: $(date -u +%Y-%m-%dT%H:%MZ)"
+    echo "# machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
+} >"benchmarks/results/$name.txt"
+set -o pipefail
+PYTHONUNBUFFERED=1 .venv/bin/python "$@" --out "$out" 2>&1 | tee -a "benchmarks/results/$name.txt"
