@@ -45,7 +45,7 @@ from sgl_pd.cluster.prompts import long_prompt_ids
 from sgl_pd.models.scaled import DUMMY_WEIGHTS_ARGS, LlamaShape, write_scaled_llama
 
 SHAPE = LlamaShape(
-    hidden_size=768, num_layers=8, intermediate_size=2048, num_heads=12, num_kv_heads=4
+    hidden_size=512, num_layers=6, intermediate_size=1536, num_heads=8, num_kv_heads=4
 )
 SERVER_ARGS = [
     *DUMMY_WEIGHTS_ARGS,
@@ -90,7 +90,7 @@ def prefill_over_step(model: Path, log_dir: Path, prompt_tokens: int, patience: 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="two rates, few requests")
+    parser.add_argument("--quick", action="store_true", help="one rate, few requests")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     parser.add_argument("--input-tokens", type=int, default=2048)
     parser.add_argument("--output-tokens", type=int, default=None)
@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         help="goodput's ITL target (default: 3x the measured decode step)",
     )
     args = parser.parse_args(argv)
-    rates = args.rates or ([0.1, 0.2] if args.quick else [0.05, 0.1, 0.15, 0.2])
-    num_requests = args.requests or (6 if args.quick else 16)
+    rates = args.rates or ([0.2] if args.quick else [0.1, 0.2, 0.3])
+    num_requests = args.requests or (6 if args.quick else 12)
     output_tokens = args.output_tokens or (48 if args.quick else 128)
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench_mixed_vs_pd_"))
