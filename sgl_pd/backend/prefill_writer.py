@@ -53,11 +53,9 @@ BytesFn = Callable[[int], None]
 
 def layer_writes(addressed: AddressedPlan, layers: range) -> tuple[Writes, int]:
     """The writes of `layers` (whole layer groups) of one planned chunk on one sender's
-    links, and how many completion groups they finish. One batch per link over all of
-    `layers` (a view when the sender has one link): the count word follows them all."""
-    batches = [addressed.batch(i, layers) for i in addressed.sending]
-    writes = Writes.concat([Writes(b.src_addrs, b.dst_addrs, b.lengths) for b in batches])
-    return writes, addressed.group_count(layers)
+    links, and how many completion groups they finish; the count word follows them all."""
+    groups = addressed.group_count(layers)
+    return Writes.trusted(*addressed.columns(layers)), groups
 
 
 class KvWriter:

@@ -213,6 +213,18 @@ class AddressedPlan:
         spanned = self._group_of[layers.stop - 1] - self._group_of[layers.start] + 1
         return spanned * len(self.sending)
 
+    def columns(self, layers: range) -> tuple[I64, I64, I64]:
+        """(source addresses, destination addresses, lengths) of every sending link for
+        `layers`, link after link: views of the addressed arrays when one link sends."""
+        first = (layers.start - self.plan.layers.start) * self._parts
+        rows = slice(first, first + len(layers) * self._parts)
+        if len(self.sending) == 1:
+            src, dst, lengths = self._rows[self.sending[0]]
+            return src[rows].ravel(), dst[rows].ravel(), lengths[rows].ravel()
+        parts = [[a[rows].ravel() for a in self._rows[i]] for i in self.sending]
+        src, dst, lengths = (np.concatenate(column) for column in zip(*parts, strict=True))
+        return src, dst, lengths
+
     def batch(self, link_index: int, layers: range) -> AddressBatch:
         """Absolute addresses of one of this sender's links for `layers`."""
         lw = self.plan.links[link_index]

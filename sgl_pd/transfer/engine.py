@@ -63,6 +63,18 @@ class Writes:
         return cls(src_a, dst_a, len_a)
 
     @classmethod
+    def trusted(cls, src: Int64Array, dst: Int64Array, nbytes: Int64Array) -> Writes:
+        """Wraps columns that are valid by construction (the planner's: int64, 1-D, of one
+        length, positive sizes, addresses inside registered regions) without checking them
+        again: layer-wise streaming wraps one batch per layer, and the checks cost more
+        than the slicing that made it."""
+        writes = object.__new__(cls)
+        object.__setattr__(writes, "src", src)
+        object.__setattr__(writes, "dst", dst)
+        object.__setattr__(writes, "nbytes", nbytes)
+        return writes
+
+    @classmethod
     def single(cls, src: int, dst: int, nbytes: int) -> Writes:
         return cls.of([src], [dst], [nbytes])
 

@@ -359,3 +359,23 @@ def test_an_addressed_plan_takes_only_whole_layer_groups() -> None:
     for bad in (range(0, 1), range(1, 2), range(0, 3)):
         with pytest.raises(PlanError, match="whole layer groups"):
             addressed.group_count(bad)
+
+
+def test_an_addressed_plans_columns_join_its_links_batches() -> None:
+    lay = _qwen(PageLayout.HND)
+    links = link_shards(lay, ShardingScheme(2), ShardingScheme(1), 0)  # two links in
+    plan = plan_transfer(lay, links, [3, 1], [0, 5], TokenRange(0, 32))
+    src = RegionTable.packed(lay, 8, lay.num_kv_heads // 2, base=1 << 32)
+    dst = RegionTable.packed(lay, 8, lay.num_kv_heads, base=1 << 40)
+    both = AddressedPlan(plan, [0, 1], src, dst, 1)
+    one = AddressedPlan(plan, [1], src, dst, 1)
+    for layers in (range(0, 1), range(1, 2), range(0, 2)):
+        batches = [both.batch(i, layers) for i in both.sending]
+        columns = ("src_addrs", "dst_addrs", "lengths")
+        for column, got in zip(columns, both.columns(layers), strict=True):
+            assert np.array_equal(got, np.concatenate([getattr(b, column) for b in batches]))
+        only = one.batch(1, layers)
+        assert all(
+            np.array_equal(got, getattr(only, column))
+            for column, got in zip(columns, one.columns(layers), strict=True)
+        )
