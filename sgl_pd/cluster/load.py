@@ -46,6 +46,7 @@ class StreamStats:
     rate: float
     completed: int
     failed: int
+    input_tokens: float  # mean prompt length the client sent
     tps_per_stream: float  # median over requests of (output tokens - 1) / decode time, tok/s
     ttft_p50: float
     ttft_p99: float
@@ -70,6 +71,7 @@ def bench_serving_argv(
         "--model", str(model),
         "--tokenizer", str(model),
         "--dataset-name", "random-ids",  # token ids drawn at random: no dataset download
+        "--tokenize-prompt",  # sent as ids: prompts of exactly input_tokens tokens
         "--random-input-len", str(workload.input_tokens),
         "--random-output-len", str(workload.output_tokens),
         "--random-range-ratio", "1.0",
@@ -138,6 +140,7 @@ def summarize(result: dict[str, Any], rate: float, itl_target_ms: float) -> Stre
         rate=rate,
         completed=len(done),
         failed=failed,
+        input_tokens=float(np.mean(result["input_lens"])),
         tps_per_stream=statistics.median(speeds) if speeds else 0.0,
         ttft_p50=float(np.percentile(ttfts, 50)),
         ttft_p99=float(np.percentile(ttfts, 99)),
@@ -151,14 +154,14 @@ def summarize(result: dict[str, Any], rate: float, itl_target_ms: float) -> Stre
 
 
 TABLE_HEAD = (
-    f"{'setup':<14} {'req/s':>6} {'done':>5} {'tok/s/stream':>12} {'TTFT p50':>9} "
+    f"{'setup':<14} {'req/s':>6} {'prompt':>6} {'done':>5} {'tok/s/stream':>12} {'TTFT p50':>9} "
     f"{'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'ITL max':>8} {'goodput':>8}"
 )
 
 
 def table_row(setup: str, s: StreamStats) -> str:
     return (
-        f"{setup:<14} {s.rate:>6g} {s.completed:>5d} {s.tps_per_stream:>12.1f} "
+        f"{setup:<14} {s.rate:>6g} {s.input_tokens:>6.0f} {s.completed:>5d} {s.tps_per_stream:>12.1f} "
         f"{s.ttft_p50:>9.0f} {s.ttft_p99:>9.0f} {s.itl_p50:>8.1f} {s.itl_p99:>8.1f} "
         f"{s.itl_max:>8.0f} {s.goodput:>8.3f}"
     )

@@ -15,6 +15,7 @@ def _result(ttfts: list[float], itls: list[list[float]], errors: list[str]) -> d
         "itls": itls,
         "output_lens": [len(i) + 1 if not e else 0 for i, e in zip(itls, errors, strict=True)],
         "errors": errors,
+        "input_lens": [100] * len(errors),
         "duration": 10.0,
     }
 
@@ -46,7 +47,11 @@ def test_the_load_is_sglangs_own_client_with_random_ids() -> None:
         "http://127.0.0.1:1", Path("/m"), Workload(2048, 150, 8, 0.5), Path("/o.jsonl")
     )
     assert argv[1:3] == ["-m", "sglang.benchmark.serving"]
-    flags = dict(zip(argv[3::2], argv[4::2], strict=False))
-    assert flags["--dataset-name"] == "random-ids"
-    assert flags["--request-rate"] == "0.5"
-    assert flags["--random-input-len"] == "2048"
+
+    def value(flag: str) -> str:
+        return argv[argv.index(flag) + 1]
+
+    assert value("--dataset-name") == "random-ids"
+    assert value("--request-rate") == "0.5"
+    assert value("--random-input-len") == "2048"
+    assert "--tokenize-prompt" in argv  # ids, not re-tokenized text: exact lengths
