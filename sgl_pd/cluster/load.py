@@ -161,9 +161,9 @@ TABLE_HEAD = (
 
 def table_row(setup: str, s: StreamStats) -> str:
     return (
-        f"{setup:<14} {s.rate:>6g} {s.input_tokens:>6.0f} {s.completed:>5d} {s.tps_per_stream:>12.1f} "
-        f"{s.ttft_p50:>9.0f} {s.ttft_p99:>9.0f} {s.itl_p50:>8.1f} {s.itl_p99:>8.1f} "
-        f"{s.itl_max:>8.0f} {s.goodput:>8.3f}"
+        f"{setup:<14} {s.rate:>6g} {s.input_tokens:>6.0f} {s.completed:>5d} "
+        f"{s.tps_per_stream:>12.1f} {s.ttft_p50:>9.0f} {s.ttft_p99:>9.0f} "
+        f"{s.itl_p50:>8.1f} {s.itl_p99:>8.1f} {s.itl_max:>8.0f} {s.goodput:>8.3f}"
     )
 
 
