@@ -10,7 +10,9 @@ for a few new tokens. On the CPU engine that makes a speculative verify step at 
 `sdpa_forward_extend` computes the same rows directly: the request's new queries
 (extend_len of them, at positions prefix .. prefix + extend_len - 1) against its whole
 context, with the causal mask offset by the prefix (key j visible to new token i iff
-j <= prefix + i). Encoder (cross-attention) and sliding-window layers keep SGLang's path.
+j <= prefix + i); a first chunk (no prefix) is plain causal attention, which SDPA runs
+with its fused kernel instead of a materialised mask. Encoder (cross-attention) and
+sliding-window layers keep SGLang's path.
 """
 
 from __future__ import annotations
@@ -52,8 +54,10 @@ def sdpa_forward_extend(
         v = v_cache[slots].movedim(0, 1)
         if not q.dtype == k.dtype == v.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
-        mask = None
-        if causal:
+        mask, is_causal = None, False
+        if causal and prefix == 0:
+            is_causal = True  # a first chunk: plain causal (SDPA's fused kernel, no mask)
+        elif causal:
             rows = torch.arange(new, device=q.device)[:, None] + prefix
             mask = torch.arange(context, device=q.device)[None, :] <= rows  # [new, context]
         out = scaled_dot_product_attention(
@@ -61,6 +65,7 @@ def sdpa_forward_extend(
             k.unsqueeze(0),
             v.unsqueeze(0),
             attn_mask=mask,
+            is_causal=is_causal,
             scale=scaling,
             enable_gqa=enable_gqa,
         )
