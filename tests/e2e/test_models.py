@@ -254,6 +254,11 @@ def deepseek_nextn_pd_page64(
 
 
 @pytest.fixture(scope="module")
+def qwen3_moe_pd(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterator[PdRun]:
+    yield serve_pd(tmp_path_factory.mktemp("qwen3-moe-pd"), TINY_QWEN3_MOE_PATH, [], patience)
+
+
+@pytest.fixture(scope="module")
 def qwen3_moe_pd_page16(
     tmp_path_factory: pytest.TempPathFactory, patience: Patience
 ) -> Iterator[PdRun]:
@@ -334,13 +339,13 @@ def test_the_prefill_seeds_the_decoders_first_draft(
     assert len(still) >= 0.9 * len(perfect), [(i, pd.answers[i].meta) for i in perfect]
 
 
+@pytest.mark.parametrize("page", [1, 16])
 def test_qwen3_moe_through_pd_gives_monolithic_tokens(
-    qwen3_moe: Run, qwen3_moe_pd_page16: PdRun
+    request: pytest.FixtureRequest, qwen3_moe: Run, page: int
 ) -> None:
-    """Qwen3-MoE (GQA) at 16-token pages; page 1 is the tiny Llama's (GQA) everyday case
-    and DeepSeek-V3's above."""
-    _assert_same_tokens(qwen3_moe, qwen3_moe_pd_page16)
-    _assert_served_well(qwen3_moe_pd_page16)
+    pd: PdRun = request.getfixturevalue("qwen3_moe_pd" if page == 1 else "qwen3_moe_pd_page16")
+    _assert_same_tokens(qwen3_moe, pd)
+    _assert_served_well(pd)
 
 
 def test_parallel_sampling_is_refused_with_its_reason(qwen3_moe_pd_page16: PdRun) -> None:
