@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from sgl_pd.cluster.client import stream_generate
+from sgl_pd.cluster.load import plot_bars_by_prompt_length
 from sgl_pd.cluster.local import Patience, local_patience, monolithic_server, pd_cluster
 from sgl_pd.cluster.prompts import long_prompt_ids
 from sgl_pd.models import TINY_DEEPSEEK_V3_PATH
@@ -146,34 +147,21 @@ def accept_rate(samples: list[Sample]) -> float:
     return sum(s.correct_drafts for s in samples) / proposed if proposed else float("nan")
 
 
+LABELS = {
+    "mono": "monolithic",
+    "decode": "PD, decoder samples (D16)",
+    "prefill": "PD, prefiller samples (upstream)",
+}
+
+
 def plot(rows: dict[tuple[str, int], float], sizes: list[int], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    width = 0.27
-    labels = {
-        "mono": "monolithic",
-        "decode": "PD, decoder samples (D16)",
-        "prefill": "PD, prefiller samples (upstream)",
-    }
-    for i, name in enumerate(DEPLOYMENTS):
-        ax.bar(
-            [x + (i - 1) * width for x in range(len(sizes))],
-            [rows[(name, n)] for n in sizes],
-            width,
-            label=labels[name],
-        )
-    ax.set_xticks(range(len(sizes)), [str(n) for n in sizes])
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("TTFT ms (median)")
-    ax.set_title("Time to first token, tiny DeepSeek-V3 + NEXTN (CPU)")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plot_bars_by_prompt_length(
+        {LABELS[name]: [rows[(name, n)] for n in sizes] for name in DEPLOYMENTS},
+        sizes,
+        path,
+        ylabel="TTFT ms (median)",
+        title="Time to first token, tiny DeepSeek-V3 + NEXTN (CPU)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from sgl_pd.cluster.client import stream_generate
-from sgl_pd.cluster.load import StreamStats, Workload, plot_setups, print_table, run_load
+from sgl_pd.cluster.load import StreamStats, Workload, plot_setups, print_table, run_rates
 from sgl_pd.cluster.local import (
     Patience,
     deployment,
@@ -130,20 +130,18 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         with deployment(name, work / name, model, SERVER_ARGS, patience) as url:
             print(f"[bench] {name}: up in {time.monotonic() - started:.0f} s", flush=True)
-            for rate in rates:
-                workload = Workload(args.input_tokens, output_tokens, num_requests, rate)
-                print(f"[bench] {name}: {workload.describe()} ...", flush=True)
-                stats = run_load(
-                    url,
-                    model,
-                    workload,
-                    work / name,
-                    itl_target_ms=itl_target,
-                    timeout_s=patience.seconds(1800),
-                    label=name,
-                )
-                results[name].append(stats)
-                print_table([(name, stats)])
+            workloads = [
+                Workload(args.input_tokens, output_tokens, num_requests, rate) for rate in rates
+            ]
+            results[name] = run_rates(
+                name,
+                url,
+                model,
+                workloads,
+                work / name,
+                itl_target_ms=itl_target,
+                timeout_s=patience.seconds(1800),
+            )
 
     print(
         f"\n{args.input_tokens}-token prompts, {output_tokens} output tokens, "

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from sgl_pd.cluster.load import StreamStats, Workload, plot_setups, print_table, run_load
+from sgl_pd.cluster.load import StreamStats, Workload, plot_setups, print_table, run_rates
 from sgl_pd.cluster.local import deployment, local_patience
 from sgl_pd.models import TINY_DEEPSEEK_V3_PATH, TINY_QWEN3_MOE_PATH
 
@@ -121,23 +121,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[bench] {name}: up in {time.monotonic() - started:.0f} s", flush=True)
             else:
                 url = getattr(args, f"{name}_url")
-            results[name] = []
-            for rate in preset.rates:
-                workload = Workload(
-                    preset.input_tokens, preset.output_tokens, preset.requests_per_rate, rate
-                )
-                print(f"[bench] {name}: {workload.describe()} ...", flush=True)
-                stats = run_load(
-                    url,
-                    model,
-                    workload,
-                    work / name,
-                    itl_target_ms=preset.itl_target_ms,
-                    timeout_s=patience.seconds(3600),
-                    label=name,
-                )
-                results[name].append(stats)
-                print_table([(name, stats)])
+            workloads = [
+                Workload(preset.input_tokens, preset.output_tokens, preset.requests_per_rate, r)
+                for r in preset.rates
+            ]
+            results[name] = run_rates(
+                name,
+                url,
+                model,
+                workloads,
+                work / name,
+                itl_target_ms=preset.itl_target_ms,
+                timeout_s=patience.seconds(3600),
+            )
 
     print(f"\n{preset.title} workload, ITL target {preset.itl_target_ms:g} ms")
     print_table([(name, s) for name, runs in results.items() for s in runs])

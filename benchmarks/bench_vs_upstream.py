@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sgl_pd.cluster.client import stream_generate
+from sgl_pd.cluster.load import plot_bars_by_prompt_length
 from sgl_pd.cluster.local import (
     Patience,
     local_patience,
@@ -174,35 +175,22 @@ def sample_once(
     return Sample(system, tokens, ttft, (done[room] - ends[room]) * 1e3)
 
 
+LABELS = {
+    "upstream": "SGLang Mooncake PD",
+    "layerwise": "sgl_pd layer-wise",
+    "after-forward": "sgl_pd after-forward",
+}
+
+
 def plot(rows: dict[tuple[str, int], dict[str, float]], sizes: list[int], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = {
-        "upstream": "SGLang Mooncake PD",
-        "layerwise": "sgl_pd layer-wise",
-        "after-forward": "sgl_pd after-forward",
-    }
-    fig, ax = plt.subplots(figsize=(6.6, 4.2))
-    width = 0.27
-    for i, system in enumerate(SYSTEMS):
-        ax.bar(
-            [x + (i - 1) * width for x in range(len(sizes))],
-            [rows[(system, n)]["exposed_ms"] for n in sizes],
-            width,
-            label=labels[system],
-        )
-    ax.set_xticks(range(len(sizes)), [str(n) for n in sizes])
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("exposed transfer, ms (median)")
-    ax.set_yscale("log")
-    ax.set_title("Forward end to KV + metadata complete on the decoder (CPU, TCP)")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plot_bars_by_prompt_length(
+        {LABELS[s]: [rows[(s, n)]["exposed_ms"] for n in sizes] for s in SYSTEMS},
+        sizes,
+        path,
+        ylabel="exposed transfer, ms (median)",
+        title="Forward end to KV + metadata complete on the decoder (CPU, TCP)",
+        log_scale=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

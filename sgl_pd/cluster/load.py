@@ -213,3 +213,59 @@ def plot_setups(
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def plot_bars_by_prompt_length(
+    bars: dict[str, list[float]],
+    sizes: list[int],
+    path: Path,
+    *,
+    ylabel: str,
+    title: str,
+    log_scale: bool = False,
+) -> None:
+    """One group of bars per prompt length, one bar per series (label -> value per size)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.6, 4.2))
+    width = 0.8 / len(bars)
+    middle = (len(bars) - 1) / 2
+    for i, (label, values) in enumerate(bars.items()):
+        xs = [x + (i - middle) * width for x in range(len(sizes))]
+        ax.bar(xs, values, width, label=label)
+    ax.set_xticks(range(len(sizes)), [str(n) for n in sizes])
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel(ylabel)
+    if log_scale:
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run_rates(
+    setup: str,
+    url: str,
+    model: Path,
+    workloads: Sequence[Workload],
+    out_dir: Path,
+    *,
+    itl_target_ms: float,
+    timeout_s: float,
+) -> list[StreamStats]:
+    """`run_load` for each workload in turn against one setup, a table row after each."""
+    runs = []
+    for workload in workloads:
+        print(f"[bench] {setup}: {workload.describe()} ...", flush=True)
+        stats = run_load(
+            url, model, workload, out_dir, itl_target_ms=itl_target_ms, timeout_s=timeout_s,
+            label=setup,
+        )  # fmt: skip
+        runs.append(stats)
+        print_table([(setup, stats)])
+    return runs
