@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sgl_pd.cluster.client import stream_generate
@@ -84,8 +85,40 @@ def prefill_over_step(model: Path, log_dir: Path, prompt_tokens: int, patience: 
                 )
             ]
             steps.extend((b - a) * 1e3 for a, b in itertools.pairwise(arrivals[1:]))
+        # decode steps at the workload's context, one stream and four at once: what a
+        # simulator needs to predict this run (sgl_pd.sim cpu-check)
+        long_one = _steady_steps(server.url, prompt_tokens, 1, timeout)
+        long_four = _steady_steps(server.url, prompt_tokens, 4, timeout)
     prefill_ms, step_ms = statistics.median(ttfts), statistics.median(steps)
-    return {"prefill_ms": prefill_ms, "step_ms": step_ms, "ratio": prefill_ms / step_ms}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "prefill_ms": prefill_ms,
+        "step_ms": step_ms,
+        "ratio": prefill_ms / step_ms,
+        "step_ms_at_prompt_length": long_one,
+        "step_ms_at_prompt_length_4_streams": long_four,
+    }
+
+
+def _steady_steps(url: str, prompt_tokens: int, streams: int, timeout: float) -> float:
+    """Median gap (ms) between tokens once `streams` streams of long prompts all decode:
+    gaps in the second half of each stream, after every prefill has finished."""
+    out_tokens = 48
+
+    def one(seed: int) -> list[float]:
+        ids = long_prompt_ids(prompt_tokens, 100 + seed)
+        return [at for at, _ in stream_generate(url, ids, out_tokens, timeout, ignore_eos=True)]
+
+    with ThreadPoolExecutor(streams) as pool:
+        runs = list(pool.map(one, range(streams)))
+    start = max(run[0] for run in runs)  # every stream has its first token: all decode
+    gaps = [
+        (b - a) * 1e3
+        for run in runs
+        for a, b in itertools.pairwise(run[out_tokens // 2 :])
+        if a >= start
+    ]
+    return statistics.median(gaps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         f"[bench] one core, alone: {args.input_tokens}-token prefill {ratio['prefill_ms']:.0f} ms,"
         f" decode step {ratio['step_ms']:.1f} ms: a prefill costs {ratio['ratio']:.0f} decode"
         " steps",
+        flush=True,
+    )
+    print(
+        f"[bench] decode step at {args.input_tokens} tokens of context: "
+        f"{ratio['step_ms_at_prompt_length']:.1f} ms one stream, "
+        f"{ratio['step_ms_at_prompt_length_4_streams']:.1f} ms four streams",
         flush=True,
     )
     itl_target = args.itl_target_ms or 3 * ratio["step_ms"]
