@@ -3,7 +3,7 @@
 # benchmarks/results/NAME.txt starts with the command, the commit (and whether the tree
 # had changes), the date and the machine, then everything the benchmark printed; the
 # files it writes (plots, JSON) go to benchmarks/results/NAME/ through its --out flag.
-#   bash benchmarks/record.sh NAME benchmarks/bench_x.py [its arguments...]
+#   bash benchmarks/record.sh NAME benchmarks/bench_x.py [its arguments...]   (or a .sh script)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -14,10 +14,12 @@ mkdir -p "$out"
 dirty=""
 git diff --quiet HEAD -- sgl_pd benchmarks patches || dirty=" (with uncommitted changes)"
 {
-    echo "# command: .venv/bin/python $* --out $out"
+    if [[ "$1" == *.sh ]]; then echo "# command: bash $* --out $out"; else echo "# command: .venv/bin/python $* --out $out"; fi
     echo "# commit: $(git rev-parse --short HEAD)$dirty"
     echo "# date: $(date -u +%Y-%m-%dT%H:%MZ)"
     echo "# machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
 } >"benchmarks/results/$name.txt"
 set -o pipefail
-PYTHONUNBUFFERED=1 .venv/bin/python "$@" --out "$out" 2>&1 | tee -a "benchmarks/results/$name.txt"
+runner=(.venv/bin/python)
+[[ "$1" == *.sh ]] && runner=(bash)
+PYTHONUNBUFFERED=1 "${runner[@]}" "$@" --out "$out" 2>&1 | tee -a "benchmarks/results/$name.txt"

@@ -48,22 +48,28 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--ttft-slo", type=float, required=True, help="TTFT p99 target, ms")
     pl.add_argument("--max-nodes", type=int, default=32)
     pl.add_argument("--out", type=Path, default=Path("benchmarks/out"), help="plot and JSON here")
-    pr = sub.add_parser("predict", help="figures of one PD deployment (and its mixed baseline)")
+    pr = sub.add_parser(
+        "predict", help="figures of one PD deployment and of mixed nodes on the same GPUs"
+    )
     _workload_args(pr)
     pr.add_argument("--prefill-nodes", type=int, default=1)
     pr.add_argument("--decode-nodes", type=int, default=3)
     pr.add_argument("--decode-dp", action="store_true", help="DP attention + EP decode")
     pr.add_argument("--decode-gpus", type=int, default=8, help="GPUs per decode instance")
+    pr.add_argument("--out", type=Path, help="also write the figures as JSON in this folder")
     args = parser.parse_args(argv)
     try:
         if args.command == "reproduce":
             from sgl_pd.sim.reproduce import reproduce
 
-            print(json.dumps(reproduce(sensitivity=not args.no_sensitivity)))
+            head = reproduce(sensitivity=not args.no_sensitivity)
+            _write(args.out, "reproduce.json", head)
+            print(json.dumps(head))
         elif args.command == "cpu-check":
             from sgl_pd.sim.reproduce import cpu_check
 
             out = cpu_check(args.result)
+            _write(args.out, "cpu_check.json", out)
             print(json.dumps({k: v for k, v in out.items() if k != "rows"}))
         elif args.command == "plan":
             return _plan(args)
@@ -73,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _write(folder: Path | None, name: str, data: object) -> None:
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(json.dumps(data, indent=2))
 
 
 def _trace_and_model(args: argparse.Namespace) -> tuple[ModelSpec, Lengths, Lengths]:
@@ -157,15 +169,19 @@ def _predict(args: argparse.Namespace) -> int:
             trace()
         )
     )
-    mixed_nodes = args.decode_nodes * args.decode_gpus // 8
-    mixed = figures(*MixedSetup(tp, max(1, mixed_nodes)).run(trace()))
+    # the baseline: mixed TP8 nodes on the same GPUs as the whole PD deployment
+    mixed_nodes = args.prefill_nodes + args.decode_nodes * args.decode_gpus // 8
+    mixed = figures(*MixedSetup(tp, mixed_nodes).run(trace()))
     for name, f in (("pd", pd), (f"mixed x{mixed_nodes}", mixed)):
         print(
             f"{name:<10} TTFT p50 {f.ttft_p50_ms:7.0f} ms  p99 {f.ttft_p99_ms:7.0f}  ITL p50 "
-            f"{f.itl_p50_ms:6.1f} p99 {f.itl_p99_ms:6.1f} ms  {f.tps_per_stream:6.1f} tok/s "
-            f"per stream  {f.served_qps:5.2f} req/s  exposed {f.exposed_p50_ms:.2f} ms"
+            f"{f.itl_p50_ms:6.1f} p99 {f.itl_p99_ms:6.1f} max {f.itl_max_ms:6.0f} ms  "
+            f"{f.tps_per_stream:6.1f} tok/s per stream  {f.served_qps:5.2f} req/s  "
+            f"exposed {f.exposed_p50_ms:.2f} ms"
         )
-    print(json.dumps({"pd": pd.as_dict(), "mixed": mixed.as_dict()}))
+    result = {"pd": pd.as_dict(), "mixed": mixed.as_dict()}
+    _write(args.out, "predict.json", result)
+    print(json.dumps(result))
     return 0
 
 

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# DeepSeek-R1, one prefill node feeding three decode nodes, TP8 on both sides (identical
+# sharding: shard i sends to shard i, every NIC busy; MLA replica sets spread the sending).
+# Usage and environment: launch/recipes/common.sh. Defaults: PREFILL_HOSTS="10.0.0.11",
+# DECODE_HOSTS="10.0.0.21 10.0.0.22 10.0.0.23".
+#
+# Simulated on 8 x H200 + 8 x 400 Gb/s per node, prompts ~10k tokens, outputs ~950, 3 req/s
+# (python -m sgl_pd.sim predict --rate 3 --prefill-nodes 1 --decode-nodes 3; the assumptions
+# are printed by `python -m sgl_pd.sim reproduce`; benchmarks/results/sim_recipes.txt):
+#   PD:           TTFT p50 ~335 ms, ITL p50 ~11.5 ms / p99 ~15 ms, ~85 tok/s per stream,
+#                 ~1 req/s per decode node, KV exposed after the prefill ~0.24 ms
+#   mixed x3:     TTFT p50 ~220 ms, ITL p99 ~220 ms, ~42 tok/s per stream
+# MTP: add the same --speculative-algorithm EAGLE --speculative-num-steps 1
+# --speculative-eagle-topk 1 --speculative-num-draft-tokens 2 to both roles (the prefiller
+# then hands the first draft to the decoder); the figures above are without it.
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+MODEL="${MODEL_PATH:-deepseek-ai/DeepSeek-R1}"
+
+prefill_args() {
+    printf '%s\n' --model-path "$MODEL" --tp-size 8 \
+        --disaggregation-mode prefill --disaggregation-bootstrap-port "$BOOTSTRAP_PORT" \
+        --disaggregation-ib-device "$(nic_per_rank 0 8)" \
+        --host "${PREFILLS[$1]}" --chunked-prefill-size 16384 --max-running-requests 64 \
+        --mem-fraction-static 0.85 --pd-kv-send layerwise
+    pd_common_args
+}
+
+decode_args() {
+    printf '%s\n' --model-path "$MODEL" --tp-size 8 \
+        --disaggregation-mode decode --disaggregation-ib-device "$(nic_per_rank 0 8)" \
+        --host "${DECODES[$1]}" --max-running-requests 128 --mem-fraction-static 0.85
+    pd_common_args
+}
+
+router_args() {
+    router_common_args
+}
+
+run_recipe "$@"

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Qwen3-Coder-480B-A35B (GQA, 8 KV heads), one prefill node feeding three decode nodes,
+# TP8 on both sides: one KV head per rank, rank i sends its slice to rank i over its NIC.
+# Usage and environment: launch/recipes/common.sh. Defaults: PREFILL_HOSTS="10.0.0.11",
+# DECODE_HOSTS="10.0.0.21 10.0.0.22 10.0.0.23".
+#
+# Simulated on 8 x H200 + 8 x 400 Gb/s per node, long code contexts (prompts ~16k tokens,
+# outputs ~600), 3 req/s (python -m sgl_pd.sim predict --model qwen3-coder-480b --rate 3
+#  --prompt-mean 16000 --output-mean 600; benchmarks/results/sim_recipes.txt):
+#   see that file for the figures of this setup and its mixed baseline
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+MODEL="${MODEL_PATH:-Qwen/Qwen3-Coder-480B-A35B-Instruct-FP8}"
+
+prefill_args() {
+    printf '%s\n' --model-path "$MODEL" --tp-size 8 \
+        --disaggregation-mode prefill --disaggregation-bootstrap-port "$BOOTSTRAP_PORT" \
+        --disaggregation-ib-device "$(nic_per_rank 0 8)" \
+        --host "${PREFILLS[$1]}" --chunked-prefill-size 16384 --max-running-requests 64 \
+        --mem-fraction-static 0.85 --pd-kv-send layerwise
+    pd_common_args
+}
+
+decode_args() {
+    printf '%s\n' --model-path "$MODEL" --tp-size 8 \
+        --disaggregation-mode decode --disaggregation-ib-device "$(nic_per_rank 0 8)" \
+        --host "${DECODES[$1]}" --max-running-requests 128 --mem-fraction-static 0.85
+    pd_common_args
+}
+
+router_args() {
+    router_common_args
+}
+
+run_recipe "$@"
