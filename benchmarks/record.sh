@@ -12,7 +12,7 @@ shift
 out="benchmarks/results/$name"
 mkdir -p "$out"
 dirty=""
-git diff --quiet HEAD -- sgl_pd benchmarks patches || dirty=" (with uncommitted changes)"
+git diff --quiet HEAD -- sgl_pd benchmarks patches ':!benchmarks/results' || dirty=" (with uncommitted changes)"
 {
     if [[ "$1" == *.sh ]]; then echo "# command: bash $* --out $out"; else echo "# command: .venv/bin/python $* --out $out"; fi
     echo "# commit: $(git rev-parse --short HEAD)$dirty"

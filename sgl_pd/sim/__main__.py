@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu.add_argument(
         "result", type=Path, help="benchmarks/results/bench_mixed_vs_pd/mixed_vs_pd.json"
     )
+    for p in (rep, cpu):
+        p.add_argument("--out", type=Path, help="also write the figures as JSON in this folder")
     pl = sub.add_parser("plan", help="cheapest deployment meeting the SLOs")
     _workload_args(pl)
     pl.add_argument("--itl-slo", type=float, required=True, help="ITL p99 target, ms")
