@@ -194,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(
             {
                 "calibration": ratio,
+                "workload": {
+                    "prompt_tokens": args.input_tokens,
+                    "output_tokens": output_tokens,
+                    "requests_per_rate": num_requests,
+                },
                 "itl_target_ms": itl_target,
                 "results": {n: [s.as_dict() for s in results[n]] for n in SETUPS},
             },
