@@ -55,7 +55,7 @@ def layer_writes(addressed: AddressedPlan, layers: range) -> tuple[Writes, int]:
     """The writes of `layers` (whole layer groups) of one planned chunk on one sender's
     links, and how many completion groups they finish; the count word follows them all."""
     groups = addressed.group_count(layers)
-    return Writes.trusted(*addressed.columns(layers), addressed.int_lists(layers)), groups
+    return Writes.trusted(*addressed.columns(layers)), groups
 
 
 class KvWriter:

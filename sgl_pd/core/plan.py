@@ -30,7 +30,6 @@ from sgl_pd.core.regions import RegionTable
 from sgl_pd.core.sharding import ShardLink
 
 I64 = npt.NDArray[np.int64]
-IntRows = tuple[list[list[int]], list[list[int]], list[list[int]]]  # per region
 
 
 @dataclass(frozen=True)
@@ -194,24 +193,13 @@ class AddressedPlan:
         self._group_of = {layer: g for g, r in enumerate(groups) for layer in r}
         self._group_starts = frozenset(r.start for r in groups)
         self._rows: dict[int, tuple[I64, I64, I64]] = {}
-        self._row_lists: dict[int, IntRows] = {}
         for i in self.sending:
             whole = plan.batch(i, plan.layers, src, dst)
             n = plan.links[i].count
-            src_rows, dst_rows, length_rows = (
+            self._rows[i] = (
                 whole.src_addrs.reshape(-1, n),
                 whole.dst_addrs.reshape(-1, n),
                 whole.lengths.reshape(-1, n),
-            )
-            self._rows[i] = (src_rows, dst_rows, length_rows)
-            # Python ints, converted in one call per column and chunk (~15 ns an address):
-            # a transfer binding that takes lists then slices rows instead of converting
-            # each layer's arrays again. Every region repeats the link's lengths: one list.
-            lengths = plan.links[i].lengths.tolist()
-            self._row_lists[i] = (
-                src_rows.tolist(),
-                dst_rows.tolist(),
-                [lengths] * src_rows.shape[0],
             )
 
     def group_count(self, layers: range) -> int:
@@ -236,24 +224,6 @@ class AddressedPlan:
         parts = [[a[rows].ravel() for a in self._rows[i]] for i in self.sending]
         src, dst, lengths = (np.concatenate(column) for column in zip(*parts, strict=True))
         return src, dst, lengths
-
-    def int_lists(self, layers: range) -> tuple[list[int], list[int], list[int]]:
-        """`columns(layers)` as lists of Python ints (what Mooncake's binding takes),
-        sliced from the chunk's lists; shared with this plan: do not modify them."""
-        first = (layers.start - self.plan.layers.start) * self._parts
-        rows = slice(first, first + len(layers) * self._parts)
-        tables = [self._row_lists[i] for i in self.sending]
-        if len(tables) == 1 and len(layers) * self._parts == 1:
-            src, dst, lengths = tables[0]
-            return src[first], dst[first], lengths[first]
-        src_out: list[int] = []
-        dst_out: list[int] = []
-        len_out: list[int] = []
-        for src, dst, lengths in tables:
-            for out, table in ((src_out, src), (dst_out, dst), (len_out, lengths)):
-                for row in table[rows]:
-                    out.extend(row)
-        return src_out, dst_out, len_out
 
     def batch(self, link_index: int, layers: range) -> AddressBatch:
         """Absolute addresses of one of this sender's links for `layers`."""

@@ -8,7 +8,7 @@ what completion words are for (``sgl_pd.transfer.completion``, D10).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -17,7 +17,6 @@ import numpy.typing as npt
 from sgl_pd.transfer.errors import InvalidWrites
 
 Int64Array = npt.NDArray[np.int64]
-IntLists = tuple[list[int], list[int], list[int]]  # (src, dst, nbytes)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -32,9 +31,6 @@ class Writes:
     src: Int64Array  # (n,) local addresses, bytes
     dst: Int64Array  # (n,) peer addresses, bytes
     nbytes: Int64Array  # (n,) lengths, bytes, each > 0
-    # the same columns as Python int lists, when the builder made them in bulk (an engine
-    # whose binding takes lists uses them instead of converting the arrays per batch)
-    int_lists: IntLists | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("src", "dst", "nbytes"):
@@ -67,13 +63,7 @@ class Writes:
         return cls(src_a, dst_a, len_a)
 
     @classmethod
-    def trusted(
-        cls,
-        src: Int64Array,
-        dst: Int64Array,
-        nbytes: Int64Array,
-        int_lists: IntLists | None = None,
-    ) -> Writes:
+    def trusted(cls, src: Int64Array, dst: Int64Array, nbytes: Int64Array) -> Writes:
         """Wraps columns that are valid by construction (the planner's: int64, 1-D, of one
         length, positive sizes, addresses inside registered regions) without checking them
         again: layer-wise streaming wraps one batch per layer, and the checks cost more
@@ -82,7 +72,6 @@ class Writes:
         object.__setattr__(writes, "src", src)
         object.__setattr__(writes, "dst", dst)
         object.__setattr__(writes, "nbytes", nbytes)
-        object.__setattr__(writes, "int_lists", int_lists)
         return writes
 
     @classmethod

@@ -67,10 +67,7 @@ def load_mooncake() -> Any:
 
 
 def engine_columns(writes: Writes) -> _Lists:
-    """The three columns as the Python int lists the engine binding takes (the builder's
-    own lists when it made them in bulk)."""
-    if writes.int_lists is not None:
-        return writes.int_lists
+    """The three columns as the Python int lists the engine binding takes."""
     # numpy's tolist() is the cheapest way to the Python ints pybind11 converts (~1 ms per
     # 64k writes per column)
     return writes.src.tolist(), writes.dst.tolist(), writes.nbytes.tolist()

@@ -379,19 +379,3 @@ def test_an_addressed_plans_columns_join_its_links_batches() -> None:
             np.array_equal(got, getattr(only, column))
             for column, got in zip(columns, one.columns(layers), strict=True)
         )
-
-
-@pytest.mark.parametrize("layout", [PageLayout.HND, PageLayout.NHD])
-def test_an_addressed_plans_int_lists_are_its_columns(layout: PageLayout) -> None:
-    lay = _qwen(layout)
-    links = link_shards(lay, ShardingScheme(2), ShardingScheme(1), 0)
-    plan = plan_transfer(lay, links, [3, 1, 6], [0, 5, 2], TokenRange(0, 40))
-    src = RegionTable.packed(lay, 8, lay.num_kv_heads // 2, base=1 << 32)
-    dst = RegionTable.packed(lay, 8, lay.num_kv_heads, base=1 << 40)
-    for sending in ([0, 1], [1]):
-        addressed = AddressedPlan(plan, sending, src, dst, 1)
-        for layers in (range(0, 1), range(1, 2), range(0, 2)):
-            lists = addressed.int_lists(layers)
-            for column, got in zip(addressed.columns(layers), lists, strict=True):
-                assert got == column.tolist()
-                assert all(type(v) is int for v in got)
