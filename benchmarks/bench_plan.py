@@ -9,9 +9,12 @@ free list), "contig" uses one ascending run on each side (a fresh pool). Writes 
 The baseline "identical" for a mismatched pair is identical sharding at the larger of the
 two TP sizes: the same head slices travel, so the same number of shard links carry them.
 
-The last line is JSON: plan_ms_8k (worst planning time of one request, ms),
-hnd_writes_vs_identical / nhd_writes_vs_identical (worst ratio, fragmented pages, of writes
-under mismatched TP to writes under identical sharding).
+The last line is JSON: plan_and_addr_ms_8k (worst planning + address building per request
+as served, NHD under mismatched TP apart: plan_and_addr_ms_8k_nhd_mismatch), the same
+without the conversion to Python ints Mooncake's binding requires
+(plan_and_addr_ms_8k_without_int_conversion), plan_ms_8k (worst planning time of one
+request, ms), hnd_writes_vs_identical / nhd_writes_vs_identical (worst ratio, fragmented
+pages, of writes under mismatched TP to writes under identical sharding).
 
 Usage: python benchmarks/bench_plan.py [--quick]
 """
@@ -73,6 +76,7 @@ class Row:
     plan_ms: float  # median over repeats, worst of the two page lists
     served_layerwise_ms: float  # plan + addresses per request as served, layer by layer
     served_after_forward_ms: float  # the same with one group of every layer
+    int_conversion_ms: float  # of served_layerwise_ms: numpy columns to Python int lists
 
     @property
     def pages(self) -> int:
@@ -102,9 +106,10 @@ def _served_ms(
     dst_pages: np.ndarray,
     layer_group_size: int,
     reps: int,
-) -> float:
+) -> tuple[float, float]:
     """Planning plus address building for one request as a prefill rank serves it (the
-    worst rank, median over `reps`), through the writer's own functions: the request's
+    worst rank, median over `reps`), and the part of it spent converting the columns to
+    the Python int lists Mooncake's binding takes, through the writer's own functions: the request's
     links; per decode rank it writes to, the chunk planned once over every layer and
     addressed once (`AddressedPlan`); then per layer group (one layer when streaming layer
     by layer) that group's writes, and the columns handed to Mooncake (Python lists)."""
@@ -112,14 +117,15 @@ def _served_ms(
     dst_heads = local_heads(layout, ShardingScheme(tp[1]))
     tokens = TokenRange(0, PROMPT_TOKENS)
     groups = layout.layer_groups(layer_group_size)
-    worst = 0.0
+    worst, worst_conversion = 0.0, 0.0
     for rank in range(tp[0]):
         src_table = RegionTable.packed(layout, POOL_PAGES, src_heads, rank << 40)
         dst_tables = [
             RegionTable.packed(layout, POOL_PAGES, dst_heads, (64 + r) << 40) for r in range(tp[1])
         ]
-        times = []
+        times, conversions = [], []
         for _ in range(reps):
+            converting = 0.0
             t0 = time.perf_counter()
             links = link_shards(layout, ShardingScheme(tp[0]), ShardingScheme(tp[1]), 1234)
             for dst_rank, dst_table in enumerate(dst_tables):
@@ -131,10 +137,15 @@ def _served_ms(
                 addressed = AddressedPlan(plan, mine, src_table, dst_table, layer_group_size)
                 for layers in groups:
                     writes, _ = layer_writes(addressed, layers)
+                    c0 = time.perf_counter()
                     mooncake_columns(writes)
+                    converting += time.perf_counter() - c0
             times.append(time.perf_counter() - t0)
-        worst = max(worst, statistics.median(times) * 1e3)
-    return worst
+            conversions.append(converting)
+        if statistics.median(times) * 1e3 > worst:
+            worst = statistics.median(times) * 1e3
+            worst_conversion = statistics.median(conversions) * 1e3
+    return worst, worst_conversion
 
 
 def measure(reps: int, served_reps: int) -> list[Row]:
@@ -148,6 +159,8 @@ def measure(reps: int, served_reps: int) -> list[Row]:
             for tp in TP_PAIRS:
                 plan_f, ms_f = _time_plan(layout, tp, *frag, reps)
                 plan_c, ms_c = _time_plan(layout, tp, *contig, reps)
+                layerwise, converting = _served_ms(layout, tp, *frag, 1, served_reps)
+                after_forward, _ = _served_ms(layout, tp, *frag, layout.num_layers, served_reps)
                 rows.append(
                     Row(
                         model,
@@ -157,8 +170,9 @@ def measure(reps: int, served_reps: int) -> list[Row]:
                         plan_f.num_writes,
                         plan_c.num_writes,
                         max(ms_f, ms_c),
-                        _served_ms(layout, tp, *frag, 1, served_reps),
-                        _served_ms(layout, tp, *frag, layout.num_layers, served_reps),
+                        layerwise,
+                        after_forward,
+                        converting,
                     )
                 )
                 print(f"  measured {model} TP{tp[0]}->TP{tp[1]} {page_layout.name}", flush=True)
@@ -185,11 +199,12 @@ def main() -> None:
 
     head = (
         f"{'model':<17} {'TP':>5} {'layout':>6} {'links':>5} {'writes/page':>11} "
-        f"{'(contig)':>9} {'plan ms':>8} {'served ms':>10} {'(one group)':>11}"
+        f"{'(contig)':>9} {'plan ms':>8} {'served ms':>10} {'(ints)':>7} {'(one group)':>11}"
     )
     print(f"{PROMPT_TOKENS}-token prompt, page size {PAGE_SIZE}, {rows[0].pages} pages, bf16")
     print("served ms: planning + address building per request on the busiest prefill rank,")
-    print("layer by layer as layer-wise streaming sends (one group: after-forward mode)")
+    print("layer by layer as layer-wise streaming sends (one group: after-forward mode);")
+    print("(ints): the part spent turning columns into the Python int lists Mooncake takes")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -197,7 +212,8 @@ def main() -> None:
         print(
             f"{r.model:<17} {tp:>5} {r.page_layout.name:>6} {r.links:>5} "
             f"{r.writes_frag / r.pages:>11.0f} {r.writes_contig / r.pages:>9.1f} "
-            f"{r.plan_ms:>8.3f} {r.served_layerwise_ms:>10.3f} {r.served_after_forward_ms:>11.3f}"
+            f"{r.plan_ms:>8.3f} {r.served_layerwise_ms:>10.3f} {r.int_conversion_ms:>7.3f} "
+            f"{r.served_after_forward_ms:>11.3f}"
         )
     # NHD under mismatched TP writes every token slot separately (see core/plan.py):
     # its cost is the count of writes, which only HND pages remove (D15)
@@ -205,6 +221,9 @@ def main() -> None:
     others = [r for r in rows if r not in per_slot]
     headline = {
         "plan_and_addr_ms_8k": round(max(r.served_layerwise_ms for r in others), 4),
+        "plan_and_addr_ms_8k_without_int_conversion": round(
+            max(r.served_layerwise_ms - r.int_conversion_ms for r in others), 4
+        ),
         "plan_and_addr_ms_8k_nhd_mismatch": round(max(r.served_layerwise_ms for r in per_slot), 3),
         "plan_ms_8k": round(max(r.plan_ms for r in rows), 4),
         "hnd_writes_vs_identical": round(max(_ratios(rows, PageLayout.HND)), 3),
