@@ -8,10 +8,10 @@
 # also hosts the decode instance's torch.distributed rendezvous on port 5757).
 #
 # Simulated on H200 nodes, prompts ~10k tokens, outputs ~950, 1 req/s per decode rank
-# (32 req/s; python -m sgl_pd.sim predict --rate 32 --prefill-nodes 11 --decode-nodes 1
-#  --decode-dp --decode-gpus 32; benchmarks/results/sim_recipes.txt):
-#   PD:  TTFT p50 ~210 ms, ITL p50 ~19.5 ms / p99 ~20 ms, ~51 tok/s per stream, 1 req/s
-#        per rank, 8 ranks per node
+# (32 req/s; benchmarks/sim_recipes.sh -> benchmarks/results/sim_recipes.txt):
+#   PD:               TTFT p50 210 ms, ITL p50 19.6 / p99 20.0 ms, 51 tok/s per stream,
+#                     ~1 req/s per rank, 8 ranks per node
+#   15 mixed TP8 nodes (same GPUs): cannot keep up (11.5 of 32 req/s served)
 # DP attention on the decode side has not been run with sgl_pd's backend on GPUs yet.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 MODEL="${MODEL_PATH:-deepseek-ai/DeepSeek-R1}"
