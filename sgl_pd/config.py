@@ -41,6 +41,10 @@ class SglPdConfig:
     auth_secret_hex: str = field(default="", repr=False)
     no_auth: bool = False  # serve without authentication (--pd-no-auth; trusted hosts only)
     allow_loopback_advertise: bool = False  # advertise 127.x while binding all interfaces
+    # Direct mode (decoder): prefill bootstrap addresses "host:port,..." or "@FILE" (one per
+    # line, re-read while serving) to which the decoder submits requests that arrive
+    # without a bootstrap room; "" = router mode only
+    prefill_bootstrap: str = ""
     # Fault injection, for fault campaigns only (tests, benchmarks/bench_faults.py):
     inject_write_delay_ms: float = 0.0  # added before every KV write batch
     inject_write_failure_rate: float = 0.0  # probability that a KV write batch fails
@@ -67,6 +71,13 @@ class SglPdConfig:
                 f"{self.inject_write_failure_rate}"
             )
 
+        if self.prefill_bootstrap and not self.prefill_bootstrap.startswith("@"):
+            from sgl_pd.core.dispatch import parse_bootstrap_addresses
+
+            try:
+                parse_bootstrap_addresses(self.prefill_bootstrap)
+            except ValueError as e:
+                raise ConfigError(f"--pd-prefill-bootstrap: {e}") from None
         if self.auth_secret_hex and len(self.auth_secret_hex) < 2 * MIN_SECRET_BYTES:
             raise ConfigError(
                 f"the cluster secret must have at least {MIN_SECRET_BYTES} bytes: make one"
@@ -213,6 +224,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "and networks where no untrusted process runs.",
     )
     group.add_argument(
+        "--pd-prefill-bootstrap",
+        default="",
+        metavar="ADDRS",
+        help="Decoder, direct mode: prefill servers' bootstrap addresses (host:port of "
+        "--disaggregation-bootstrap-port, comma-separated), or @FILE with one per line, "
+        "re-read while serving so prefill servers can join and leave. Requests that reach "
+        "the decoder without a bootstrap room are then prefilled on the least loaded of "
+        "them; router requests work as before.",
+    )
+    group.add_argument(
         "--pd-bootstrap-timeout",
         type=float,
         default=SglPdConfig.bootstrap_timeout_s,
@@ -267,4 +288,5 @@ def config_from_args(
         auth_secret_hex="" if args.pd_no_auth else _secret_hex(args, environ),
         no_auth=args.pd_no_auth,
         allow_loopback_advertise=args.pd_allow_loopback_advertise,
+        prefill_bootstrap=args.pd_prefill_bootstrap.strip(),
     )

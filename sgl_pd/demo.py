@@ -3,6 +3,8 @@ bundled model, a few requests answered, with their time to first token and the K
 the prefiller moved.
 
     python -m sgl_pd.demo                 # disaggregated: prefill + decode + router
+    python -m sgl_pd.demo --direct        # one prefill feeding two decoders, no router:
+                                          # clients talk to the decoders (D3)
     python -m sgl_pd.demo --monolithic    # one ordinary SGLang server, for comparison
 """
 
@@ -18,7 +20,7 @@ from pathlib import Path
 import requests
 
 from sgl_pd.cluster.client import complete, stream_chat
-from sgl_pd.cluster.local import monolithic_server, pd_cluster
+from sgl_pd.cluster.local import direct_cluster, monolithic_server, pd_cluster
 from sgl_pd.cluster.processes import ServerStartError
 
 CHAT_PROMPTS = ["What is 3 + 4?", "Count from 12.", "Name the days of the week."]
@@ -33,7 +35,11 @@ def transfer_bytes(metrics_text: str) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--monolithic", action="store_true", help="one server, no disaggregation")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--monolithic", action="store_true", help="one server, no disaggregation")
+    mode.add_argument(
+        "--direct", action="store_true", help="1 prefill + 2 decoders, requests sent to decoders"
+    )
     parser.add_argument("--log-dir", type=Path, default=None, help="server logs (default: temp)")
     args = parser.parse_args(argv)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="sgl_pd_demo_"))
@@ -44,6 +50,19 @@ def main(argv: list[str] | None = None) -> int:
             with monolithic_server(log_dir) as server:
                 print(f"[demo] server ready in {time.perf_counter() - started:.0f} s", flush=True)
                 _ask(server.url, None)
+        elif args.direct:
+            metrics = ["--enable-metrics"]
+            with direct_cluster(log_dir, prefill_extra=metrics, decode_extra=metrics) as cluster:
+                decoders = ", ".join(d.url for d in cluster.decoders)
+                print(
+                    f"[demo] prefill {cluster.prefill.url}, decoders {decoders} (direct mode, "
+                    f"no router): ready in {time.perf_counter() - started:.0f} s",
+                    flush=True,
+                )
+                for decoder in cluster.decoders:
+                    print(f"\n[demo] asking decoder {decoder.url}", flush=True)
+                    _ask(decoder.url, None)
+                _report_moved(cluster.prefill.url)
         else:
             metrics = ["--enable-metrics"]
             with pd_cluster(log_dir, prefill_extra=metrics, decode_extra=metrics) as cluster:
@@ -73,9 +92,13 @@ def _ask(url: str, prefill_url: str | None) -> None:
             f"              TTFT {answer.ttft_s * 1e3:.0f} ms, total {answer.total_s * 1e3:.0f} ms"
         )
     if prefill_url is not None:
-        moved = transfer_bytes(requests.get(f"{prefill_url}/metrics", timeout=30).text)
-        shown = "not reported" if moved is None else f"{moved / 1e6:.2f} MB"
-        print(f"\n  KV and metadata moved by the prefiller over Mooncake: {shown}\n", flush=True)
+        _report_moved(prefill_url)
+
+
+def _report_moved(prefill_url: str) -> None:
+    moved = transfer_bytes(requests.get(f"{prefill_url}/metrics", timeout=30).text)
+    shown = "not reported" if moved is None else f"{moved / 1e6:.2f} MB"
+    print(f"\n  KV and metadata moved by the prefiller over Mooncake: {shown}\n", flush=True)
 
 
 if __name__ == "__main__":

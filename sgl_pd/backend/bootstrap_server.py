@@ -9,8 +9,10 @@ from __future__ import annotations
 import logging
 
 from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer, KVPoll
+from sglang.srt.runtime_context import get_serving
 
 from sgl_pd.backend.addresses import bind_address
+from sgl_pd.backend.direct_prefill import LocalSubmitter
 from sgl_pd.backend.manager import cluster_auth
 from sgl_pd.config import SglPdConfig
 from sgl_pd.messenger.registry import RegistryServer
@@ -22,7 +24,15 @@ class SglPdBootstrapServer(BaseKVBootstrapServer):
     def __init__(self, host: str, port: int) -> None:
         bind_host = bind_address(host)
         auth = cluster_auth(SglPdConfig.from_environment())
-        self._server = RegistryServer(bind_host, int(port), auth=auth)
+        # decoders may also submit requests here (direct mode): they go to our own API
+        serving = get_serving()
+        local = "127.0.0.1" if bind_host in ("0.0.0.0", "", "::") else bind_host
+        self._submitter = LocalSubmitter(
+            f"http://{_url_host(local)}:{serving.port}", api_key=serving.api_key
+        )
+        self._server = RegistryServer(
+            bind_host, int(port), auth=auth, submit=self._submitter.submit
+        )
         logger.info("sgl_pd registry listening on %s:%d", bind_host, port)
 
     def poll(self) -> int:
@@ -30,3 +40,8 @@ class SglPdBootstrapServer(BaseKVBootstrapServer):
 
     def close(self) -> None:
         self._server.close()
+        self._submitter.close()
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

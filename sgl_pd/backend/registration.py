@@ -81,7 +81,13 @@ def register_backend() -> None:
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.run_batch", after_run_batch, HookType.AFTER
     )
-    from sgl_pd.backend import first_token, health, layerwise_glue, request_checks
+    from sgl_pd.backend import direct_decode, first_token, health, layerwise_glue, request_checks
+
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
+        direct_decode.around_generate_request,
+        HookType.AROUND,
+    )
 
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",

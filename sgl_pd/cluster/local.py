@@ -470,3 +470,87 @@ def deployment(
             yield cluster.router_url
     else:
         raise ValueError(f"unknown deployment {kind!r}: 'mixed' or 'pd'")
+
+
+@dataclass(frozen=True)
+class DirectCluster:
+    prefill: Server
+    decoders: tuple[Server, ...]
+    bootstrap_port: int
+    router_url: str | None  # SGLang's router over the same servers, when asked for
+
+
+@contextlib.contextmanager
+def direct_cluster(
+    log_dir: Path,
+    model: Path = TINY_LLAMA_PATH,
+    prefill_extra: Sequence[str] = (),
+    decode_extra: Sequence[str] = (),
+    *,
+    decoders: int = 2,
+    with_router: bool = False,
+    patience: Patience | None = None,
+) -> Iterator[DirectCluster]:
+    """One prefill server feeding `decoders` decode servers in direct mode (D3): clients
+    send requests to a decoder, which submits the prefill itself (--pd-prefill-bootstrap).
+    `with_router`: SGLang's PD router over the same servers too, so both flows can be
+    compared on one cluster. Each server on its own cores where there are enough."""
+    patience = patience if patience is not None else local_patience()
+    ports = free_ports(decoders + 4)
+    prefill_port, bootstrap_port, router_port, metrics_port = ports[:4]
+    secret = ("--pd-auth-secret-file", str(write_cluster_secret(log_dir / "cluster.secret")))
+    placements = place_servers(1 + decoders)
+    prefill = Server(
+        f"http://{HOST}:{prefill_port}",
+        placed_process(
+            "prefill",
+            server_argv(
+                model,
+                prefill_port,
+                [*pd_server_args("prefill", bootstrap_port), *secret, *prefill_extra],
+            ),
+            log_dir / "prefill.log",
+            placements[0],
+        ),
+    )
+    direct = ("--pd-prefill-bootstrap", f"{HOST}:{bootstrap_port}")
+    decode_servers = tuple(
+        Server(
+            f"http://{HOST}:{port}",
+            placed_process(
+                f"decode{i}",
+                server_argv(
+                    model, port, [*pd_server_args("decode"), *secret, *direct, *decode_extra]
+                ),
+                log_dir / f"decode{i}.log",
+                placements[1 + i],
+            ),
+        )
+        for i, port in enumerate(ports[4:])
+    )
+    router = None
+    if with_router:
+        router_cmd = python_module_argv(
+            "sglang_router.launch_router",
+            "--pd-disaggregation",
+            "--prefill", prefill.url, str(bootstrap_port),
+            *(arg for d in decode_servers for arg in ("--decode", d.url)),
+            "--host", HOST,
+            "--port", str(router_port),
+            "--prometheus-port", str(metrics_port),
+            "--policy", "round_robin",
+            *patience.router_args(),
+            "--log-level", "warn",
+        )  # fmt: skip
+        router = ManagedProcess("router", router_cmd, log_dir / "router.log")
+    router_url = f"http://{HOST}:{router_port}" if with_router else None
+    servers = (prefill, *decode_servers)
+    with managed([*(s.process for s in servers), *([router] if router else [])]):
+        for server in servers:
+            server.process.start()
+        for server in servers:
+            _wait_ready(server.process, f"{server.url}/health", patience.server_ready_s, patience)
+        if router is not None:
+            router.start()
+            _wait_ready(router, f"{router_url}/readiness", patience.router_ready_s, patience)
+        yield DirectCluster(prefill, decode_servers, bootstrap_port, router_url)

@@ -39,7 +39,8 @@ from sgl_pd.errors import SglPdError
 
 # 2: count words, drain acks, heartbeat echoes, self-describing requests
 # 3: senders named in Abort, ErrorMsg and ChunkNotice (ownership checks), bounded requests
-PROTOCOL_VERSION = 3
+# 4: decoders submit prefills to a prefill server's registry (direct mode)
+PROTOCOL_VERSION = 4
 MAGIC = b"SGPD"
 MAX_BODY_BYTES = 64 << 20  # a 1M-token prompt with its page table stays far below this
 _HEADER = struct.Struct("<4sHHQII")
@@ -291,6 +292,27 @@ class RegistryReply(_Message, tag="registry_reply", frozen=True):
             raise InvalidMessage("a registry reply carries one registration per prefill rank")
 
 
+MAX_SUBMIT_BYTES = 16 << 20  # one submitted request's JSON (a 1M-token prompt as ids fits)
+
+
+class SubmitPrefill(_Message, tag="submit_prefill", frozen=True):
+    """Decoder front end -> a prefill server's registry (direct mode, D3): run this
+    request's prefill. `request` is the generate request as SGLang's HTTP API takes it
+    (prompt, sampling parameters, bootstrap room = `request_id`), the same body a router
+    would send; destination pages and the decoder's sharding follow from each decode rank
+    in its `TransferRequest`, as in the router flow."""
+
+    request_id: U64  # the bootstrap room both sides use
+    sender: Text  # who submits, for the prefill server's log
+    request: Annotated[bytes, msgspec.Meta(max_length=MAX_SUBMIT_BYTES)]  # JSON object
+
+
+class SubmitAck(_Message, tag="submit_ack", frozen=True):
+    """Registry -> submitter: the request was handed to the prefill server's scheduler."""
+
+    request_id: U64
+
+
 class TransferRequest(_Message, tag="transfer", frozen=True):
     """Decoder rank -> each prefill rank that feeds it (router flow): where to write the KV
     of request `request_id` (SGLang's bootstrap room), which the router sent to both sides."""
@@ -341,6 +363,8 @@ Message = (
     | RegisterAck
     | RegistryQuery
     | RegistryReply
+    | SubmitPrefill
+    | SubmitAck
     | TransferRequest
 )
 

@@ -27,6 +27,7 @@ from sgl_pd.core.errors import WireError
 from sgl_pd.core.wire import (
     HEADER_BYTES,
     MAX_FRAME_BYTES,
+    MAX_SUBMIT_BYTES,
     REGISTRY_LAYOUT_HASH,
     ErrorCode,
     ErrorMsg,
@@ -38,6 +39,8 @@ from sgl_pd.core.wire import (
     RegistryReply,
     Role,
     ShardRegistration,
+    SubmitAck,
+    SubmitPrefill,
     frame_layout_hash,
 )
 from sgl_pd.errors import SglPdError
@@ -66,7 +69,11 @@ QUERY_TIMEOUT_S = 30.0  # a decode rank waits this long for all prefill ranks of
 RETRY_INTERVAL_S = 0.5  # pause after a NOT_READY answer before asking again
 ATTEMPT_TIMEOUT_S = 2.0  # one attempt waits this long for a reply before a fresh one
 MAX_REGISTRATION_BYTES = 1 << 20  # one rank's registration frame (a few KiB in practice)
-MAX_REGISTRY_FRAME_BYTES = MAX_REGISTRATION_BYTES + 4096  # what the registry lets ZMQ receive
+# what the registry lets ZMQ receive: a registration, or a submitted request
+MAX_REGISTRY_FRAME_BYTES = max(MAX_REGISTRATION_BYTES, MAX_SUBMIT_BYTES) + 4096
+# what a direct-mode submission may be refused with: (code, why); None = queued
+SubmitFn = Callable[[SubmitPrefill], "tuple[ErrorCode, str] | None"]
+SUBMIT_TIMEOUT_S = 5.0  # a decoder waits this long for a prefill server to take a request
 # all ranks' registrations together, so that a reply always fits in one frame
 MAX_REPLY_REGISTRATIONS_BYTES = MAX_FRAME_BYTES - HEADER_BYTES - (1 << 16)
 
@@ -89,12 +96,16 @@ class RegistryServer(RouterThread):
         auth: ClusterAuth | None = None,
         context: ZmqContext | None = None,
         is_gone: Callable[[str], bool] = listener_gone,
+        submit: SubmitFn | None = None,
     ) -> None:
         """Binds tcp://host:port (0: a free port). Raises `AddressInUse` / `BindError`.
-        With `auth`, only members of the cluster can register or query."""
+        With `auth`, only members of the cluster can register or query. With `submit`,
+        decoders may also hand it requests to prefill (direct mode): `submit` queues one
+        and returns None, or returns why it cannot (never blocks)."""
         super().__init__(host, port, context, max_message_bytes=MAX_REGISTRY_FRAME_BYTES, auth=auth)
         self._host = host
         self._is_gone = is_gone
+        self._submit = submit
         self._codec = FrameCodec(REGISTRY_LAYOUT_HASH)  # registry thread only
         self._shards: dict[int, _Shard] = {}  # by rank; registry thread only
         self._bad_frames = 0  # written by the registry thread only
@@ -175,10 +186,28 @@ class RegistryServer(RouterThread):
             return self._register(msg)
         if isinstance(msg, RegistryQuery):
             return self._reply(msg)
+        if isinstance(msg, SubmitPrefill):
+            return self._submit_prefill(msg)
         return _refusal(
             ErrorCode.BAD_REQUEST,
-            f"a registry answers register_shard and registry_query, not {type(msg).__name__}",
+            "a registry answers register_shard, registry_query and submit_prefill, not"
+            f" {type(msg).__name__}",
         )
+
+    def _submit_prefill(self, msg: SubmitPrefill) -> SubmitAck | ErrorMsg:
+        if self._submit is None:
+            return _refusal(
+                ErrorCode.BAD_REQUEST,
+                "this prefill server does not take requests from decoders (direct mode)",
+            )
+        ready = self._reply(RegistryQuery(sender=msg.sender))
+        if isinstance(ready, ErrorMsg):
+            return ready  # NOT_READY: its ranks are still starting
+        refusal = self._submit(msg)
+        if refusal is not None:
+            code, why = refusal
+            return ErrorMsg(request_id=msg.request_id, code=code, message=why[:500])
+        return SubmitAck(request_id=msg.request_id)
 
     def _register(self, msg: RegisterShard) -> RegisterAck | ErrorMsg:
         try:
@@ -333,6 +362,19 @@ class RegistryClient:
         if not isinstance(reply, RegistryReply):
             raise BootstrapError(f"prefill registry at {addr} answered a query with {reply}")
         return list(reply.registrations)
+
+    def submit(
+        self,
+        addr: str,
+        msg: SubmitPrefill,
+        timeout_s: float = SUBMIT_TIMEOUT_S,
+        stop: threading.Event | None = None,
+    ) -> None:
+        """Hands a request to the prefill server whose registry is at "host:port"; returns
+        once it took it. Raises `BootstrapError` (refused) or `BootstrapTimeout`."""
+        reply = self._exchange(addr, msg, "take a request", timeout_s, RETRY_INTERVAL_S, stop)
+        if not (isinstance(reply, SubmitAck) and reply.request_id == msg.request_id):
+            raise BootstrapError(f"prefill registry at {addr} answered a submission with {reply}")
 
     def close(self) -> None:
         """Cancel calls in progress, wait for them to let go of their sockets; idempotent."""

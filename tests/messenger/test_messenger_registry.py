@@ -3,6 +3,7 @@ another process, NOT_READY retries, restarts, timeouts, taken ports."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import threading
 import time
@@ -18,10 +19,12 @@ from sgl_pd.core.wire import (
     FrameCodec,
     Heartbeat,
     RegistryQuery,
+    SubmitPrefill,
 )
 from sgl_pd.messenger import (
     AddressInUse,
     BindError,
+    BootstrapError,
     BootstrapTimeout,
     InvalidAddress,
     MessengerClosed,
@@ -172,3 +175,44 @@ def test_close_cancels_a_call_in_progress() -> None:
     assert len(errors) == 1 and isinstance(errors[0], MessengerClosed)
     with pytest.raises(MessengerClosed):
         client.query(f"{HOST}:1")
+
+
+def _submission(room: int) -> SubmitPrefill:
+    body = json.dumps({"input_ids": [1, 2, 3], "bootstrap_room": room}).encode()
+    return SubmitPrefill(request_id=room, sender="test decoder", request=body)
+
+
+def test_a_submitted_prefill_reaches_the_server_once_its_ranks_registered() -> None:
+    taken: list[SubmitPrefill] = []
+
+    def take(msg: SubmitPrefill) -> tuple[ErrorCode, str] | None:
+        taken.append(msg)
+        return None
+
+    with (
+        RegistryServer(HOST, 0, submit=take) as server,
+        RegistryClient("test", attempt_timeout_s=0.5) as client,
+    ):
+        # ranks still starting: the submission waits (NOT_READY), then times out
+        with pytest.raises(BootstrapTimeout, match="not ready"):
+            client.submit(server.address, _submission(7), timeout_s=0.3)
+        client.register(server.address, register_msg(0, 1, instance=1))
+        client.submit(server.address, _submission(8), timeout_s=5.0)
+    assert [m.request_id for m in taken] == [8]
+
+
+def test_a_refused_submission_says_why() -> None:
+    def refuse(msg: SubmitPrefill) -> tuple[ErrorCode, str] | None:
+        return ErrorCode.OVERLOADED, "1024 submitted requests in flight"
+
+    with (
+        RegistryServer(HOST, 0, submit=refuse) as server,
+        RegistryClient("test") as client,
+        RegistryServer(HOST, 0) as router_only,
+    ):
+        client.register(server.address, register_msg(0, 1, instance=1))
+        with pytest.raises(BootstrapError, match="overloaded: 1024 submitted"):
+            client.submit(server.address, _submission(9), timeout_s=5.0)
+        client.register(router_only.address, register_msg(0, 1, instance=2))
+        with pytest.raises(BootstrapError, match="does not take requests from decoders"):
+            client.submit(router_only.address, _submission(9), timeout_s=5.0)

@@ -1,0 +1,294 @@
+"""Decoder, direct mode (D3): clients send requests to a decoder, which picks a prefill
+server and submits the prefill itself; SGLang's router flow keeps working beside it.
+
+A request that reaches the decoder's HTTP API without a bootstrap room (native
+/generate or the OpenAI-compatible endpoints, streaming or not) gets a fresh room and the
+bootstrap address of the prefill server with the fewest prompt tokens outstanding
+(`sgl_pd.core.dispatch`); that server's registry is handed the request (`SubmitPrefill`),
+and only then does the request continue into the decoder, exactly as a router request
+does: the decode scheduler allocates un-evictable pages and a metadata slot, its ranks
+send their `TransferRequest`s, and the request is decoded once its KV is complete by
+counting. A prefill server that refuses or does not answer is marked unavailable and the
+next one is tried; with none left the client gets a 400 that says so.
+
+Prefill servers are the addresses of --pd-prefill-bootstrap (or of its @FILE, re-read on
+every probe round); a probe thread asks each registry whether all its ranks registered,
+so servers that start later, stop or come back are picked up without a restart.
+
+Runs in the decoder's HTTP front-end process (a hook on `TokenizerManager.generate_request`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from sgl_pd.config import BACKEND_NAME, SglPdConfig
+from sgl_pd.core.dispatch import PrefillerLoad, choose_prefiller, parse_bootstrap_addresses
+from sgl_pd.core.wire import MAX_SUBMIT_BYTES, SubmitPrefill
+from sgl_pd.errors import SglPdError
+from sgl_pd.log_limits import LogLimiter
+from sgl_pd.messenger.auth import ClusterAuth
+from sgl_pd.messenger.registry import RegistryClient
+
+logger = logging.getLogger("sgl_pd.direct")
+
+PROBE_INTERVAL_S = 1.0  # between probe rounds over every prefill server
+PROBE_TIMEOUT_S = 1.0  # one probe waits this long for a registry's answer
+CHARS_PER_TOKEN = 4  # outstanding-token estimate of a text prompt (ids are counted)
+# generate-request fields that change what the prefill computes; the rest is the decoder's
+FORWARDED = (
+    "text",
+    "input_ids",
+    "sampling_params",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "token_ids_logprob",
+    "lora_path",
+)
+UNSUPPORTED = ("image_data", "video_data", "audio_data", "input_embeds")
+
+
+class NoPrefillServer(ValueError):
+    """No prefill server took the request (a ValueError: SGLang answers it with 400)."""
+
+
+class DirectDispatcher:
+    """The decoder's view of its prefill servers and the submissions in flight."""
+
+    def __init__(
+        self,
+        spec: str,
+        *,
+        auth: ClusterAuth | None,
+        name: str = "decoder",
+        probe_interval_s: float = PROBE_INTERVAL_S,
+    ) -> None:
+        self._spec = spec
+        self._lock = threading.Lock()
+        self._loads: dict[str, PrefillerLoad] = {}  # under _lock
+        self._turn = 0  # under _lock
+        self._client = RegistryClient(name, auth=auth, attempt_timeout_s=PROBE_TIMEOUT_S)
+        self._name = name
+        self._log = LogLimiter(logger)
+        self._stop = threading.Event()
+        self._submitting = ThreadPoolExecutor(16, thread_name_prefix="sgl-pd-direct")
+        self._refresh(self._read_addresses())  # every address is tried before any probe
+        self._probe_interval_s = probe_interval_s
+        self._prober = threading.Thread(target=self._probe_loop, name="sgl-pd-probe", daemon=True)
+        self._prober.start()
+
+    # -- what requests use ---------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """How this decoder names itself to prefill servers (their logs)."""
+        return self._name[:200]
+
+    def loads(self) -> dict[str, PrefillerLoad]:
+        with self._lock:
+            return dict(self._loads)
+
+    def choose(self, tokens: int, exclude: list[str]) -> str | None:
+        """The prefill server for a request of `tokens`; counts them as outstanding there."""
+        with self._lock:
+            self._turn += 1
+            addr = choose_prefiller(self._loads, exclude=exclude, turn=self._turn)
+            if addr is not None:
+                self._add(addr, tokens)
+            return addr
+
+    def release(self, addr: str, tokens: int) -> None:
+        with self._lock:
+            self._add(addr, -tokens)
+
+    async def submit(self, addr: str, msg: SubmitPrefill) -> str | None:
+        """Hands `msg` to the registry at `addr`; None when taken, else why not (and the
+        server is marked unavailable until a probe finds it again)."""
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._submitting, self._client.submit, addr, msg)
+            return None
+        except SglPdError as e:
+            if "overloaded" not in str(e):
+                self._mark(addr, available=False)
+            return str(e)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._client.close()
+        self._submitting.shutdown(wait=False, cancel_futures=True)
+
+    # -- prefill servers ---------------------------------------------------------------
+
+    def _add(self, addr: str, tokens: int) -> None:
+        load = self._loads.get(addr)
+        if load is not None:
+            outstanding = max(0, load.outstanding_tokens + tokens)
+            self._loads[addr] = PrefillerLoad(load.available, outstanding)
+
+    def _mark(self, addr: str, *, available: bool) -> None:
+        with self._lock:
+            load = self._loads.get(addr)
+            if load is not None and load.available != available:
+                self._loads[addr] = PrefillerLoad(available, load.outstanding_tokens)
+                logger.info(
+                    "prefill server %s is %s", addr, "available" if available else "unavailable"
+                )
+
+    def _read_addresses(self) -> tuple[str, ...]:
+        spec = self._spec
+        if spec.startswith("@"):
+            path = Path(spec[1:])
+            try:
+                spec = path.read_text()
+            except OSError as e:
+                self._log.warning("file", "--pd-prefill-bootstrap %s: %s", path, e)
+                return tuple(self._loads)
+        try:
+            return parse_bootstrap_addresses(spec)
+        except ValueError as e:
+            self._log.warning("parse", "--pd-prefill-bootstrap %s: %s", self._spec, e)
+            return tuple(self._loads)
+
+    def _refresh(self, addresses: tuple[str, ...]) -> None:
+        with self._lock:
+            for addr in addresses:
+                if addr not in self._loads:
+                    logger.info("prefill server %s added", addr)
+                    self._loads[addr] = PrefillerLoad(True, 0)
+            for addr in [a for a in self._loads if a not in addresses]:
+                logger.info("prefill server %s removed", addr)
+                del self._loads[addr]
+
+    def _probe_loop(self) -> None:
+        while not self._stop.wait(self._probe_interval_s):
+            addresses = self._read_addresses()
+            self._refresh(addresses)
+            for addr in addresses:
+                if self._stop.is_set():
+                    return
+                try:
+                    self._client.query(addr, timeout_s=PROBE_TIMEOUT_S, stop=self._stop)
+                    self._mark(addr, available=True)
+                except SglPdError:
+                    self._mark(addr, available=False)
+
+
+_dispatcher: DirectDispatcher | None = None
+_dispatcher_lock = threading.Lock()
+
+
+def _dispatcher_for(manager: Any) -> DirectDispatcher | None:
+    """This decoder's dispatcher; None unless it serves sgl_pd PD decode in direct mode."""
+    global _dispatcher
+    server_args = manager.server_args
+    if str(getattr(server_args, "disaggregation_mode", "null")) != "decode":
+        return None
+    if str(getattr(server_args, "disaggregation_transfer_backend", "")) != BACKEND_NAME:
+        return None
+    with _dispatcher_lock:
+        if _dispatcher is None:
+            config = SglPdConfig.from_environment()
+            if not config.prefill_bootstrap:
+                return None
+            from sgl_pd.backend.manager import cluster_auth
+
+            name = f"decoder {getattr(server_args, 'host', '')}:{getattr(server_args, 'port', '')}"
+            _dispatcher = DirectDispatcher(
+                config.prefill_bootstrap, auth=cluster_auth(config), name=name
+            )
+        return _dispatcher
+
+
+def _direct(obj: Any) -> bool:
+    """A request that came to the decoder itself rather than through a router."""
+    return (
+        getattr(obj, "bootstrap_room", None) is None
+        and getattr(obj, "bootstrap_host", None) is None
+        and hasattr(obj, "sampling_params")  # generate, not embedding
+    )
+
+
+def _prompt_tokens(obj: Any) -> int:
+    """The prompt's tokens (estimated for text); raises ValueError for what direct mode
+    does not serve."""
+    for name in UNSUPPORTED:
+        if getattr(obj, name, None) is not None:
+            raise ValueError(f"direct mode serves text and token prompts; {name} is not supported")
+    text, ids = getattr(obj, "text", None), getattr(obj, "input_ids", None)
+    if isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list)):
+        raise ValueError(
+            "direct mode takes one prompt per request: send a batch as separate requests"
+        )
+    return len(ids) if isinstance(ids, list) else len(text or "") // CHARS_PER_TOKEN + 1
+
+
+def _prefill_body(obj: Any, room: int, addr: str) -> bytes:
+    """The request a router would send the prefill server at `addr`, as JSON."""
+    body = {name: getattr(obj, name, None) for name in FORWARDED}
+    body = {k: v for k, v in body.items() if v is not None}
+    host, _, port = addr.rpartition(":")
+    body.update(
+        bootstrap_host=host.strip("[]"), bootstrap_port=int(port), bootstrap_room=room, stream=False
+    )
+    encoded = json.dumps(body).encode()
+    if len(encoded) > MAX_SUBMIT_BYTES:
+        raise ValueError(f"a request of {len(encoded)} bytes, over {MAX_SUBMIT_BYTES}")
+    return encoded
+
+
+async def around_generate_request(
+    original: Any, manager: Any, obj: Any, request: Any = None
+) -> AsyncIterator[Any]:
+    """AROUND hook of ``TokenizerManager.generate_request``: direct requests are submitted
+    to a prefill server first, then served like router requests."""
+    dispatcher = _dispatcher_for(manager) if _direct(obj) else None
+    if dispatcher is None:
+        async for out in original(manager, obj, request):
+            yield out
+        return
+    room = secrets.randbits(63)
+    tokens = _prompt_tokens(obj)
+    tried: list[str] = []
+    refusals: list[str] = []
+    while True:
+        addr = dispatcher.choose(tokens, tried)
+        if addr is None:
+            known = ", ".join(
+                f"{a} ({'up' if load.available else 'down'})"
+                for a, load in sorted(dispatcher.loads().items())
+            )
+            raise NoPrefillServer(
+                "no prefill server took the request"
+                + (f": {'; '.join(refusals)}" if refusals else "")
+                + f" (prefill servers: {known or 'none configured'})"
+            )
+        body = _prefill_body(obj, room, addr)
+        msg = SubmitPrefill(request_id=room, sender=dispatcher.name, request=body)
+        why = await dispatcher.submit(addr, msg)
+        if why is None:
+            break
+        dispatcher.release(addr, tokens)
+        tried.append(addr)
+        refusals.append(why)
+    host, _, port = addr.rpartition(":")
+    obj.bootstrap_host, obj.bootstrap_port, obj.bootstrap_room = host.strip("[]"), int(port), room
+    released = False
+    try:
+        async for out in original(manager, obj, request):
+            if not released:  # the first output: the prefill is done there
+                dispatcher.release(addr, tokens)
+                released = True
+            yield out
+    finally:
+        if not released:
+            dispatcher.release(addr, tokens)

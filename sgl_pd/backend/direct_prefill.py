@@ -1,0 +1,91 @@
+"""Prefill server, direct mode: requests that decoders submit to this server's registry
+go to its own HTTP API (/generate), the path a router's request takes, so the scheduler,
+D16 and the KV streaming treat them exactly like router requests.
+
+Runs in the HTTP front-end process beside the registry: the registry thread calls
+`submit` (never blocks), one asyncio thread posts the requests to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from typing import Any
+
+from sgl_pd.core.wire import ErrorCode, SubmitPrefill
+from sgl_pd.log_limits import LogLimiter
+
+logger = logging.getLogger("sgl_pd.direct")
+
+MAX_IN_FLIGHT = 1024  # submitted requests not yet answered by the local server
+POST_TIMEOUT_S = 3600.0  # a prefill's answer comes once its KV is sent: long prompts, queues
+
+
+class LocalSubmitter:
+    """Posts submitted requests to this server's /generate; refuses what cannot be served."""
+
+    def __init__(self, base_url: str, *, api_key: str | None = None) -> None:
+        self._url = base_url.rstrip("/") + "/generate"
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._in_flight = 0  # under _lock
+        self._lock = threading.Lock()
+        self._log = LogLimiter(logger)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="sgl-pd-direct-submit", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def submit(self, msg: SubmitPrefill) -> tuple[ErrorCode, str] | None:
+        """Queues the request; None when queued, else (code, why)."""
+        try:
+            body = json.loads(msg.request)
+        except ValueError as e:
+            return ErrorCode.BAD_REQUEST, f"request {msg.request_id} is not JSON: {e}"
+        if not isinstance(body, dict) or body.get("bootstrap_room") != msg.request_id:
+            return ErrorCode.BAD_REQUEST, "a submitted request is a JSON object of its own room"
+        with self._lock:
+            if self._in_flight >= MAX_IN_FLIGHT:
+                return ErrorCode.OVERLOADED, f"{self._in_flight} submitted requests in flight"
+            self._in_flight += 1
+        asyncio.run_coroutine_threadsafe(self._post(msg.request_id, msg.sender, body), self._loop)
+        return None
+
+    async def _post(self, room: int, sender: str, body: dict[str, Any]) -> None:
+        import aiohttp
+
+        try:
+            timeout = aiohttp.ClientTimeout(total=POST_TIMEOUT_S)
+            async with (
+                aiohttp.ClientSession(timeout=timeout) as session,
+                session.post(self._url, json=body, headers=self._headers) as resp,
+            ):
+                if resp.status >= 400:
+                    text = (await resp.text())[:300]
+                    self._log.warning(
+                        "refused",
+                        "direct request %d from %s: this server answered %d: %s",
+                        room,
+                        sender,
+                        resp.status,
+                        text,
+                    )
+                else:
+                    await resp.read()
+        except Exception as e:  # the decoder's timeouts end its side of the request
+            self._log.warning(
+                "post", "direct request %d from %s: not served here: %s", room, sender, e
+            )
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=2.0)
