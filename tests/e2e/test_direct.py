@@ -1,0 +1,138 @@
+"""Direct mode (D3): one prefill server feeding two decoders, clients talking to the
+decoders, which submit the prefills themselves. The same servers also sit behind SGLang's
+router, whose flow keeps working. The prefill server's KV writes are slowed on purpose,
+so a decoder that scheduled a request before its transfer was complete by counting would
+decode from pages not yet written: every request must still give monolithic's tokens."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from sgl_pd.cluster.campaign import first_success, kill_mid_transfer
+from sgl_pd.cluster.client import chat, generate_ids, stream_chat
+from sgl_pd.cluster.local import DirectCluster, Server, direct_cluster
+from sgl_pd.cluster.logs import last_pool_state
+from sgl_pd.cluster.prompts import long_prompt_ids, varied_prompts
+
+from .conftest import CHUNKED_PREFILL_SIZE, COMMON_ARGS
+
+pytestmark = pytest.mark.e2e
+
+WRITE_DELAY_MS = 25  # per KV write batch (a layer group): a long prompt streams for ~1 s
+LIVENESS_S = 1.5
+PROMPTS = varied_prompts(30)
+MAX_NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def direct(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DirectCluster]:
+    args = [*COMMON_ARGS, "--pd-liveness-timeout", str(LIVENESS_S)]
+    with direct_cluster(
+        tmp_path_factory.mktemp("direct"),
+        prefill_extra=[*args, "--pd-inject-write-delay-ms", str(WRITE_DELAY_MS)],
+        decode_extra=args,
+        decoders=2,
+        with_router=True,
+    ) as cluster:
+        yield cluster
+
+
+def _both(cluster: DirectCluster, prompts: list[str]) -> list[list[int]]:
+    """Every prompt sent to a decoder, alternating, 16 at a time."""
+    urls = [cluster.decoders[i % 2].url for i in range(len(prompts))]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        return list(
+            pool.map(
+                lambda a: generate_ids(a[0], a[1], MAX_NEW_TOKENS), zip(urls, prompts, strict=True)
+            )
+        )
+
+
+def test_concurrent_requests_to_both_decoders_match_monolithic(
+    mono: Server, direct: DirectCluster
+) -> None:
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        expected = list(pool.map(lambda p: generate_ids(mono.url, p, MAX_NEW_TOKENS), PROMPTS))
+    got = _both(direct, PROMPTS)
+    mismatches = [i for i, (e, g) in enumerate(zip(expected, got, strict=True)) if e != g]
+    assert not mismatches, f"prompts {mismatches} differ from monolithic serving"
+
+
+def test_a_slowed_transfer_is_waited_for(mono: Server, direct: DirectCluster) -> None:
+    """A prompt of 8 chunks streams at least one delayed batch per chunk: its first token
+    comes after them, and it is monolithic's."""
+    ids = long_prompt_ids(8 * CHUNKED_PREFILL_SIZE, start=5)
+    started = time.monotonic()
+    got = generate_ids(direct.decoders[1].url, ids, 4)
+    assert time.monotonic() - started > 8 * WRITE_DELAY_MS / 1e3
+    assert got == generate_ids(mono.url, ids, 4)
+
+
+def test_openai_chat_streams_from_a_decoder(mono: Server, direct: DirectCluster) -> None:
+    streamed = stream_chat(direct.decoders[0].url, "What is 3 + 4?", max_tokens=24)
+    assert streamed.text == chat(mono.url, "What is 3 + 4?", max_tokens=24)
+
+
+def test_the_router_flow_works_on_the_same_servers(mono: Server, direct: DirectCluster) -> None:
+    assert direct.router_url is not None
+    for prompt in PROMPTS[:4]:
+        assert generate_ids(direct.router_url, prompt, 6) == generate_ids(mono.url, prompt, 6)
+
+
+def test_a_batch_is_refused_with_the_reason(direct: DirectCluster) -> None:
+    body = {"text": ["Count: 1", "Count: 2"], "sampling_params": {"max_new_tokens": 2}}
+    response = requests.post(f"{direct.decoders[0].url}/generate", json=body, timeout=60)
+    assert response.status_code == 400 and "one prompt per request" in response.text
+
+
+def _pools_idle(servers: list[Server], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    states: dict[str, tuple[int, bool] | None] = {}
+    while time.monotonic() < deadline:
+        states = {s.process.name: last_pool_state(s.process.log_path) for s in servers}
+        if all(state == (0, True) for state in states.values()):
+            return
+        time.sleep(1)
+    pytest.fail(f"pools still hold pages after the requests finished: {states}")
+
+
+def test_a_killed_prefiller_fails_its_requests_then_is_picked_up_again(
+    mono: Server, direct: DirectCluster
+) -> None:
+    """Runs late: the prefill server dies mid-transfer. The request in flight ends with an
+    error within the liveness bound; new ones are refused at once, naming the server; once
+    it is back the decoders, never restarted, use it again."""
+    decoder = direct.decoders[0]
+    ids = long_prompt_ids(8 * CHUNKED_PREFILL_SIZE, start=11)
+    killed = kill_mid_transfer(decoder.url, direct.prefill.process, ids, "direct-k1", 0.5)
+    assert killed.kill_to_answer_s < 30, killed
+    if killed.response is not None:
+        response = killed.response
+        finish = response.json()["meta_info"]["finish_reason"]["type"] if response.ok else None
+        assert not response.ok or finish == "abort", response.text[:300]
+    time.sleep(3 * LIVENESS_S)  # the decoders' probes see the registry gone
+    started = time.monotonic()
+    response = requests.post(
+        f"{decoder.url}/generate",
+        json={"text": "Count: 1 2", "sampling_params": {"max_new_tokens": 2}},
+        timeout=60,
+    )
+    assert response.status_code == 400 and "no prefill server took the request" in response.text
+    assert time.monotonic() - started < 10
+    direct.prefill.process.restart("restarted")
+    direct.prefill.process.wait_http_ready(f"{direct.prefill.url}/health", 300)
+    expected = generate_ids(mono.url, "Count: 7 8 9", 6)
+    for d in direct.decoders:
+        assert first_success(d.url, "Count: 7 8 9", 6, budget_s=120) == expected
+
+
+def test_every_page_is_free_again(direct: DirectCluster) -> None:
+    """Runs last: prefill server and both decoders report 0 used tokens."""
+    for d in direct.decoders:
+        generate_ids(d.url, "Count: 1 2", 1)  # a batch on each makes a fresh pool line
+    _pools_idle([direct.prefill, *direct.decoders])
