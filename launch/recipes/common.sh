@@ -4,6 +4,7 @@
 #   bash launch/recipes/<recipe>.sh decode <i>    on the i-th decode node
 #   bash launch/recipes/<recipe>.sh router        anywhere that reaches every node
 #   bash launch/recipes/<recipe>.sh print         every node's command, to review
+#   bash launch/recipes/<recipe>.sh serve         single-host recipes: everything, here
 #
 # Environment (the same on every node):
 #   PREFILL_HOSTS   cluster-network addresses of the prefill nodes, in order ("10.0.0.11 ...")
@@ -84,7 +85,13 @@ run_recipe() {
     case "$role" in
     prefill) _run sgl_pd.launch_server prefill_args "$index" ;;
     decode) _run sgl_pd.launch_server decode_args "$index" ;;
-    router) _run sglang_router.launch_router router_args ;;
+    router)
+        if ! declare -F router_args >/dev/null; then
+            echo "this recipe has no router: clients send requests to the decoders" >&2
+            exit 2
+        fi
+        _run sglang_router.launch_router router_args
+        ;;
     print)
         local i
         for ((i = 0; i < ${#PREFILLS[@]}; i++)); do
@@ -95,8 +102,17 @@ run_recipe() {
             echo "# decode node $i (${DECODES[$i]})"
             _print sgl_pd.launch_server decode_args "$i"
         done
-        echo "# router"
-        _print sglang_router.launch_router router_args
+        if declare -F router_args >/dev/null; then
+            echo "# router"
+            _print sglang_router.launch_router router_args
+        fi
+        ;;
+    serve)
+        if ! declare -F serve_here >/dev/null; then
+            echo "this recipe runs on several nodes: start each role on its own node" >&2
+            exit 2
+        fi
+        serve_here
         ;;
     *)
         echo "usage: bash $0 prefill|decode <node index> | router | print" >&2

@@ -54,6 +54,7 @@ def test_there_are_the_three_recipes() -> None:
         "deepseek-r1-tp8-1p3d.sh",
         "deepseek-r1-dp-decode.sh",
         "qwen3-coder-480b-tp8-1p3d.sh",
+        "local-direct-1p2d.sh",
     }
 
 
@@ -81,15 +82,26 @@ def test_every_server_command_parses(
             args = server_parser.parse_args(sglang_argv)  # SGLang's: raises on unknown flags
             assert args.disaggregation_mode == role
             assert args.disaggregation_transfer_backend == "sgl_pd"
-            # the per-rank NIC map is valid and gives every rank of the server a NIC
-            devices = json.loads(args.disaggregation_ib_device)
-            assert len(devices) == args.tp_size
-            transport = TransportConfig(protocol="rdma", ib_device=args.disaggregation_ib_device)
-            for rank in range(args.tp_size):
-                assert transport.devices_for(rank)
+            if args.disaggregation_ib_device:  # cluster recipes: RDMA, a NIC per rank
+                devices = json.loads(args.disaggregation_ib_device)
+                assert len(devices) == args.tp_size
+                transport = TransportConfig(
+                    protocol="rdma", ib_device=args.disaggregation_ib_device
+                )
+                for rank in range(args.tp_size):
+                    assert transport.devices_for(rank)
+            if config.prefill_bootstrap:  # direct mode: only decoders submit prefills
+                assert role == "decode"
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.stem)
+def _has_router(recipe: Path) -> bool:
+    text = subprocess.run(
+        ["bash", str(recipe), "print"], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    return "# router" in text
+
+
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if _has_router(r)], ids=lambda r: r.stem)
 def test_the_router_command_parses(recipe: Path) -> None:
     from sglang_router.launch_router import parse_router_args
 
@@ -115,3 +127,10 @@ def test_an_unknown_role_is_a_usage_error() -> None:
     recipe = RECIPES[0]
     result = subprocess.run(["bash", str(recipe), "sideways"], capture_output=True, text=True)
     assert result.returncode == 2 and "usage" in result.stderr
+
+
+def test_a_recipe_without_a_router_says_so() -> None:
+    recipe = ROOT / "launch/recipes/local-direct-1p2d.sh"
+    result = subprocess.run(["bash", str(recipe), "router"], capture_output=True, text=True)
+    assert result.returncode == 2 and "send requests to the decoders" in result.stderr
+    assert not _has_router(recipe)
