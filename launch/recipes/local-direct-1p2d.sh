@@ -16,9 +16,12 @@ PREFILLS=(127.0.0.1)
 DECODES=(127.0.0.1 127.0.0.1)
 SECRET_FILE="${SGL_PD_SECRET_FILE:-$ROOT/.cluster.secret}"
 
+# small pools (the model is tiny; SGLang's CPU engine sizes them from free host memory,
+# which three servers starting together all see at once) and no idle polling
 _local_args() {
     printf '%s\n' --model-path "$MODEL" --host 127.0.0.1 --disaggregation-transfer-backend sgl_pd \
-        --pd-auth-secret-file "$SECRET_FILE" --sleep-on-idle
+        --pd-auth-secret-file "$SECRET_FILE" --mem-fraction-static 0.2 \
+        --max-total-tokens 32768 --max-running-requests 64 --sleep-on-idle
 }
 
 prefill_args() {
@@ -40,10 +43,12 @@ serve_here() {
     local cores
     cores=$(nproc)
     local pids=() args=() i=0 role
-    trap 'kill "${pids[@]}" 2>/dev/null; wait' EXIT INT TERM
+    # each server in its own process group: stopping one stops its schedulers too
+    trap 'for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null; done; wait' EXIT
+    trap 'exit 130' INT TERM
     for role in "prefill 0" "decode 0" "decode 1"; do
         mapfile -t args < <(${role%% *}_args "${role##* }")
-        OMP_NUM_THREADS=1 taskset --cpu-list "$((i % cores))" \
+        OMP_NUM_THREADS=1 setsid taskset --cpu-list "$((i % cores))" \
             "$PYTHON" -m sgl_pd.launch_server "${args[@]}" &
         pids+=($!)
         i=$((i + 1))
