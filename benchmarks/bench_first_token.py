@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from sgl_pd.cluster.client import stream_generate
-from sgl_pd.cluster.load import plot_bars_by_prompt_length
+from sgl_pd.cluster.load import plot_grouped_bars
 from sgl_pd.cluster.local import Patience, local_patience, monolithic_server, pd_cluster
 from sgl_pd.cluster.prompts import long_prompt_ids
 from sgl_pd.models import TINY_DEEPSEEK_V3_PATH
@@ -155,7 +155,7 @@ LABELS = {
 
 
 def plot(rows: dict[tuple[str, int], float], sizes: list[int], path: Path) -> None:
-    plot_bars_by_prompt_length(
+    plot_grouped_bars(
         {LABELS[name]: [rows[(name, n)] for n in sizes] for name in DEPLOYMENTS},
         sizes,
         path,

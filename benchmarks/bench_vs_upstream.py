@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sgl_pd.cluster.client import stream_generate
-from sgl_pd.cluster.load import plot_bars_by_prompt_length
+from sgl_pd.cluster.load import plot_grouped_bars
 from sgl_pd.cluster.local import (
     Patience,
     local_patience,
@@ -183,7 +183,7 @@ LABELS = {
 
 
 def plot(rows: dict[tuple[str, int], dict[str, float]], sizes: list[int], path: Path) -> None:
-    plot_bars_by_prompt_length(
+    plot_grouped_bars(
         {LABELS[s]: [rows[(s, n)]["exposed_ms"] for n in sizes] for s in SYSTEMS},
         sizes,
         path,

@@ -97,6 +97,58 @@ def run_load(
     label: str = "",
 ) -> StreamStats:
     """Runs `workload` against `base_url`; SGLang's output goes to a log in `out_dir`."""
+    result = load_result(base_url, model, workload, out_dir, timeout_s=timeout_s, label=label)
+    return summarize(result, workload.rate, itl_target_ms)
+
+
+def run_split_load(
+    base_urls: Sequence[str],
+    model: Path,
+    workload: Workload,
+    out_dir: Path,
+    *,
+    itl_target_ms: float,
+    timeout_s: float,
+    label: str = "",
+) -> StreamStats:
+    """`workload` shared out over several entry points (decoders taking requests directly):
+    one Poisson stream of rate/len(urls) per URL, all at once (together a Poisson stream of
+    the workload's rate), their requests summarised together."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = len(base_urls)
+    shares = [
+        Workload(
+            workload.input_tokens,
+            workload.output_tokens,
+            -(-workload.num_requests // n),
+            workload.rate / n,
+            workload.seed + i,
+        )
+        for i in range(n)
+    ]
+    with ThreadPoolExecutor(n) as pool:
+        results = list(
+            pool.map(
+                lambda i: load_result(
+                    base_urls[i], model, shares[i], out_dir, timeout_s=timeout_s,
+                    label=f"{label or 'load'}-{i}",
+                ),
+                range(n),
+            )
+        )  # fmt: skip
+    merged: dict[str, Any] = {
+        key: [v for r in results for v in r[key]]
+        for key in ("ttfts", "itls", "output_lens", "input_lens", "errors")
+    }
+    merged["duration"] = max(float(r["duration"]) for r in results)
+    return summarize(merged, workload.rate, itl_target_ms)
+
+
+def load_result(
+    base_url: str, model: Path, workload: Workload, out_dir: Path, *, timeout_s: float, label: str
+) -> dict[str, Any]:
+    """SGLang's detailed result of `workload` against `base_url` (seconds)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{label or 'load'}-{workload.rate:g}rps"
     result_file, log_file = out_dir / f"{stem}.jsonl", out_dir / f"{stem}.log"
@@ -113,7 +165,8 @@ def run_load(
         tail = "\n".join(log_file.read_text(errors="replace").splitlines()[-20:])
         raise RuntimeError(f"sglang.benchmark.serving failed ({log_file}):\n{tail}")
     lines = result_file.read_text().splitlines()
-    return summarize(json.loads(lines[-1]), workload.rate, itl_target_ms)
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
 
 
 def summarize(result: dict[str, Any], rate: float, itl_target_ms: float) -> StreamStats:
@@ -215,16 +268,18 @@ def plot_setups(
     fig.savefig(path, dpi=120)
 
 
-def plot_bars_by_prompt_length(
+def plot_grouped_bars(
     bars: dict[str, list[float]],
-    sizes: list[int],
+    sizes: Sequence[object],
     path: Path,
     *,
     ylabel: str,
     title: str,
     log_scale: bool = False,
+    xlabel: str = "prompt tokens",
 ) -> None:
-    """One group of bars per prompt length, one bar per series (label -> value per size)."""
+    """One group of bars per prompt length (or whatever `xlabel` names), one bar per
+    series (label -> value per group)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -237,7 +292,7 @@ def plot_bars_by_prompt_length(
         xs = [x + (i - middle) * width for x in range(len(sizes))]
         ax.bar(xs, values, width, label=label)
     ax.set_xticks(range(len(sizes)), [str(n) for n in sizes])
-    ax.set_xlabel("prompt tokens")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if log_scale:
         ax.set_yscale("log")
