@@ -43,6 +43,23 @@ pd_common_args() {
         --pd-auth-secret-file "$SECRET_FILE" --port "$SERVER_PORT" --trust-remote-code
 }
 
+# a TP8 node of either role, one NIC per rank; the recipe sets MODEL
+tp8_prefill_args() {
+    printf '%s\n' --model-path "$MODEL" --tp-size 8 \
+        --disaggregation-mode prefill --disaggregation-bootstrap-port "$BOOTSTRAP_PORT" \
+        --disaggregation-ib-device "$(nic_per_rank 0 8)" \
+        --host "${PREFILLS[$1]}" --chunked-prefill-size 16384 --max-running-requests 64 \
+        --mem-fraction-static 0.85 --pd-kv-send layerwise
+    pd_common_args
+}
+
+tp8_decode_args() {
+    printf '%s\n' --model-path "$MODEL" --tp-size 8 \
+        --disaggregation-mode decode --disaggregation-ib-device "$(nic_per_rank 0 8)" \
+        --host "${DECODES[$1]}" --max-running-requests 128 --mem-fraction-static 0.85
+    pd_common_args
+}
+
 router_common_args() {
     local args=(--pd-disaggregation --host 0.0.0.0 --port "${ROUTER_PORT:-8000}") h
     for h in "${PREFILLS[@]}"; do args+=(--prefill "http://$h:$SERVER_PORT" "$BOOTSTRAP_PORT"); done

@@ -24,12 +24,7 @@ fi
 DECODE_RANKS=$((8 * ${#DECODES[@]}))
 
 prefill_args() {
-    printf '%s\n' --model-path "$MODEL" --tp-size 8 \
-        --disaggregation-mode prefill --disaggregation-bootstrap-port "$BOOTSTRAP_PORT" \
-        --disaggregation-ib-device "$(nic_per_rank 0 8)" \
-        --host "${PREFILLS[$1]}" --chunked-prefill-size 16384 --max-running-requests 64 \
-        --mem-fraction-static 0.85 --pd-kv-send layerwise
-    pd_common_args
+    tp8_prefill_args "$1"
 }
 
 decode_args() {

@@ -15,19 +15,11 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 MODEL="${MODEL_PATH:-Qwen/Qwen3-Coder-480B-A35B-Instruct-FP8}"
 
 prefill_args() {
-    printf '%s\n' --model-path "$MODEL" --tp-size 8 \
-        --disaggregation-mode prefill --disaggregation-bootstrap-port "$BOOTSTRAP_PORT" \
-        --disaggregation-ib-device "$(nic_per_rank 0 8)" \
-        --host "${PREFILLS[$1]}" --chunked-prefill-size 16384 --max-running-requests 64 \
-        --mem-fraction-static 0.85 --pd-kv-send layerwise
-    pd_common_args
+    tp8_prefill_args "$1"
 }
 
 decode_args() {
-    printf '%s\n' --model-path "$MODEL" --tp-size 8 \
-        --disaggregation-mode decode --disaggregation-ib-device "$(nic_per_rank 0 8)" \
-        --host "${DECODES[$1]}" --max-running-requests 128 --mem-fraction-static 0.85
-    pd_common_args
+    tp8_decode_args "$1"
 }
 
 router_args() {

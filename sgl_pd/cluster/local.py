@@ -259,18 +259,20 @@ def router_argv(
     patience: Patience | None = None,
     retries: bool = True,
     more_prefills: Sequence[tuple[str, int]] = (),
+    more_decodes: Sequence[str] = (),
 ) -> list[str]:
     """SGLang's router in PD mode over one pair; its health checks from `patience`
     (`local_patience()` when None). `retries=False`: a failed request reaches the client
     as it failed, instead of being sent again (fault campaigns count failures).
-    `more_prefills`: (url, bootstrap port) of further prefill servers, taken in turn."""
+    `more_prefills`: (url, bootstrap port) of further prefill servers, taken in turn;
+    `more_decodes`: URLs of further decode servers, likewise."""
     patience = patience if patience is not None else local_patience()
     prefills = [(prefill_url, bootstrap_port), *more_prefills]
     return python_module_argv(
         "sglang_router.launch_router",
         "--pd-disaggregation",
         *(arg for url, port in prefills for arg in ("--prefill", url, str(port))),
-        "--decode", decode_url,
+        *(arg for url in (decode_url, *more_decodes) for arg in ("--decode", url)),
         "--host", HOST,
         "--port", str(port),
         "--prometheus-port", str(prometheus_port),  # its default, 29000, allows one router
@@ -530,18 +532,15 @@ def direct_cluster(
     )
     router = None
     if with_router:
-        router_cmd = python_module_argv(
-            "sglang_router.launch_router",
-            "--pd-disaggregation",
-            "--prefill", prefill.url, str(bootstrap_port),
-            *(arg for d in decode_servers for arg in ("--decode", d.url)),
-            "--host", HOST,
-            "--port", str(router_port),
-            "--prometheus-port", str(metrics_port),
-            "--policy", "round_robin",
-            *patience.router_args(),
-            "--log-level", "warn",
-        )  # fmt: skip
+        router_cmd = router_argv(
+            router_port,
+            metrics_port,
+            prefill.url,
+            bootstrap_port,
+            decode_servers[0].url,
+            patience=patience,
+            more_decodes=[d.url for d in decode_servers[1:]],
+        )
         router = ManagedProcess("router", router_cmd, log_dir / "router.log")
     router_url = f"http://{HOST}:{router_port}" if with_router else None
     servers = (prefill, *decode_servers)

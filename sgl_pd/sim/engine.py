@@ -112,6 +112,19 @@ class _Prefilling:
     done: int = 0
 
 
+def _take_chunk(queue: Iterable[_Prefilling], budget: int) -> list[tuple[_Prefilling, int]]:
+    """The next prefill step: up to `budget` tokens, queued requests in order (the first
+    may continue a chunked prompt), as (request, tokens this step)."""
+    taken: list[tuple[_Prefilling, int]] = []
+    for p in queue:
+        if budget <= 0:
+            break
+        n = min(budget, p.tokens - p.done)
+        taken.append((p, n))
+        budget -= n
+    return taken
+
+
 class _Decoding:
     """Running decode streams of an instance, split over its DP ranks."""
 
@@ -219,14 +232,7 @@ class PrefillInstance(Instance):
         self.wake()
 
     def plan_step(self) -> StepPlan | None:
-        budget = self.chunk_tokens
-        taken: list[tuple[_Prefilling, int]] = []
-        for p in self.queue:
-            if budget <= 0:
-                break
-            n = min(budget, p.tokens - p.done)
-            taken.append((p, n))
-            budget -= n
+        taken = _take_chunk(self.queue, self.chunk_tokens)
         if not taken:
             return None
         works = [[Work(n, p.done) for p, n in taken]]
@@ -287,14 +293,7 @@ class MixedInstance(Instance):
 
     def plan_step(self) -> StepPlan | None:
         if self.queue:
-            budget = self.chunk_tokens
-            taken: list[tuple[_Prefilling, int]] = []
-            for p in self.queue:
-                if budget <= 0:
-                    break
-                n = min(budget, p.tokens - p.done)
-                taken.append((p, n))
-                budget -= n
+            taken = _take_chunk(self.queue, self.chunk_tokens)
 
             def finish(start: float, end: float) -> None:
                 for p, n in taken:
