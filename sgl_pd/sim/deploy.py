@@ -105,19 +105,14 @@ class PdSetup:
 
         def submit(r: SimRequest) -> None:
             # the router picks both sides at arrival: fewest queued prefill tokens, and the
-            # decoder with the fewest requests assigned and not finished
-            decoder = min(decoders, key=lambda d: d.assigned - _finished(d))
-            decoder.assigned += 1
-            target[r.id] = decoder
+            # decoder holding the fewest requests (received and not finished; one still
+            # prefilling elsewhere is not counted)
+            target[r.id] = min(decoders, key=lambda d: d.streams.load)
             min(prefills, key=lambda p: p.outstanding_tokens).submit(r)
 
         run_trace(clock, requests, submit)
         busy = [n.busy_s / max(clock.now, 1e-9) for n in (*prefills, *decoders)]
         return requests, busy
-
-
-def _finished(decoder: DecodeInstance) -> int:
-    return decoder.assigned - decoder.streams.load
 
 
 def figures(requests: list[SimRequest], busy: list[float], *, warmup: float = 0.2) -> Figures:

@@ -179,7 +179,6 @@ class DecodeInstance(Instance):
         super().__init__(clock, cost, name)
         self.streams = _Decoding(ranks, max_running)
         self.on_done = on_done
-        self.assigned = 0
 
     def receive(self, request: SimRequest) -> None:
         """The request's KV and metadata are complete (counted): it may be scheduled."""

@@ -88,9 +88,9 @@ def simulate_r1(s: Scenario = R1_ASSUMPTIONS) -> dict[str, dict[str, float]]:
     dp = RooflineCost(spec, gpu, s.dp_decode_gpus, s.dp_decode_gpus, s.eff)
     transfer = transfer_model(s, spec)
     rate = s.qps_per_decode_node * s.decode_nodes
-    # DP decode: 1 request/s per rank; enough TP8 prefill nodes to keep up (as many per
-    # rank as the TP setup has per decode node)
-    dp_rate = s.qps_per_decode_node * s.dp_decode_gpus / s.gpus_per_node * s.gpus_per_node
+    # DP decode: the article's rate per decode node applies per rank (one rank per GPU);
+    # prefill nodes in the TP setup's proportion to that load, so they keep up
+    dp_rate = s.qps_per_decode_node * s.dp_decode_gpus
     dp_prefills = max(1, round(dp_rate / rate * s.prefill_nodes))
     runs: dict[str, list[Figures]] = {"mixed": [], "pd": [], "dp": []}
     for seed in s.seeds:
