@@ -26,6 +26,14 @@ KV_SEND_MODES = ("layerwise", "after-forward")
 FIRST_TOKEN_SAMPLERS = ("decode", "prefill")  # who samples a request's first token (D16)
 
 
+def sgl_pd_role(server_args: object) -> str | None:
+    """ "prefill" or "decode" when SGLang's server arguments make this server one side of
+    an sgl_pd pair; None for any other server (monolithic, another transfer backend)."""
+    mode = str(getattr(server_args, "disaggregation_mode", "null"))
+    backend = str(getattr(server_args, "disaggregation_transfer_backend", ""))
+    return mode if mode in ("prefill", "decode") and backend == BACKEND_NAME else None
+
+
 @dataclass(frozen=True)
 class SglPdConfig:
     harness: str = "auto"  # auto | cpu | gpu: how SGLang is run on this host

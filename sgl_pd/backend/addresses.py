@@ -124,6 +124,17 @@ def bind_address(host: str) -> str:
     return _normalize(host) or "0.0.0.0"
 
 
+def local_connect_host(bind_host: str) -> str:
+    """What a process on this host connects to for a listener bound to `bind_host`:
+    loopback for a wildcard (every interface includes it)."""
+    return "127.0.0.1" if bind_host in WILDCARD_HOSTS else bind_host
+
+
+def host_port(host: str, port: int) -> str:
+    """ "host:port", an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _normalize(host: str) -> str:
     host = host.strip()
     return "127.0.0.1" if host == "localhost" else host

@@ -11,7 +11,7 @@ import logging
 from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer, KVPoll
 from sglang.srt.runtime_context import get_serving
 
-from sgl_pd.backend.addresses import bind_address
+from sgl_pd.backend.addresses import bind_address, host_port, local_connect_host
 from sgl_pd.backend.direct_prefill import LocalSubmitter
 from sgl_pd.backend.manager import cluster_auth
 from sgl_pd.config import SglPdConfig
@@ -26,9 +26,9 @@ class SglPdBootstrapServer(BaseKVBootstrapServer):
         auth = cluster_auth(SglPdConfig.from_environment())
         # decoders may also submit requests here (direct mode): they go to our own API
         serving = get_serving()
-        local = "127.0.0.1" if bind_host in ("0.0.0.0", "", "::") else bind_host
         self._submitter = LocalSubmitter(
-            f"http://{_url_host(local)}:{serving.port}", api_key=serving.api_key
+            f"http://{host_port(local_connect_host(bind_host), serving.port)}",
+            api_key=serving.api_key,
         )
         self._server = RegistryServer(
             bind_host, int(port), auth=auth, submit=self._submitter.submit
@@ -41,7 +41,3 @@ class SglPdBootstrapServer(BaseKVBootstrapServer):
     def close(self) -> None:
         self._server.close()
         self._submitter.close()
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host

@@ -30,12 +30,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from sgl_pd.config import BACKEND_NAME, SglPdConfig
+from sgl_pd.config import SglPdConfig, sgl_pd_role
 from sgl_pd.core.dispatch import PrefillerLoad, choose_prefiller, parse_bootstrap_addresses
-from sgl_pd.core.wire import MAX_SUBMIT_BYTES, SubmitPrefill
+from sgl_pd.core.wire import MAX_SUBMIT_BYTES, ErrorCode, SubmitPrefill
 from sgl_pd.errors import SglPdError
 from sgl_pd.log_limits import LogLimiter
 from sgl_pd.messenger.auth import ClusterAuth
+from sgl_pd.messenger.errors import RegistryRefused
 from sgl_pd.messenger.registry import RegistryClient
 
 logger = logging.getLogger("sgl_pd.direct")
@@ -118,7 +119,7 @@ class DirectDispatcher:
             await loop.run_in_executor(self._submitting, self._client.submit, addr, msg)
             return None
         except SglPdError as e:
-            if "overloaded" not in str(e):
+            if not (isinstance(e, RegistryRefused) and e.code is ErrorCode.OVERLOADED):
                 self._mark(addr, available=False)
             return str(e)
 
@@ -191,9 +192,7 @@ def _dispatcher_for(manager: Any) -> DirectDispatcher | None:
     """This decoder's dispatcher; None unless it serves sgl_pd PD decode in direct mode."""
     global _dispatcher
     server_args = manager.server_args
-    if str(getattr(server_args, "disaggregation_mode", "null")) != "decode":
-        return None
-    if str(getattr(server_args, "disaggregation_transfer_backend", "")) != BACKEND_NAME:
+    if sgl_pd_role(server_args) != "decode":
         return None
     with _dispatcher_lock:
         if _dispatcher is None:
@@ -232,14 +231,18 @@ def _prompt_tokens(obj: Any) -> int:
     return len(ids) if isinstance(ids, list) else len(text or "") // CHARS_PER_TOKEN + 1
 
 
+def _host_and_port(addr: str) -> tuple[str, int]:
+    """ "host:port" (IPv6 in brackets) -> (host, port), as SGLang's bootstrap fields take them."""
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
 def _prefill_body(obj: Any, room: int, addr: str) -> bytes:
     """The request a router would send the prefill server at `addr`, as JSON."""
     body = {name: getattr(obj, name, None) for name in FORWARDED}
     body = {k: v for k, v in body.items() if v is not None}
-    host, _, port = addr.rpartition(":")
-    body.update(
-        bootstrap_host=host.strip("[]"), bootstrap_port=int(port), bootstrap_room=room, stream=False
-    )
+    host, port = _host_and_port(addr)
+    body.update(bootstrap_host=host, bootstrap_port=port, bootstrap_room=room, stream=False)
     encoded = json.dumps(body).encode()
     if len(encoded) > MAX_SUBMIT_BYTES:
         raise ValueError(f"a request of {len(encoded)} bytes, over {MAX_SUBMIT_BYTES}")
@@ -280,8 +283,7 @@ async def around_generate_request(
         dispatcher.release(addr, tokens)
         tried.append(addr)
         refusals.append(why)
-    host, _, port = addr.rpartition(":")
-    obj.bootstrap_host, obj.bootstrap_port, obj.bootstrap_room = host.strip("[]"), int(port), room
+    (obj.bootstrap_host, obj.bootstrap_port), obj.bootstrap_room = _host_and_port(addr), room
     released = False
     try:
         async for out in original(manager, obj, request):

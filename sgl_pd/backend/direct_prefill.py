@@ -9,6 +9,7 @@ Runs in the HTTP front-end process beside the registry: the registry thread call
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -32,15 +33,12 @@ class LocalSubmitter:
         self._in_flight = 0  # under _lock
         self._lock = threading.Lock()
         self._log = LogLimiter(logger)
+        self._session: Any = None  # one aiohttp session, made and used on the loop thread
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="sgl-pd-direct-submit", daemon=True
         )
         self._thread.start()
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
 
     def submit(self, msg: SubmitPrefill) -> tuple[ErrorCode, str] | None:
         """Queues the request; None when queued, else (code, why)."""
@@ -61,11 +59,13 @@ class LocalSubmitter:
         import aiohttp
 
         try:
-            timeout = aiohttp.ClientTimeout(total=POST_TIMEOUT_S)
-            async with (
-                aiohttp.ClientSession(timeout=timeout) as session,
-                session.post(self._url, json=body, headers=self._headers) as resp,
-            ):
+            if self._session is None:
+                # as many connections as requests may be in flight: none waits for another
+                self._session = aiohttp.ClientSession(
+                    timeout=aiohttp.ClientTimeout(total=POST_TIMEOUT_S),
+                    connector=aiohttp.TCPConnector(limit=MAX_IN_FLIGHT),
+                )
+            async with self._session.post(self._url, json=body, headers=self._headers) as resp:
                 if resp.status >= 400:
                     text = (await resp.text())[:300]
                     self._log.warning(
@@ -87,5 +87,9 @@ class LocalSubmitter:
                 self._in_flight -= 1
 
     def close(self) -> None:
+        if self._session is not None:
+            closing = asyncio.run_coroutine_threadsafe(self._session.close(), self._loop)
+            with contextlib.suppress(TimeoutError):
+                closing.result(timeout=2.0)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=2.0)

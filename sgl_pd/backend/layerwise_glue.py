@@ -21,7 +21,7 @@ import re
 import time
 from typing import Any
 
-from sgl_pd.config import BACKEND_NAME, SglPdConfig
+from sgl_pd.config import SglPdConfig, sgl_pd_role
 from sgl_pd.core.clock import SystemClock
 from sgl_pd.errors import ConfigError
 from sgl_pd.layerwise.progress import CudaProgress, HostProgress, ProgressCounter
@@ -49,15 +49,8 @@ class _Process:
 _process = _Process()
 
 
-def _is_sgl_pd_prefill(server_args: Any) -> bool:
-    return (
-        str(getattr(server_args, "disaggregation_mode", "null")) == "prefill"
-        and str(getattr(server_args, "disaggregation_transfer_backend", "")) == BACKEND_NAME
-    )
-
-
 def layerwise_enabled(server_args: Any) -> bool:
-    return _is_sgl_pd_prefill(server_args) and SglPdConfig.from_environment().kv_send == (
+    return sgl_pd_role(server_args) == "prefill" and SglPdConfig.from_environment().kv_send == (
         "layerwise"
     )
 

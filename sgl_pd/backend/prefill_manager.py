@@ -7,7 +7,7 @@ import logging
 import threading
 from typing import Any
 
-from sgl_pd.backend.addresses import WILDCARD_HOSTS, bind_address
+from sgl_pd.backend.addresses import bind_address, host_port, local_connect_host
 from sgl_pd.backend.heartbeats import Watched
 from sgl_pd.backend.layerwise_glue import attach_messenger
 from sgl_pd.backend.manager import SglPdKVManager
@@ -111,7 +111,4 @@ def _local_bootstrap_addr(server_args: Any) -> str:
     port = int(server_args.disaggregation_bootstrap_port)
     if int(server_args.nnodes) > 1 and server_args.dist_init_addr:
         return f"{str(server_args.dist_init_addr).rsplit(':', 1)[0]}:{port}"
-    host = bind_address(str(server_args.host))
-    if host in WILDCARD_HOSTS:
-        host = "127.0.0.1"  # every interface includes loopback
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return host_port(local_connect_host(bind_address(str(server_args.host))), port)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sgl_pd.config import BACKEND_NAME
+from sgl_pd.config import sgl_pd_role
 
 PARALLEL_SAMPLING_REFUSED = (
     "n > 1 (parallel sampling) is not supported by prefill/decode disaggregation: SGLang "
@@ -31,10 +31,7 @@ def _samples(obj: Any) -> int:
 def before_validate_one_request(manager: Any, obj: Any, *args: Any, **kw: Any) -> None:
     """BEFORE hook of ``TokenizerManager._validate_one_request`` (the HTTP process): a
     ValueError here is SGLang's own way to answer 400 with the message."""
-    server_args = manager.server_args
-    if str(getattr(server_args, "disaggregation_mode", "null")) == "null":
-        return
-    if str(getattr(server_args, "disaggregation_transfer_backend", "")) != BACKEND_NAME:
+    if sgl_pd_role(manager.server_args) is None:
         return
     if _samples(obj) > 1:
         raise ValueError(PARALLEL_SAMPLING_REFUSED)

@@ -249,6 +249,26 @@ def pd_server_args(role: str, bootstrap_port: int | None = None) -> list[str]:
     return args
 
 
+def pd_process(
+    name: str,
+    role: str,
+    model: Path,
+    port: int,
+    extra: Sequence[str],
+    log_dir: Path,
+    placement: Placement,
+    bootstrap_port: int | None = None,
+) -> ManagedProcess:
+    """One sgl_pd server of `role` on `port`, pinned to `placement`, logging to
+    log_dir/name.log; `extra` holds its further flags (the cluster secret among them)."""
+    return placed_process(
+        name,
+        server_argv(model, port, [*pd_server_args(role, bootstrap_port), *extra]),
+        log_dir / f"{name}.log",
+        placement,
+    )
+
+
 def router_argv(
     port: int,
     prometheus_port: int,
@@ -339,30 +359,17 @@ def pd_cluster(
     extra_prefills: list[tuple[ManagedProcess, str, int]] = []
     for i, extra in enumerate(more_prefills, start=1):
         port, extra_bootstrap = ports[3 + 2 * i : 5 + 2 * i]
-        process = placed_process(
-            f"prefill{i}",
-            server_argv(
-                model, port, [*pd_server_args("prefill", extra_bootstrap), *secret, *extra]
-            ),
-            log_dir / f"prefill{i}.log",
-            placements[i],
-        )
+        process = pd_process(
+            f"prefill{i}", "prefill", model, port, [*secret, *extra], log_dir, placements[i],
+            extra_bootstrap,
+        )  # fmt: skip
         extra_prefills.append((process, f"http://{HOST}:{port}", extra_bootstrap))
-    prefill = placed_process(
-        "prefill",
-        server_argv(
-            model,
-            prefill_port,
-            [*pd_server_args("prefill", bootstrap_port), *secret, *prefill_extra],
-        ),
-        log_dir / "prefill.log",
-        placements[0],
-    )
-    decode = placed_process(
-        "decode",
-        server_argv(model, decode_port, [*pd_server_args("decode"), *secret, *decode_extra]),
-        log_dir / "decode.log",
-        placements[-1],
+    prefill = pd_process(
+        "prefill", "prefill", model, prefill_port, [*secret, *prefill_extra], log_dir,
+        placements[0], bootstrap_port,
+    )  # fmt: skip
+    decode = pd_process(
+        "decode", "decode", model, decode_port, [*secret, *decode_extra], log_dir, placements[-1]
     )
     prefill_url, decode_url = f"http://{HOST}:{prefill_port}", f"http://{HOST}:{decode_port}"
     router = ManagedProcess(
@@ -504,27 +511,22 @@ def direct_cluster(
     placements = place_servers(1 + decoders)
     prefill = Server(
         f"http://{HOST}:{prefill_port}",
-        placed_process(
-            "prefill",
-            server_argv(
-                model,
-                prefill_port,
-                [*pd_server_args("prefill", bootstrap_port), *secret, *prefill_extra],
-            ),
-            log_dir / "prefill.log",
-            placements[0],
+        pd_process(
+            "prefill", "prefill", model, prefill_port, [*secret, *prefill_extra], log_dir,
+            placements[0], bootstrap_port,
         ),
-    )
+    )  # fmt: skip
     direct = ("--pd-prefill-bootstrap", f"{HOST}:{bootstrap_port}")
     decode_servers = tuple(
         Server(
             f"http://{HOST}:{port}",
-            placed_process(
+            pd_process(
                 f"decode{i}",
-                server_argv(
-                    model, port, [*pd_server_args("decode"), *secret, *direct, *decode_extra]
-                ),
-                log_dir / f"decode{i}.log",
+                "decode",
+                model,
+                port,
+                [*secret, *direct, *decode_extra],
+                log_dir,
                 placements[1 + i],
             ),
         )

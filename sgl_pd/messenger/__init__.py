@@ -19,6 +19,7 @@ from sgl_pd.messenger.errors import (
     MessengerClosed,
     MessengerError,
     PeerUnreachable,
+    RegistryRefused,
 )
 from sgl_pd.messenger.inbox import Inbox
 from sgl_pd.messenger.link import Link, LinkPool
@@ -41,5 +42,6 @@ __all__ = [
     "PrefillTable",
     "RegistryClient",
     "RegistryQuerier",
+    "RegistryRefused",
     "RegistryServer",
 ]

@@ -1,5 +1,6 @@
 """Errors of the control-plane messenger, all rooted in `SglPdError` through `MessengerError`."""
 
+from sgl_pd.core.wire import ErrorCode
 from sgl_pd.errors import SglPdError
 
 
@@ -35,6 +36,14 @@ class PeerUnreachable(MessengerError):
 
 class BootstrapError(MessengerError):
     """A prefill registry answered with an error or with registrations that do not fit."""
+
+
+class RegistryRefused(BootstrapError):
+    """A prefill registry answered with an error; `code` says which (e.g. OVERLOADED)."""
+
+    def __init__(self, message: str, code: ErrorCode) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class BootstrapTimeout(BootstrapError):

@@ -59,6 +59,7 @@ from sgl_pd.messenger.errors import (
     BootstrapTimeout,
     InvalidAddress,
     MessengerClosed,
+    RegistryRefused,
 )
 from sgl_pd.messenger.probe import listener_gone
 
@@ -200,9 +201,9 @@ class RegistryServer(RouterThread):
                 ErrorCode.BAD_REQUEST,
                 "this prefill server does not take requests from decoders (direct mode)",
             )
-        ready = self._reply(RegistryQuery(sender=msg.sender))
-        if isinstance(ready, ErrorMsg):
-            return ready  # NOT_READY: its ranks are still starting
+        not_ready = self._not_ready()
+        if not_ready is not None:
+            return not_ready  # its ranks are still starting
         refusal = self._submit(msg)
         if refusal is not None:
             code, why = refusal
@@ -250,7 +251,8 @@ class RegistryServer(RouterThread):
         self._shards = kept
         return RegisterAck(rank=msg.rank)
 
-    def _reply(self, msg: RegistryQuery) -> RegistryReply | ErrorMsg:
+    def _not_ready(self) -> ErrorMsg | None:
+        """NOT_READY until every rank of the announced TP size registered, else None."""
         tp_size = next(iter(self._shards.values())).tp_size if self._shards else None
         if tp_size is None or len(self._shards) < tp_size:
             have = sorted(self._shards)
@@ -259,6 +261,13 @@ class RegistryServer(RouterThread):
                 code=ErrorCode.NOT_READY,
                 message=f"prefill ranks {have} of TP {tp_size or '?'} registered so far",
             )
+        return None
+
+    def _reply(self, msg: RegistryQuery) -> RegistryReply | ErrorMsg:
+        not_ready = self._not_ready()
+        if not_ready is not None:
+            return not_ready
+        tp_size = next(iter(self._shards.values())).tp_size
         logger.debug("registry %s: registrations sent to %s", self.address, peer_text(msg.sender))
         return RegistryReply(
             tp_size=tp_size,
@@ -417,9 +426,10 @@ class RegistryClient:
                     not_ready = reply.message
                     self._pause(min(retry_interval_s, deadline - self._clock.monotonic()), stop)
                 elif isinstance(reply, ErrorMsg):
-                    raise BootstrapError(
+                    raise RegistryRefused(
                         f"prefill registry at {addr} refused to {what}:"
-                        f" {reply.code.value}: {reply.message}"
+                        f" {reply.code.value}: {reply.message}",
+                        reply.code,
                     )
                 elif reply is not None:
                     return reply
