@@ -255,14 +255,16 @@ class PrefillMessenger:
         exposed = "" if room.forward_end_s is None else f" forward_end={room.forward_end_s:.6f}"
         exposed += f" last_send={room.last_send_s or 0.0:.6f}"
         logger.info(
-            "%s room=%d mode=%s tokens=%d chunks=%d bytes=%d first_write=%.6f "
+            "%s room=%d rank=%d mode=%s tokens=%d chunks=%d bytes=%d writes=%d first_write=%.6f "
             "last_chunk_first_write=%.6f%s done=%.6f",
             TIMING_LINE_PREFIX,
             room.room,
+            self.rank,
             "layerwise" if self.layerwise else "after_forward",
             room.tokens_planned,
             room.chunks,
             room.bytes_sent,
+            room.writes_posted,
             room.first_write_s or 0.0,
             room.last_chunk_first_write_s or 0.0,
             exposed,

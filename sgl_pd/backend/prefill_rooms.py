@@ -92,6 +92,7 @@ class Room:
     acks_owed: set[str] = field(default_factory=set)  # decoder inboxes awaiting a drain ack
     ended_s: float | None = None  # when it became final
     bytes_sent: int = 0
+    writes_posted: int = 0  # KV and metadata writes (completion words not counted)
     first_write_s: float | None = None
     last_chunk_first_write_s: float | None = None
     forward_end_s: float | None = None
@@ -316,7 +317,9 @@ class PrefillRooms:
                 room.last_chunk_first_write_s = now
             return room
 
-    def end_write(self, room_id: int, bytes_sent: int, metadata_done: bool = False) -> WriteEnd:
+    def end_write(
+        self, room_id: int, bytes_sent: int, writes: int = 0, metadata_done: bool = False
+    ) -> WriteEnd:
         """A write job ended (either way): the drain acks now owed, and whether this job
         completed the request."""
         with self._lock:
@@ -325,6 +328,7 @@ class PrefillRooms:
                 return WriteEnd(set(), None)
             room.inflight -= 1
             room.bytes_sent += bytes_sent
+            room.writes_posted += writes
             completed = None
             if metadata_done and room.error is None:
                 room.metadata_pending -= 1

@@ -58,6 +58,14 @@ def layer_writes(addressed: AddressedPlan, layers: range) -> tuple[Writes, int]:
     return Writes.trusted(*addressed.columns(layers)), groups
 
 
+@dataclass(frozen=True)
+class Sent:
+    """What one job wrote: payload bytes and the one-sided writes that carried them."""
+
+    bytes: int = 0
+    writes: int = 0
+
+
 class KvWriter:
     """What a job writes, in Mooncake batches: data first, then this rank's count word."""
 
@@ -78,21 +86,21 @@ class KvWriter:
         self._words = CompletionWordWriter(engine)
         self._send = send
 
-    def write_layers(self, dest: Destination, chunk: Chunk, layers: range) -> int:
-        """Writes `layers` of `chunk` on this rank's links into `dest`; returns bytes."""
+    def write_layers(self, dest: Destination, chunk: Chunk, layers: range) -> Sent:
+        """Writes `layers` of `chunk` on this rank's links into `dest`."""
         request, decoder = dest.request, dest.request.decoder
         addressed = self._addressed(dest, chunk)
         writes, groups = layer_writes(addressed, layers)
         if layers.stop == addressed.plan.layers.stop:
             del dest.plans[chunk.index]  # the chunk's last layers: its plan is done
         if not groups:
-            return 0
+            return Sent()
         # the count covers every group of this batch, written once they all completed
         dest.groups_done += groups
         word = (self._slot_base(dest) + source_word_offset(self.rank),
                 count_word(request.request_id, dest.groups_done))  # fmt: skip
         self._words.send_many(decoder.session, writes, [word])
-        return writes.total_bytes
+        return Sent(writes.total_bytes, len(writes))
 
     def _addressed(self, dest: Destination, chunk: Chunk) -> AddressedPlan:
         """The chunk's plan into `dest` over every layer, made on its first layer group."""
@@ -109,10 +117,10 @@ class KvWriter:
             dest.plans[chunk.index] = addressed
         return addressed
 
-    def write_metadata(self, dest: Destination, aux_index: int | None, room: Room) -> int:
+    def write_metadata(self, dest: Destination, aux_index: int | None, room: Room) -> Sent:
         """D9: the metadata row if this rank writes it, then the last chunk's notice."""
         request, decoder = dest.request, dest.request.decoder
-        sent = 0
+        sent = Sent()
         if dest.writes_metadata:
             if aux_index is None or decoder.metadata is None:
                 raise SglPdError(f"request {request.request_id}: no metadata row on one side")
@@ -127,7 +135,7 @@ class KvWriter:
             self._words.send(
                 decoder.session, writes, self._slot_base(dest), metadata_word(request.request_id)
             )
-            sent = writes.total_bytes
+            sent = Sent(writes.total_bytes, len(writes))
         self._send(
             decoder.inbox,
             ChunkNotice(
@@ -194,7 +202,7 @@ class DestinationWriters:
         room = self._rooms.begin_write(room_id, job.chunk if isinstance(job, LayersJob) else None)
         if room is None:
             return  # failed or gone: nothing more is written for it
-        sent, done = 0, False
+        sent, done = Sent(), False
         try:
             if isinstance(job, LayersJob):
                 sent = self._writer.write_layers(job.destination, job.chunk, job.layers)
@@ -208,8 +216,8 @@ class DestinationWriters:
             logger.exception("request %d: internal error", room_id)
             self._on_failure(room_id, f"internal error: {e!r}")
         finally:
-            end = self._rooms.end_write(room_id, sent, metadata_done=done)
-            self._on_bytes(sent)
+            end = self._rooms.end_write(room_id, sent.bytes, sent.writes, metadata_done=done)
+            self._on_bytes(sent.bytes)
             if end.acks:
                 self._on_drained(room_id, end.acks)
         if end.completed is not None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from sgl_pd.cluster.processes import ManagedProcess, free_ports, managed, python_module_argv
 from sgl_pd.errors import ConfigError
+from sgl_pd.harness.cpu import flag_value
 from sgl_pd.models import TINY_LLAMA_PATH
 
 HOST = "127.0.0.1"
@@ -74,6 +75,12 @@ class Patience:
     def server_ready_s(self) -> float:
         """Seconds from a server's start to its /health answering 200."""
         return self.seconds(300.0)
+
+    def servers_ready_s(self, scheduler_processes: int) -> float:
+        """Seconds for servers started side by side with this many scheduler processes in
+        all to answer: `server_ready_s` for up to three, a minute more for each further
+        one (each loads the model and builds its pool on the same few cores)."""
+        return self.server_ready_s + self.seconds(60.0) * max(0, scheduler_processes - 3)
 
     @property
     def router_ready_s(self) -> float:
@@ -151,6 +158,14 @@ def _wait_ready(process: ManagedProcess, url: str, budget_s: float, patience: Pa
     process.wait_http_ready(url, budget_s, probe_timeout_s=patience.probe_timeout_s)
 
 
+def wait_servers_ready(servers: Sequence[tuple[ManagedProcess, str]], patience: Patience) -> None:
+    """Waits for every (process, base URL) started side by side to answer /health, the
+    budget grown with the scheduler processes they run in all."""
+    budget_s = patience.servers_ready_s(sum(scheduler_ranks(p.argv) for p, _ in servers))
+    for process, url in servers:
+        _wait_ready(process, f"{url}/health", budget_s, patience)
+
+
 @contextlib.contextmanager
 def monolithic_server(
     log_dir: Path,
@@ -164,7 +179,8 @@ def monolithic_server(
     `patience`: how long to wait for it; `local_patience()` when None. `placement`: its
     cores (default: all this process may use)."""
     patience = patience if patience is not None else local_patience()
-    placement = placement if placement is not None else place_servers(1)[0]
+    ranks = scheduler_ranks(extra)
+    placement = placement if placement is not None else place_servers(1, ranks=[ranks])[0]
     (port,) = free_ports(1)
     process = placed_process(
         "server", server_argv(model, port, extra), log_dir / "server.log", placement
@@ -172,7 +188,7 @@ def monolithic_server(
     with managed([process]):
         process.start()
         url = f"http://{HOST}:{port}"
-        _wait_ready(process, f"{url}/health", patience.server_ready_s, patience)
+        _wait_ready(process, f"{url}/health", patience.servers_ready_s(ranks), patience)
         yield Server(url, process)
 
 
@@ -187,42 +203,126 @@ class PdCluster:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one local server runs: the CPU cores it is pinned to, and as many torch
-    threads as it has cores. A server's idle torch threads spin for a while before they
-    sleep, so servers sharing cores slow each other down (PD decode measured ten times
-    slower per token with every server on all cores than with one core each)."""
+    """Where one local server runs: the CPU cores it is pinned to, and per scheduler
+    process (one per TP rank) the cores that rank's torch threads run on, as many threads
+    as it has cores. A server's idle torch threads spin for a while before they sleep, so
+    servers sharing cores slow each other down (PD decode measured ten times slower per
+    token with every server on all cores than with one core each).
+
+    `ranks` defaults to one rank on all of `cpus`."""
 
     cpus: tuple[int, ...]
+    ranks: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.ranks:
+            object.__setattr__(self, "ranks", (self.cpus,))
 
     def env(self) -> dict[str, str]:
-        listed = ",".join(map(str, self.cpus))
-        # SGLang binds its OpenMP threads to SGLANG_CPU_OMP_THREADS_BIND where its CPU
-        # kernels can (AMX, arm64); elsewhere OMP_NUM_THREADS is what counts.
-        return {"OMP_NUM_THREADS": str(len(self.cpus)), "SGLANG_CPU_OMP_THREADS_BIND": listed}
+        # SGLang reads one '|'-separated entry per rank; its CPU kernels bind their OpenMP
+        # threads there where they can (AMX, arm64), and the CPU harness pins each rank's
+        # process to its entry everywhere else (cpu_shims)
+        per_rank = "|".join(",".join(map(str, cores)) for cores in self.ranks)
+        threads = min(len(cores) for cores in self.ranks)
+        return {"OMP_NUM_THREADS": str(threads), "SGLANG_CPU_OMP_THREADS_BIND": per_rank}
 
     def wrap(self, argv: Sequence[str]) -> list[str]:
         """`argv` started on this placement's cores (taskset, from util-linux)."""
         return ["taskset", "--cpu-list", ",".join(map(str, self.cpus)), *argv]
 
 
-def place_servers(num_servers: int, cores: Sequence[int] | None = None) -> list[Placement]:
+def place_servers(
+    num_servers: int, cores: Sequence[int] | None = None, ranks: Sequence[int] | None = None
+) -> list[Placement]:
     """Cores for `num_servers` servers sharing `cores` (default: the cores this process
-    may use): contiguous blocks, the first servers one core more when they do not divide
-    evenly; with more servers than cores, one core each, in turn."""
+    may use), each server with `ranks[i]` scheduler processes (default one each).
+
+    Servers get disjoint contiguous blocks, sized in proportion to their ranks (at least
+    one core each); with more servers than cores, one core each, in turn. Inside a
+    server's block each rank gets cores of its own, or, with fewer cores than ranks, the
+    ranks take its cores in turn. Servers are kept apart rather than ranks: a prefill
+    rank spinning on a decoder's core (SGLang's prefill loop polls its transfers while
+    any is in flight, Mooncake's synchronous write polls its completion) was measured to
+    stall that decoder's transfers for 30 s, while two ranks of one server sharing a core
+    only slow each other's all-reduce."""
     if num_servers < 1:
         raise ValueError(f"num_servers must be >= 1, got {num_servers}")
+    per_server = [1] * num_servers if ranks is None else list(ranks)
+    if len(per_server) != num_servers or min(per_server) < 1:
+        raise ValueError(f"need a rank count >= 1 for each of {num_servers} servers: {ranks}")
     available = sorted(os.sched_getaffinity(0) if cores is None else cores)
     if not available:
         raise ValueError("no CPU cores to place servers on")
     if num_servers >= len(available):
-        return [Placement((available[i % len(available)],)) for i in range(num_servers)]
-    share, extra = divmod(len(available), num_servers)
-    placements, start = [], 0
-    for i in range(num_servers):
-        size = share + (1 if i < extra else 0)
-        placements.append(Placement(tuple(available[start : start + size])))
-        start += size
+        blocks = [[available[i % len(available)]] for i in range(num_servers)]
+    else:
+        blocks, start = [], 0
+        for size in _shares(len(available), per_server):
+            blocks.append(available[start : start + size])
+            start += size
+    placements = []
+    for block, count in zip(blocks, per_server, strict=True):
+        if count <= len(block):
+            rank_cores = [tuple(part) for part in _split(block, count)]
+        else:
+            rank_cores = [(block[r % len(block)],) for r in range(count)]
+        placements.append(Placement(tuple(block), tuple(rank_cores)))
     return placements
+
+
+def _shares(total: int, weights: Sequence[int]) -> list[int]:
+    """`total` cores split in proportion to `weights`, at least one each (largest
+    remainders get the leftover cores, earlier entries first on ties)."""
+    spare = total - len(weights)
+    exact = [spare * w / sum(weights) for w in weights]
+    shares = [1 + int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(exact[i] - int(exact[i])), i))
+    for i in by_remainder[: total - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def _split(items: Sequence[int], parts: int) -> list[Sequence[int]]:
+    """`items` in `parts` contiguous runs, the first runs one longer when uneven."""
+    size, extra = divmod(len(items), parts)
+    runs, start = [], 0
+    for k in range(parts):
+        end = start + size + (1 if k < extra else 0)
+        runs.append(items[start:end])
+        start = end
+    return runs
+
+
+def place_pd(prefill_ranks: Sequence[int], decode_ranks: Sequence[int]) -> list[Placement]:
+    """Placements for prefill servers then decode servers: the two roles on separate
+    blocks of cores (in proportion to their ranks) wherever there are two cores, each
+    role's servers split inside its block."""
+    if not decode_ranks:
+        return place_servers(len(prefill_ranks), ranks=prefill_ranks)
+    if not prefill_ranks:
+        return place_servers(len(decode_ranks), ranks=decode_ranks)
+    prefill_block, decode_block = place_servers(2, ranks=[sum(prefill_ranks), sum(decode_ranks)])
+    return [
+        *place_servers(len(prefill_ranks), prefill_block.cpus, prefill_ranks),
+        *place_servers(len(decode_ranks), decode_block.cpus, decode_ranks),
+    ]
+
+
+TP_FLAGS = ("--tp", "--tp-size", "--tensor-parallel-size")
+DP_FLAGS = ("--dp", "--dp-size", "--data-parallel-size")
+
+
+def scheduler_ranks(argv: Sequence[str]) -> int:
+    """How many scheduler processes SGLang starts for a server with these flags: TP
+    ranks, times DP replicas unless DP attention runs inside the TP group."""
+    args = list(argv)
+
+    def size(flags: tuple[str, ...]) -> int:
+        values = [v for f in flags if (v := flag_value(args, f)) is not None]
+        return int(values[-1]) if values else 1
+
+    tp, dp = size(TP_FLAGS), size(DP_FLAGS)
+    return tp if "--enable-dp-attention" in args else tp * dp
 
 
 def placed_process(
@@ -323,8 +423,7 @@ def serving_pd(
     with managed([*(process for process, _ in servers), router]):
         for process, _ in servers:
             process.start()
-        for process, url in servers:
-            _wait_ready(process, f"{url}/health", patience.server_ready_s, patience)
+        wait_servers_ready(servers, patience)
         router.start()
         # /readiness answers 200 once the router found both workers healthy
         _wait_ready(router, f"{router_url}/readiness", patience.router_ready_s, patience)
@@ -355,7 +454,10 @@ def pd_cluster(
     prefill_port, decode_port, bootstrap_port, router_port, metrics_port = ports[:5]
     secret = ("--pd-auth-secret-file", str(write_cluster_secret(log_dir / "cluster.secret")))
     # the first prefill, the further ones, the decoder: each its own cores where possible
-    placements = place_servers(2 + len(more_prefills))
+    placements = place_pd(
+        [scheduler_ranks(a) for a in (prefill_extra, *more_prefills)],
+        [scheduler_ranks(decode_extra)],
+    )
     extra_prefills: list[tuple[ManagedProcess, str, int]] = []
     for i, extra in enumerate(more_prefills, start=1):
         port, extra_bootstrap = ports[3 + 2 * i : 5 + 2 * i]
@@ -434,7 +536,13 @@ def mixed_cluster(
                 f"server{i}", server_argv(model, port, extra), log_dir / f"server{i}.log", place
             ),
         )
-        for i, (port, place) in enumerate(zip(ports, place_servers(num_servers), strict=False))
+        for i, (port, place) in enumerate(
+            zip(
+                ports,
+                place_servers(num_servers, ranks=[scheduler_ranks(extra)] * num_servers),
+                strict=False,
+            )
+        )
     ]
     router_cmd = python_module_argv(
         "sglang_router.launch_router",
@@ -451,8 +559,7 @@ def mixed_cluster(
     with managed([*(s.process for s in servers), router]):
         for server in servers:
             server.process.start()
-        for server in servers:
-            _wait_ready(server.process, f"{server.url}/health", patience.server_ready_s, patience)
+        wait_servers_ready([(s.process, s.url) for s in servers], patience)
         router.start()
         _wait_ready(router, f"{router_url}/readiness", patience.router_ready_s, patience)
         yield MixedCluster(router_url, tuple(servers))
@@ -508,7 +615,9 @@ def direct_cluster(
     ports = free_ports(decoders + 4)
     prefill_port, bootstrap_port, router_port, metrics_port = ports[:4]
     secret = ("--pd-auth-secret-file", str(write_cluster_secret(log_dir / "cluster.secret")))
-    placements = place_servers(1 + decoders)
+    placements = place_pd(
+        [scheduler_ranks(prefill_extra)], [scheduler_ranks(decode_extra)] * decoders
+    )
     prefill = Server(
         f"http://{HOST}:{prefill_port}",
         pd_process(
@@ -549,8 +658,7 @@ def direct_cluster(
     with managed([*(s.process for s in servers), *([router] if router else [])]):
         for server in servers:
             server.process.start()
-        for server in servers:
-            _wait_ready(server.process, f"{server.url}/health", patience.server_ready_s, patience)
+        wait_servers_ready([(s.process, s.url) for s in servers], patience)
         if router is not None:
             router.start()
             _wait_ready(router, f"{router_url}/readiness", patience.router_ready_s, patience)

@@ -22,12 +22,29 @@ def timing_lines(log: Path) -> list[TimingLine]:
     return out
 
 
+def pool_states(log: Path) -> dict[str, tuple[int, bool]]:
+    """Per scheduler process (SGLang's log tag, "TP0", "TP1", "DP1 TP1"...): (tokens in
+    use, no leak) from its last idle-pool line; empty before the first line."""
+    states: dict[str, tuple[int, bool]] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if POOL_LINE_PREFIX not in line:
+            continue
+        head, tail = line.split(POOL_LINE_PREFIX, 1)
+        tag = re.search(r"((?:[A-Z]+\d+ ?)+)\]\s*$", head)
+        used = re.search(r"used (\d+) tokens", tail)
+        states[tag.group(1).strip() if tag else ""] = (
+            int(used.group(1)) if used else -1,
+            "no leak" in tail,
+        )
+    return states
+
+
 def last_pool_state(log: Path) -> tuple[int, bool] | None:
-    """(tokens in use, no leak) from the last idle-pool line, or None before the first."""
-    lines = [
-        line for line in log.read_text(errors="replace").splitlines() if POOL_LINE_PREFIX in line
-    ]
-    if not lines:
+    """(tokens in use, no leak) over every scheduler process of one server, from each
+    one's last idle-pool line: the tokens summed, "no leak" only if every rank says so.
+    None before the first line."""
+    states = pool_states(log)
+    if not states:
         return None
-    used = re.search(r"used (\d+) tokens", lines[-1])
-    return (int(used.group(1)) if used else -1), "no leak" in lines[-1]
+    used = [u for u, _ in states.values()]
+    return (-1 if -1 in used else sum(used)), all(ok for _, ok in states.values())

@@ -21,6 +21,14 @@ SGLang's ``HookRegistry`` where a hook fits, and logged once per process:
 6. TARGET_VERIFY on ``torch_native``: the batch has no extend lengths there; each request
    extends its committed ``seq_lens`` by ``draft_token_num`` tokens (as the intel_amx
    backend derives them). Exact for chain drafts (topk 1): the causal mask is the chain.
+7. Tensor parallelism (``--tp N``): ``init_model_parallel_group`` asks for pynccl (and
+   custom all-reduce) on every platform but NPU/XPU, and pynccl refuses a CPU device. Built
+   without them, a group's all-reduce is ``torch.distributed`` over its gloo group
+   (``GroupCoordinator.all_reduce``'s CPU-tensor branch), which SGLang has for CPU tensors.
+8. Per-rank cores: SGLang picks each rank's entry of ``SGLANG_CPU_OMP_THREADS_BIND``
+   (``init_threads_binding``) but binds threads to it only with AMX or arm64 kernels;
+   elsewhere every rank of a server would run on all its cores. The rank's process is
+   pinned to its entry, with as many torch threads as the entry has cores.
 """
 
 from __future__ import annotations
@@ -82,6 +90,16 @@ def apply_cpu_shims() -> bool:
         HookType.AROUND,
     )
     _announce("torch_native extend attention over the new tokens only (not context x context)")
+    HookRegistry.register(
+        _HOOK + "distributed.parallel_state.init_model_parallel_group",
+        around_init_model_parallel_group,
+        HookType.AROUND,
+    )
+    _announce("TP groups without pynccl and custom all-reduce (gloo all-reduce)")
+    HookRegistry.register(
+        _HOOK + "utils.numa_utils.init_threads_binding", after_init_threads_binding, HookType.AFTER
+    )
+    _announce("each TP rank pinned to its SGLANG_CPU_OMP_THREADS_BIND entry")
     _applied = True
     return True
 
@@ -138,6 +156,40 @@ def set_embed_and_head(self: Any, embed: Any, head: Any) -> None:
     del self.lm_head.weight
     self.model.embed_tokens.weight = embed
     self.lm_head.weight = head
+
+
+def around_init_model_parallel_group(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """Every process group SGLang builds, without the CUDA-only communicators."""
+    kwargs["use_pynccl"] = False
+    kwargs["use_custom_allreduce"] = False
+    return original(*args, **kwargs)
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """Cores of a Linux CPU list such as ``0,2-3`` (what SGLANG_CPU_OMP_THREADS_BIND holds
+    per rank)."""
+    cores: list[int] = []
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cores.extend(range(int(lo), int(hi or lo) + 1))
+    return cores
+
+
+def after_init_threads_binding(result: Any, *args: Any, **kwargs: Any) -> Any:
+    """Pins this scheduler process to the cores SGLang chose for its rank (`result`, a
+    CPU list) and sizes torch's thread pool to them; SGLang's return value is untouched."""
+    import os
+
+    import torch
+
+    cores = parse_cpu_list(str(result)) if isinstance(result, str) else []
+    if cores:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
+        logger.info("this rank runs on cores %s with %d torch threads", result, len(cores))
+    return result
 
 
 def around_create_draft_backend(

@@ -101,6 +101,7 @@ class FakeProcess:
     """Stands in for a ManagedProcess: records the readiness budgets it was given."""
 
     name: str
+    argv: list[str] = field(default_factory=list)  # what scheduler_ranks reads
     waits: list[tuple[str, float, float]] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
 

@@ -1,0 +1,205 @@
+"""Sharded servers end to end: the tiny Llama (2 KV heads) through SGLang's router with
+prefill and decode at TP 1 and 2, each pairing token for token against a monolithic TP1
+server, and every scheduler process's pool back to idle afterwards.
+
+One mesh per page size holds a TP2 and a TP1 server on each side, with one router per
+pairing: TP2 -> TP2 (D12, rank i to rank i), TP2 -> TP1 (D13, the decoder rebuilds full
+pages from the halves both prefill ranks send) and TP1 -> TP2 (each decode rank gets its
+head from the one source). The send modes alternate between the meshes, so every pairing
+runs layer-wise at one page size and after the forward at the other. The TP1 decoder of
+the page-1 mesh also takes requests itself (direct mode, D3) and sends their prefills to
+the TP2 prefill server. The page-16 mesh's TP2 prefill server writes slowly on purpose;
+the module ends by SIGKILLing it mid-transfer and restarting it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from sgl_pd.cluster.campaign import first_success, kill_mid_transfer
+from sgl_pd.cluster.client import generate_ids
+from sgl_pd.cluster.local import Patience, Server, scheduler_ranks
+from sgl_pd.cluster.logs import pool_states, timing_lines
+from sgl_pd.cluster.mesh import MeshServer, PdMesh, pd_mesh
+from sgl_pd.cluster.prompts import long_prompt_ids, varied_prompts
+
+from .conftest import COMMON_ARGS
+
+pytestmark = pytest.mark.e2e
+
+# Seven or eight scheduler processes share two cores: heartbeats are answered late while
+# they compute. 15 s still tells a killed server from a busy one within the test's time.
+LIVENESS_S = 15
+WRITE_DELAY_MS = 20  # per write batch of the slowed server: a long prompt streams for > 1 s
+PROMPTS = [long_prompt_ids(2), *varied_prompts(15, seed=31)]  # 2 to ~450 tokens
+NEW_TOKENS = 8
+ROUTES = [("p_tp2", "d_tp2"), ("p_tp2", "d_tp1"), ("p_tp1", "d_tp2")]
+MODES = {  # page size -> send mode of the TP2 and the TP1 prefill server
+    1: {"p_tp2": "layerwise", "p_tp1": "after-forward"},
+    16: {"p_tp2": "after-forward", "p_tp1": "layerwise"},
+}
+
+
+def _mesh_servers(page: int) -> list[MeshServer]:
+    common = (*COMMON_ARGS, "--page-size", str(page), "--pd-liveness-timeout", str(LIVENESS_S))
+    slowed = ("--pd-inject-write-delay-ms", str(WRITE_DELAY_MS)) if page == 16 else ()
+    return [
+        MeshServer(
+            "p_tp2",
+            "prefill",
+            (*common, "--tp", "2", "--pd-kv-send", MODES[page]["p_tp2"], *slowed),
+        ),
+        MeshServer(
+            "p_tp1", "prefill", (*common, "--tp", "1", "--pd-kv-send", MODES[page]["p_tp1"])
+        ),
+        MeshServer("d_tp2", "decode", (*common, "--tp", "2")),
+        MeshServer(
+            "d_tp1", "decode", (*common, "--tp", "1"), direct_from=("p_tp2",) if page == 1 else ()
+        ),
+    ]
+
+
+@pytest.fixture(scope="class")
+def mesh(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, patience: Patience
+) -> Iterator[PdMesh]:
+    """The mesh of the test class's page size; one at a time (a mesh is about 13 GB of
+    memory on this machine's CPU engine)."""
+    page = request.cls.PAGE
+    log_dir = tmp_path_factory.mktemp(f"mesh-{page}")
+    with pd_mesh(log_dir, _mesh_servers(page), ROUTES, patience=patience) as mesh:
+        yield mesh
+
+
+@pytest.fixture(scope="module")
+def reference(mono: Server) -> list[list[int]]:
+    return _ask_all(mono.url)
+
+
+def _ask_all(url: str) -> list[list[int]]:
+    with ThreadPoolExecutor(8) as pool:  # batches mix lengths and chunked prefills
+        return list(pool.map(lambda p: generate_ids(url, p, NEW_TOKENS), PROMPTS))
+
+
+def _mismatches(
+    want: list[list[int]], got: list[list[int]]
+) -> list[tuple[int, list[int], list[int]]]:
+    return [(i, w, g) for i, (w, g) in enumerate(zip(want, got, strict=True)) if w != g]
+
+
+def _modes(server: Server) -> dict[str, int]:
+    """Send mode -> requests one prefill server finished in it, counted once per rank."""
+    modes: dict[str, int] = {}
+    for line in timing_lines(server.process.log_path):
+        modes[str(line["mode"])] = modes.get(str(line["mode"]), 0) + 1
+    return modes
+
+
+def _wait_idle(
+    servers: dict[str, Server], patience: Patience
+) -> dict[str, dict[str, tuple[int, bool]]]:
+    """Every scheduler process of every server: its last idle-pool line, once all report
+    nothing in use and no leak (or the states when the wait ran out: the test shows them)."""
+    deadline = time.monotonic() + patience.seconds(90)
+    while True:
+        states = {name: pool_states(s.process.log_path) for name, s in servers.items()}
+        complete = all(
+            len(states[name]) == scheduler_ranks(s.process.argv) for name, s in servers.items()
+        )
+        idle = all(v == (0, True) for ranks in states.values() for v in ranks.values())
+        if (complete and idle) or time.monotonic() > deadline:
+            return states
+        time.sleep(1)
+
+
+def _assert_pairing_serves(
+    mesh: PdMesh, page: int, route: tuple[str, str], want: list[list[int]]
+) -> None:
+    prefill = mesh.servers[route[0]]
+    before = sum(_modes(prefill).values())
+    got = _ask_all(mesh.router(*route))
+    assert not _mismatches(want, got), _mismatches(want, got)
+    # every request went through the pairing's prefill server, in its mode, on each rank
+    mode = MODES[page][route[0]].replace("-", "_")
+    ranks = 2 if route[0] == "p_tp2" else 1
+    finished = _modes(prefill)
+    assert set(finished) == {mode}, finished
+    assert finished[mode] - before == ranks * len(PROMPTS)
+
+
+def _assert_all_idle(mesh: PdMesh, patience: Patience) -> None:
+    states = _wait_idle(mesh.servers, patience)
+    assert all(len(states[n]) == scheduler_ranks(s.process.argv) for n, s in mesh.servers.items())
+    assert all(v == (0, True) for ranks in states.values() for v in ranks.values()), states
+
+
+ROUTE_IDS = ["tp2-tp2", "tp2-tp1", "tp1-tp2"]
+
+
+class TestPageOfOneToken:
+    """TP2 prefill streams layer by layer, TP1 prefill sends after the forward."""
+
+    PAGE = 1
+
+    @pytest.mark.parametrize("route", ROUTES, ids=ROUTE_IDS)
+    def test_each_pairing_gives_monolithic_tokens(
+        self, mesh: PdMesh, reference: list[list[int]], route: tuple[str, str]
+    ) -> None:
+        _assert_pairing_serves(mesh, self.PAGE, route, reference)
+
+    def test_direct_mode_from_a_tp1_decoder_to_a_tp2_prefill_server(
+        self, mesh: PdMesh, reference: list[list[int]]
+    ) -> None:
+        """Requests sent to the TP1 decoder itself: it submits each prefill to the TP2
+        prefill server, whose two ranks write halves of every page into its pool."""
+        before = sum(_modes(mesh.servers["p_tp2"]).values())
+        got = _ask_all(mesh.servers["d_tp1"].url)
+        assert not _mismatches(reference, got), _mismatches(reference, got)
+        assert sum(_modes(mesh.servers["p_tp2"]).values()) - before == 2 * len(PROMPTS)
+
+    def test_every_rank_of_every_server_is_idle(self, mesh: PdMesh, patience: Patience) -> None:
+        _assert_all_idle(mesh, patience)
+
+
+class TestPageOfSixteenTokens:
+    """TP2 prefill (writes slowed) sends after the forward, TP1 prefill layer by layer."""
+
+    PAGE = 16
+
+    @pytest.mark.parametrize("route", ROUTES, ids=ROUTE_IDS)
+    def test_each_pairing_gives_monolithic_tokens(
+        self, mesh: PdMesh, reference: list[list[int]], route: tuple[str, str]
+    ) -> None:
+        _assert_pairing_serves(mesh, self.PAGE, route, reference)
+
+    def test_every_rank_of_every_server_is_idle(self, mesh: PdMesh, patience: Patience) -> None:
+        _assert_all_idle(mesh, patience)
+
+    def test_a_killed_tp2_prefill_server_fails_its_request_then_serves_again(
+        self, mesh: PdMesh, reference: list[list[int]], mono: Server, patience: Patience
+    ) -> None:
+        """SIGKILL of the slowed TP2 prefill server (both ranks) while a long prompt
+        streams to the TP1 decoder: the client gets an error, the decoder names the lost
+        peer, the restarted server serves the pairing again, and every rank's pool is
+        idle."""
+        victim, decoder = mesh.servers["p_tp2"], mesh.servers["d_tp1"]
+        url = mesh.router("p_tp2", "d_tp1")
+        ids = long_prompt_ids(1024, start=41)
+        result = kill_mid_transfer(url, victim.process, ids, "kill-tp2")
+        if result.response is not None:  # the router may also just drop the connection
+            response = result.response
+            assert response.status_code != 200 or (
+                response.json()["meta_info"]["finish_reason"]["type"] == "abort"
+            ), response.text
+        assert "did not answer heartbeats" in decoder.process.log_path.read_text(errors="replace")
+        victim.process.restart("restarted")
+        victim.process.wait_http_ready(f"{victim.url}/health", patience.servers_ready_s(2))
+        prompt = "Count: 7 8 9"
+        want = generate_ids(mono.url, prompt, NEW_TOKENS)
+        assert first_success(url, prompt, NEW_TOKENS, budget_s=patience.seconds(180)) == want
+        assert _ask_all(url) == reference
+        _assert_all_idle(mesh, patience)
