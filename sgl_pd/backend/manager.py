@@ -15,6 +15,7 @@ import abc
 import logging
 import random
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from sglang.srt.disaggregation.base.conn import BaseKVManager
@@ -75,15 +76,40 @@ def cluster_auth(config: SglPdConfig) -> ClusterAuth | None:
     return auth
 
 
-def _kv_heads(kv_args: Any, server_args: Any) -> tuple[int, int]:
+@dataclass(frozen=True)
+class Parallelism:
+    """This scheduler process's place in SGLang's resolved parallel layout (not the raw
+    flags: ``--dp 2 --enable-dp-attention`` resolves to attention DP 2, DP 1)."""
+
+    tp_rank: int
+    attn_tp_size: int  # ranks that shard one request's KV heads
+    attn_dp_size: int  # attention DP: independent pools, each with its own requests
+    dp_size: int  # whole-server replicas under SGLang's DP controller
+    pp_size: int
+
+    @classmethod
+    def of(cls, server_args: Any) -> Parallelism:
+        from sglang.srt.runtime_context import get_parallel
+
+        p = get_parallel()
+        try:
+            return cls(
+                int(p.tp_rank), int(p.attn_tp_size), int(p.attn_dp_size), int(p.dp_size),
+                int(p.pp_size),
+            )  # fmt: skip
+        except (ValueError, RuntimeError):  # not published: a process outside a scheduler
+            tp = int(server_args.tp_size)
+            return cls(0, tp, 1, int(server_args.dp_size), int(server_args.pp_size))
+
+
+def _kv_heads(kv_args: Any, server_args: Any, attn_tp_size: int) -> tuple[int, int]:
     """(KV heads on this rank, KV heads of the model), as SGLang shards them."""
     if hasattr(kv_args, "kv_head_num") and hasattr(kv_args, "total_kv_head_num"):
         return int(kv_args.kv_head_num), int(kv_args.total_kv_head_num)
     from sglang.srt.configs.model_config import ModelConfig
 
     model = ModelConfig.from_server_args(server_args)
-    tp = int(server_args.tp_size)
-    return int(model.get_num_kv_heads(tp)), int(model.get_total_num_kv_heads())
+    return int(model.get_num_kv_heads(attn_tp_size)), int(model.get_total_num_kv_heads())
 
 
 def _transport(config: SglPdConfig, server_args: Any, hosts: Hosts) -> TransportConfig:
@@ -127,17 +153,29 @@ class SglPdKVManager(BaseKVManager):
         self.kv_args = args
         self.config = SglPdConfig.from_environment()
         self.auth = cluster_auth(self.config)
-        for flag, value in (("--dp-size", server_args.dp_size), ("--pp-size", server_args.pp_size)):
-            if int(value) != 1:
+        parallel = Parallelism.of(server_args)
+        for flag, value in (("--dp-size", parallel.dp_size), ("--pp-size", parallel.pp_size)):
+            if value != 1:
                 raise ConfigError(f"sgl_pd serves {flag} 1 for now, got {value}")
+        if parallel.attn_dp_size > 1 and self.role is Role.PREFILL:
+            raise ConfigError(
+                "sgl_pd serves DP attention on decode servers only for now: start the "
+                "prefill server without --enable-dp-attention / --attn-dp-size"
+            )
         self.req_to_decode_prefix_len: dict[int, int] = {}
         self.prefill_info_table = _SingleDataParallelRank()
         self.pool: PoolDescription = describe_pool(
-            args, bool(is_mla_backend), None if is_mla_backend else _kv_heads(args, server_args)
+            args,
+            bool(is_mla_backend),
+            None if is_mla_backend else _kv_heads(args, server_args, parallel.attn_tp_size),
         )
         self.layout = self.pool.layout
+        # with DP attention every attention-DP rank is a decoder of its own, with the
+        # whole pool of its requests: rank engine_rank (its attention-TP rank) of
+        # attn_tp_size. The NIC and fault seed follow the process's TP rank.
         self.rank = int(args.engine_rank)
-        self.scheme = ShardingScheme(int(server_args.tp_size))
+        self.scheme = ShardingScheme(parallel.attn_tp_size)
+        self.tp_rank = parallel.tp_rank
         self.instance = random.getrandbits(63)
         # listeners bind --host; peers are told an address they can reach
         hosts = resolve_hosts(
@@ -145,12 +183,12 @@ class SglPdKVManager(BaseKVManager):
         )
 
         self.engine: TransferEngine = MooncakeTransferEngine(
-            _transport(self.config, server_args, hosts), shard=self.rank
+            _transport(self.config, server_args, hosts), shard=self.tp_rank
         )
         faults = WriteFaults(
             delay_s=self.config.inject_write_delay_ms / 1000,
             failure_rate=self.config.inject_write_failure_rate,
-            seed=self.rank,
+            seed=self.tp_rank,
         )
         if faults.active:
             logger.warning("fault injection on KV writes: %s", faults)

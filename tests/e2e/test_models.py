@@ -22,8 +22,16 @@ import pytest
 import requests
 
 from sgl_pd.cluster.client import REQUEST_TIMEOUT_S
-from sgl_pd.cluster.local import Patience, PdCluster, Server, monolithic_server, pd_cluster
-from sgl_pd.cluster.logs import last_pool_state, timing_lines
+from sgl_pd.cluster.local import (
+    Patience,
+    PdCluster,
+    Server,
+    monolithic_server,
+    pd_cluster,
+    scheduler_ranks,
+)
+from sgl_pd.cluster.logs import TimingLine, last_pool_state, pool_states, timing_lines
+from sgl_pd.cluster.mesh import MeshServer, pd_mesh
 from sgl_pd.cluster.prompts import long_prompt_ids, varied_prompts
 from sgl_pd.models import TINY_DEEPSEEK_V3_PATH, TINY_QWEN3_MOE_PATH
 
@@ -354,3 +362,152 @@ def test_parallel_sampling_is_refused_with_its_reason(qwen3_moe_pd_page16: PdRun
     answer = qwen3_moe_pd_page16.parallel_sampling
     assert answer.status_code == 400, answer.text
     assert "send n separate requests" in answer.text, answer.text
+
+
+# -- sharded servers through the router --------------------------------------------------
+
+SHARDED_PROMPTS = 24  # the first PD prompts: up to ~450 tokens; 5 ranks share two cores
+
+
+@dataclass(frozen=True)
+class ShardedRun:
+    answers: dict[tuple[str, str], list[Answer]]  # (prefill, decode) -> answers
+    timing: dict[str, list[TimingLine]]  # prefill server -> its ranks' timing lines
+    pools: dict[str, dict[str, tuple[int, bool]]]  # server -> rank -> (used, no leak), idle
+    ranks: dict[str, int]  # server -> its scheduler processes
+
+
+def serve_sharded(
+    log_dir: Path,
+    model: Path,
+    servers: list[MeshServer],
+    routes: list[tuple[str, str]],
+    patience: Patience,
+) -> ShardedRun:
+    """`servers` with one router per route; the sharded prompts through each route in turn,
+    then every rank's idle pool."""
+    prompts = PD_PROMPTS[:SHARDED_PROMPTS]
+    with pd_mesh(log_dir, servers, routes, model=model, patience=patience) as mesh:
+        answers = {}
+        for route in routes:
+            with ThreadPoolExecutor(8) as pool:
+                url = mesh.router(*route)
+                answers[route] = list(pool.map(lambda p, url=url: ask_one(url, p), prompts))
+        ranks = {name: scheduler_ranks(s.process.argv) for name, s in mesh.servers.items()}
+        deadline = time.monotonic() + patience.seconds(90)
+        while True:
+            pools = {n: pool_states(s.process.log_path) for n, s in mesh.servers.items()}
+            idle = all(
+                len(pools[n]) == ranks[n] and all(v == (0, True) for v in pools[n].values())
+                for n in pools
+            )
+            if idle or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        timing = {
+            n: timing_lines(s.process.log_path)
+            for n, s in mesh.servers.items()
+            if s.process.name.startswith("p_")
+        }
+    return ShardedRun(answers, timing, pools, ranks)
+
+
+def _sharded_args(extra: list[str]) -> tuple[str, ...]:
+    return (*COMMON_ARGS, *CHUNK_ARGS, "--pd-liveness-timeout", "15", *extra)
+
+
+DEEPSEEK_ROUTES = [("p_tp2", "d_tp1"), ("p_tp1", "d_tp2")]
+
+
+@pytest.fixture(scope="module")
+def deepseek_nextn_sharded(
+    tmp_path_factory: pytest.TempPathFactory, patience: Patience
+) -> ShardedRun:
+    """MLA: every rank holds the whole latent, so each TP2 side is two replica sets (D14);
+    TP2 -> TP1 picks one source rank per request, TP1 -> TP2 feeds both decode ranks."""
+    args = _sharded_args(NEXTN_ARGS)
+    return serve_sharded(
+        tmp_path_factory.mktemp("deepseek-nextn-sharded"),
+        TINY_DEEPSEEK_V3_PATH,
+        [
+            MeshServer("p_tp2", "prefill", (*args, "--tp", "2", "--pd-kv-send", "layerwise")),
+            MeshServer("p_tp1", "prefill", (*args, "--pd-kv-send", "after-forward")),
+            MeshServer("d_tp1", "decode", args),
+            MeshServer("d_tp2", "decode", (*args, "--tp", "2")),
+        ],
+        DEEPSEEK_ROUTES,
+        patience,
+    )
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_sharded(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> ShardedRun:
+    """4 KV heads over TP2 on both sides (D12), the experts split over both ranks."""
+    args = _sharded_args(["--tp", "2"])
+    return serve_sharded(
+        tmp_path_factory.mktemp("qwen3-moe-sharded"),
+        TINY_QWEN3_MOE_PATH,
+        [
+            MeshServer("p_tp2", "prefill", (*args, "--pd-kv-send", "layerwise")),
+            MeshServer("d_tp2", "decode", args),
+        ],
+        [("p_tp2", "d_tp2")],
+        patience,
+    )
+
+
+def _assert_sharded_tokens(reference: Run, run: ShardedRun) -> None:
+    want = reference.answers[:SHARDED_PROMPTS]
+    for route, answers in run.answers.items():
+        mismatches = [
+            (i, w.ids, g.ids)
+            for i, (w, g) in enumerate(zip(want, answers, strict=True))
+            if w.ids != g.ids
+        ]
+        assert not mismatches, (route, len(mismatches), mismatches)
+
+
+def _assert_every_rank_idle(run: ShardedRun) -> None:
+    for name, states in run.pools.items():
+        assert len(states) == run.ranks[name], (name, states)
+        assert all(v == (0, True) for v in states.values()), (name, states)
+
+
+@pytest.mark.parametrize("route", DEEPSEEK_ROUTES, ids=["tp2-tp1", "tp1-tp2"])
+def test_deepseek_nextn_sharded_gives_monolithic_tokens_and_acceptance(
+    deepseek: Run, deepseek_nextn: Run, deepseek_nextn_sharded: ShardedRun, route: tuple[str, str]
+) -> None:
+    """Greedy tokens equal monolithic serving's (with and without NEXTN), and draft
+    acceptance through the sharded pair matches monolithic NEXTN's: the draft layer's KV
+    reaches every decode rank from whichever source rank was picked."""
+    answers = deepseek_nextn_sharded.answers[route]
+    single = ShardedRun({route: answers}, {}, {}, {})
+    _assert_sharded_tokens(deepseek_nextn, single)
+    _assert_sharded_tokens(deepseek, single)
+    mono_rate = _accept_rate(deepseek_nextn.answers[:SHARDED_PROMPTS])
+    assert abs(_accept_rate(answers) - mono_rate) <= 0.05, (mono_rate, _accept_rate(answers))
+    _assert_every_rank_idle(deepseek_nextn_sharded)
+
+
+def test_a_replica_rank_that_writes_nothing_lets_the_request_complete(
+    deepseek_nextn_sharded: ShardedRun,
+) -> None:
+    """TP2 -> TP1 with MLA: one source rank per request writes the KV (D14), the other
+    writes no page; every request still completed (tokens above), and both ranks sent."""
+    lines = [line for line in deepseek_nextn_sharded.timing["p_tp2"] if "rank" in line]
+    by_rank = {r: [line for line in lines if line["rank"] == r] for r in (0.0, 1.0)}
+    assert all(by_rank.values()), by_rank.keys()
+    rooms: dict[float, list[float]] = {}
+    for line in lines:
+        rooms.setdefault(float(line["room"]), []).append(float(line["bytes"]))
+    # a request of the TP2 -> TP1 route: one rank's bytes, the other's zero
+    split = [sent for sent in rooms.values() if len(sent) == 2 and min(sent) == 0 < max(sent)]
+    assert len(split) >= SHARDED_PROMPTS - 1, rooms
+    assert all(max(line["bytes"] for line in by_rank[r]) > 0 for r in by_rank)
+
+
+def test_qwen3_moe_tp2_to_tp2_gives_monolithic_tokens(
+    qwen3_moe: Run, qwen3_moe_sharded: ShardedRun
+) -> None:
+    _assert_sharded_tokens(qwen3_moe, qwen3_moe_sharded)
+    _assert_every_rank_idle(qwen3_moe_sharded)
