@@ -29,6 +29,11 @@ SGLang's ``HookRegistry`` where a hook fits, and logged once per process:
    (``init_threads_binding``) but binds threads to it only with AMX or arm64 kernels;
    elsewhere every rank of a server would run on all its cores. The rank's process is
    pinned to its entry, with as many torch threads as the entry has cores.
+9. DP attention pads every attention-DP rank's batch to a common size before the MoE
+   (``ForwardBatch._pad_inputs_to_size``) and, on CPU, asks the attention backend for the
+   padded rows' sequence length with ``get_cpu_graph_seq_len_fill_value``, which only the
+   AMX backend has. ``torch_native`` gets the AMX backend's answer, 1: one token per
+   padded row, whose output is dropped.
 """
 
 from __future__ import annotations
@@ -100,6 +105,7 @@ def apply_cpu_shims() -> bool:
         _HOOK + "utils.numa_utils.init_threads_binding", after_init_threads_binding, HookType.AFTER
     )
     _announce("each TP rank pinned to its SGLANG_CPU_OMP_THREADS_BIND entry")
+    _add_padding_fill_value()
     _applied = True
     return True
 
@@ -112,6 +118,19 @@ def _register_mla_dispatch() -> None:
 
     AttentionBackendRegistry.register("torch_native", _dispatch_mla_subtype)
     _announce("MLA attention dispatch registered for torch_native (absorbed MLA)")
+
+
+def _add_padding_fill_value() -> None:
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    if not hasattr(TorchNativeAttnBackend, "get_cpu_graph_seq_len_fill_value"):
+        TorchNativeAttnBackend.get_cpu_graph_seq_len_fill_value = _one_token  # type: ignore[attr-defined]
+        _announce("torch_native pads DP-attention batches with one-token rows")
+
+
+def _one_token(self: Any) -> int:
+    """Sequence length of a padded row (as SGLang's AMX backend answers)."""
+    return 1
 
 
 def _install_spec_kernels() -> None:

@@ -11,6 +11,7 @@ modes at one page size.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -375,6 +376,7 @@ class ShardedRun:
     timing: dict[str, list[TimingLine]]  # prefill server -> its ranks' timing lines
     pools: dict[str, dict[str, tuple[int, bool]]]  # server -> rank -> (used, no leak), idle
     ranks: dict[str, int]  # server -> its scheduler processes
+    logs: dict[str, str]  # server -> its log
 
 
 def serve_sharded(
@@ -409,7 +411,8 @@ def serve_sharded(
             for n, s in mesh.servers.items()
             if s.process.name.startswith("p_")
         }
-    return ShardedRun(answers, timing, pools, ranks)
+        logs = {n: s.process.log_path.read_text(errors="replace") for n, s in mesh.servers.items()}
+    return ShardedRun(answers, timing, pools, ranks, logs)
 
 
 def _sharded_args(extra: list[str]) -> tuple[str, ...]:
@@ -481,7 +484,7 @@ def test_deepseek_nextn_sharded_gives_monolithic_tokens_and_acceptance(
     acceptance through the sharded pair matches monolithic NEXTN's: the draft layer's KV
     reaches every decode rank from whichever source rank was picked."""
     answers = deepseek_nextn_sharded.answers[route]
-    single = ShardedRun({route: answers}, {}, {}, {})
+    single = ShardedRun({route: answers}, {}, {}, {}, {})
     _assert_sharded_tokens(deepseek_nextn, single)
     _assert_sharded_tokens(deepseek, single)
     mono_rate = _accept_rate(deepseek_nextn.answers[:SHARDED_PROMPTS])
@@ -511,3 +514,47 @@ def test_qwen3_moe_tp2_to_tp2_gives_monolithic_tokens(
 ) -> None:
     _assert_sharded_tokens(qwen3_moe, qwen3_moe_sharded)
     _assert_every_rank_idle(qwen3_moe_sharded)
+
+
+@pytest.fixture(scope="module")
+def deepseek_dp_attention(
+    tmp_path_factory: pytest.TempPathFactory, patience: Patience
+) -> ShardedRun:
+    """The article's DP-decode deployment in small: a TP1 prefill server feeding one
+    decode server with DP attention (two attention-DP ranks, each its own pool and
+    requests, the MoE over both); each DP rank is a one-rank decoder to the prefill."""
+    args = _sharded_args([])
+    return serve_sharded(
+        tmp_path_factory.mktemp("deepseek-dp-attention"),
+        TINY_DEEPSEEK_V3_PATH,
+        [
+            MeshServer("p_tp1", "prefill", (*args, "--pd-kv-send", "layerwise")),
+            MeshServer(
+                "d_dp2",
+                "decode",
+                (
+                    *args,
+                    "--tp",
+                    "2",
+                    "--dp",
+                    "2",
+                    "--enable-dp-attention",
+                    "--decode-log-interval",
+                    "1",
+                ),
+            ),
+        ],
+        [("p_tp1", "d_dp2")],
+        patience,
+    )
+
+
+def test_deepseek_dp_attention_decode_gives_monolithic_tokens(
+    deepseek: Run, deepseek_dp_attention: ShardedRun
+) -> None:
+    _assert_sharded_tokens(deepseek, deepseek_dp_attention)
+    _assert_every_rank_idle(deepseek_dp_attention)
+    # both attention-DP ranks decoded requests of their own
+    log = deepseek_dp_attention.logs["d_dp2"]
+    for tag in ("DP0 TP0", "DP1 TP1"):
+        assert re.search(rf"{tag}\] Decode batch[^,]*, #running-req: [1-9]", log), tag
