@@ -21,7 +21,7 @@ from sgl_pd.config import (
     config_from_args,
 )
 from sgl_pd.errors import ConfigError
-from sgl_pd.harness.cpu import Harness, flag_value, plan_harness
+from sgl_pd.harness.cpu import Harness, flag_value, plan_harness, uses_dp_attention
 
 logger = logging.getLogger("sgl_pd.launch_server")
 
@@ -42,6 +42,21 @@ def _serves_pd(sglang_argv: list[str]) -> bool:
     mode = flag_value(sglang_argv, "--disaggregation-mode")
     backend = flag_value(sglang_argv, "--disaggregation-transfer-backend")
     return mode in ("prefill", "decode") and backend == BACKEND_NAME
+
+
+def _unsupported_parallelism(sglang_argv: list[str]) -> str | None:
+    """Why an sgl_pd server cannot run this parallel layout, or None; said before SGLang
+    starts its ranks (each would fail with a traceback of its own)."""
+    mode = flag_value(sglang_argv, "--disaggregation-mode")
+    if mode == "prefill" and uses_dp_attention(sglang_argv):
+        return (
+            "DP attention runs on decode servers only for now: start the prefill server "
+            "without --enable-dp-attention / --attn-dp-size (TP is fine)"
+        )
+    for flag in ("--pp-size", "--pipeline-parallel-size"):
+        if flag_value(sglang_argv, flag) not in (None, "1"):
+            return f"pipeline parallelism is not served yet: drop {flag}"
+    return None
 
 
 def _split_args(argv: list[str]) -> tuple[SglPdConfig, list[str]]:
@@ -87,6 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s")
     try:
         config, sglang_argv = _split_args(argv)
+        refusal = _unsupported_parallelism(sglang_argv) if _serves_pd(sglang_argv) else None
+        if refusal is not None:
+            raise ConfigError(refusal)
         if _serves_pd(sglang_argv) and config.auth_secret() is None:
             logger.warning(
                 "--pd-no-auth: peers are not authenticated; any process that reaches this"

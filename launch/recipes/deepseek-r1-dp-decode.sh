@@ -12,7 +12,8 @@
 #   PD:               TTFT p50 210 ms, ITL p50 19.6 / p99 20.0 ms, 51 tok/s per stream,
 #                     ~1 req/s per rank, 8 ranks per node
 #   15 mixed TP8 nodes (same GPUs): cannot keep up (11.5 of 32 req/s served)
-# DP attention on the decode side has not been run with sgl_pd's backend on GPUs yet.
+# DP attention on the decode side runs with sgl_pd's backend on CPU (the bundled tiny
+# DeepSeek-V3, TP1 prefill -> TP2 DP2 decode, tests/e2e/test_models.py); not yet on GPUs.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 MODEL="${MODEL_PATH:-deepseek-ai/DeepSeek-R1}"
 if [[ -z "${PREFILL_HOSTS:-}" ]]; then

@@ -66,6 +66,14 @@ def flag_value(argv: list[str], flag: str) -> str | None:
     return None
 
 
+def uses_dp_attention(argv: list[str]) -> bool:
+    """The server runs DP attention (the old flag or the attention-DP size)."""
+    return _given(argv, "--enable-dp-attention") or flag_value(argv, "--attn-dp-size") not in (
+        None,
+        "1",
+    )
+
+
 def plan_harness(requested: Harness | None, argv: list[str]) -> HarnessPlan:
     """Chooses the harness (``requested`` or auto-detected) and what it adds to ``argv``."""
     if requested is None:
@@ -88,14 +96,10 @@ def plan_harness(requested: Harness | None, argv: list[str]) -> HarnessPlan:
         # a decoder backs up retracted requests' KV in pinned host memory unless told to
         # keep plain CPU tensors; pinning needs the CUDA driver
         flags["--disaggregation-decode-retraction-backup"] = "cpu_tensor"
-        if _given(argv, "--enable-dp-attention") or flag_value(argv, "--attn-dp-size") not in (
-            None,
-            "1",
-        ):
-            # a DP-attention decoder's LM head exchanges logits with SGLang's all-to-all
-            # custom op, registered for CUDA only; the all-gather path it replaces runs
-            if not _given(argv, "--enable-tp-lm-head-all-to-all"):
-                flags["--no-enable-tp-lm-head-all-to-all"] = None
+        # a DP-attention decoder's LM head exchanges logits with SGLang's all-to-all
+        # custom op, registered for CUDA only; the all-gather path it replaces runs
+        if uses_dp_attention(argv) and not _given(argv, "--enable-tp-lm-head-all-to-all"):
+            flags["--no-enable-tp-lm-head-all-to-all"] = None
     for flag, value in flags.items():
         if not _given(argv, flag):
             extra += [flag] if value is None else [flag, value]

@@ -300,3 +300,11 @@ def test_every_kernel_keeps_the_wrapper_signature() -> None:
     }
     for name, fn in k.KERNELS.items():
         assert list(inspect.signature(fn).parameters) == theirs[name], name
+
+
+def test_a_ranks_cpu_list_is_read_as_linux_writes_it() -> None:
+    from sgl_pd.harness.cpu_shims import parse_cpu_list
+
+    assert parse_cpu_list("0") == [0]
+    assert parse_cpu_list("0,2-4") == [0, 2, 3, 4]
+    assert parse_cpu_list(" 1 , 3 ") == [1, 3]

@@ -6,6 +6,8 @@ import ctypes
 import subprocess
 import sys
 
+import pytest
+
 from sgl_pd.harness.build_stub import ensure_stub
 from sgl_pd.harness.cpu import CPU_SERVER_FLAGS, Harness, plan_harness
 
@@ -68,3 +70,45 @@ def test_launcher_rejects_a_bad_flag_value_without_a_traceback() -> None:
     )
     assert result.returncode == 2
     assert "invalid choice" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_dp_attention_decoder_keeps_the_lm_head_on_all_gather_on_cpu() -> None:
+    decode = ["--disaggregation-mode", "decode", "--tp", "2", "--dp", "2"]
+    plan = plan_harness(Harness.CPU, [*decode, "--enable-dp-attention"])
+    assert "--no-enable-tp-lm-head-all-to-all" in plan.extra_args
+    assert "--no-enable-tp-lm-head-all-to-all" not in plan_harness(Harness.CPU, decode).extra_args
+    chosen = plan_harness(
+        Harness.CPU, [*decode, "--attn-dp-size", "2", "--enable-tp-lm-head-all-to-all"]
+    )
+    assert "--no-enable-tp-lm-head-all-to-all" not in chosen.extra_args
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (
+            ["--disaggregation-mode", "prefill", "--tp", "2", "--enable-dp-attention"],
+            "DP attention",
+        ),
+        (["--disaggregation-mode", "decode", "--pp-size", "2"], "pipeline parallelism"),
+    ],
+)
+def test_launcher_refuses_unserved_parallelism_without_a_traceback(
+    flags: list[str], says: str
+) -> None:
+    argv = [
+        "--model-path",
+        "m",
+        *flags,
+        "--disaggregation-transfer-backend",
+        "sgl_pd",
+        "--pd-no-auth",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "sgl_pd.launch_server", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1 and says in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,30 @@
+"""Reading servers' idle-pool lines: one state per scheduler process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sgl_pd.cluster.logs import last_pool_state, pool_states
+
+LINES = """\
+[2026-12-02 16:43:38 TP0] sgl_pd pool idle: used 0 tokens, available 32768, evictable 0 (no leak)
+[2026-12-02 16:43:38 TP1] sgl_pd pool idle: used 5 tokens, available 32763, evictable 0 (no leak)
+[2026-12-02 16:43:39 TP0] sgl_pd pool idle: used 3 tokens, available 32765, evictable 0 (no leak)
+[2026-12-02 16:43:40 DP1 TP1] sgl_pd pool idle: used 0 tokens, available 32768, evictable 0 (LEAK)
+"""
+
+
+def test_each_rank_keeps_its_last_line(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    log.write_text(LINES)
+    assert pool_states(log) == {"TP0": (3, True), "TP1": (5, True), "DP1 TP1": (0, False)}
+    assert last_pool_state(log) == (8, False)
+
+
+def test_a_single_rank_server_without_a_tag(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    log.write_text("[2026-12-02 16:43:38] sgl_pd pool idle: used 0 tokens, available 9 (no leak)\n")
+    assert pool_states(log) == {"": (0, True)}
+    assert last_pool_state(log) == (0, True)
+    log.write_text("nothing yet\n")
+    assert last_pool_state(log) is None
