@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         png,
         ylabel="exposed transfer, ms (median)",
         title="Forward end to KV + metadata on the decoder, by TP pairing (CPU, TCP)",
+        log_scale=True,  # identical TP is milliseconds, mismatched hundreds
     )
     print(f"\nplot: {png}")
     largest = sizes[-1]
