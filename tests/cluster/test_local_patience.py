@@ -34,6 +34,13 @@ def test_default_patience_is_generous() -> None:
     assert p.health_failure_threshold >= 10
 
 
+def test_servers_with_more_scheduler_processes_get_longer_to_start() -> None:
+    one, two = Patience(), Patience(2.0)
+    assert one.servers_ready_s(1) == one.servers_ready_s(3) == one.server_ready_s
+    assert one.servers_ready_s(5) == one.server_ready_s + 2 * 60
+    assert two.servers_ready_s(5) == 2 * one.servers_ready_s(5)
+
+
 def test_one_factor_scales_every_wait() -> None:
     one, three = Patience(), Patience(3.0)
     assert three.server_ready_s == 3 * one.server_ready_s
