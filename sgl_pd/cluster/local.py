@@ -22,7 +22,7 @@ from pathlib import Path
 
 from sgl_pd.cluster.processes import ManagedProcess, free_ports, managed, python_module_argv
 from sgl_pd.errors import ConfigError
-from sgl_pd.harness.cpu import flag_value
+from sgl_pd.harness.cpu import flag_value, uses_dp_attention
 from sgl_pd.models import TINY_LLAMA_PATH
 
 HOST = "127.0.0.1"
@@ -322,7 +322,7 @@ def scheduler_ranks(argv: Sequence[str]) -> int:
         return int(values[-1]) if values else 1
 
     tp, dp = size(TP_FLAGS), size(DP_FLAGS)
-    return tp if "--enable-dp-attention" in args else tp * dp
+    return tp if uses_dp_attention(args) else tp * dp
 
 
 def placed_process(
@@ -453,7 +453,7 @@ def pd_cluster(
     ports = free_ports(5 + 2 * len(more_prefills))  # one call: all distinct
     prefill_port, decode_port, bootstrap_port, router_port, metrics_port = ports[:5]
     secret = ("--pd-auth-secret-file", str(write_cluster_secret(log_dir / "cluster.secret")))
-    # the first prefill, the further ones, the decoder: each its own cores where possible
+    # the prefill servers on one block of cores, the decoder on another (place_pd)
     placements = place_pd(
         [scheduler_ranks(a) for a in (prefill_extra, *more_prefills)],
         [scheduler_ranks(decode_extra)],

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from sgl_pd.backend.pool_report import POOL_LINE_PREFIX
 from sgl_pd.backend.prefill_messenger import TIMING_LINE_PREFIX
+from sgl_pd.cluster.local import Server, scheduler_ranks
 
 TimingLine = dict[str, str | float]
 
@@ -48,3 +51,27 @@ def last_pool_state(log: Path) -> tuple[int, bool] | None:
         return None
     used = [u for u, _ in states.values()]
     return (-1 if -1 in used else sum(used)), all(ok for _, ok in states.values())
+
+
+PoolStates = dict[str, dict[str, tuple[int, bool]]]  # server -> rank tag -> (used, no leak)
+
+
+def wait_pools_idle(servers: Mapping[str, Server], timeout_s: float) -> PoolStates:
+    """Every scheduler process of every server: its last idle-pool line, once each server
+    has a line from all its ranks and all report nothing in use and no leak - or the
+    states when `timeout_s` ran out, for the caller to show."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = {name: pool_states(s.process.log_path) for name, s in servers.items()}
+        if pools_idle(servers, states) or time.monotonic() > deadline:
+            return states
+        time.sleep(1)
+
+
+def pools_idle(servers: Mapping[str, Server], states: PoolStates) -> bool:
+    """Every rank of every server reported, with nothing in use and no leak."""
+    return all(
+        len(states[name]) == scheduler_ranks(s.process.argv)
+        and all(state == (0, True) for state in states[name].values())
+        for name, s in servers.items()
+    )

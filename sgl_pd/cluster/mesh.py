@@ -7,7 +7,7 @@ every pairing, which matters on a 2-core machine where a TP2 server is three or 
 processes. Routers are small (one Rust process each).
 
 Prefill servers share one block of cores and decode servers another (see
-`place_servers`); every server gets free ports, waits for readiness with a timeout and is
+`place_pd`); every server gets free ports, waits for readiness with a timeout and is
 stopped on exit, whatever happened inside.
 """
 
@@ -78,11 +78,9 @@ def pd_mesh(
     names = [s.name for s in servers]
     if len(set(names)) != len(names):
         raise ValueError(f"server names must be distinct: {names}")
-    by_name = {s.name: s for s in servers}
+    roles = {s.name: s.role for s in servers}
     for prefill, decode in routes:
-        if by_name.get(prefill, MeshServer("?", "decode")).role != "prefill" or (
-            by_name.get(decode, MeshServer("?", "prefill")).role != "decode"
-        ):
+        if roles.get(prefill) != "prefill" or roles.get(decode) != "decode":
             raise ValueError(f"route {prefill} -> {decode}: need a prefill and a decode server")
     prefills = [s for s in servers if s.role == "prefill"]
     decodes = [s for s in servers if s.role == "decode"]

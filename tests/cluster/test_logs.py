@@ -28,3 +28,17 @@ def test_a_single_rank_server_without_a_tag(tmp_path: Path) -> None:
     assert last_pool_state(log) == (0, True)
     log.write_text("nothing yet\n")
     assert last_pool_state(log) is None
+
+
+def test_idle_needs_a_line_from_every_rank_and_nothing_in_use(tmp_path: Path) -> None:
+    from sgl_pd.cluster.local import Server
+    from sgl_pd.cluster.logs import pools_idle
+    from sgl_pd.cluster.processes import ManagedProcess
+
+    log = tmp_path / "server.log"
+    server = Server("http://x", ManagedProcess("s", ["python", "--tp", "2"], log))
+    tp0 = "[2026-12-02 16:43:38 TP0] sgl_pd pool idle: used 0 tokens, available 9 (no leak)\n"
+    tp1 = "[2026-12-02 16:43:38 TP1] sgl_pd pool idle: used {} tokens, available 9 (no leak)\n"
+    for text, idle in ((tp0, False), (tp0 + tp1.format(4), False), (tp0 + tp1.format(0), True)):
+        log.write_text(text)
+        assert pools_idle({"s": server}, {"s": pool_states(log)}) is idle

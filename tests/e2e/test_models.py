@@ -31,7 +31,7 @@ from sgl_pd.cluster.local import (
     pd_cluster,
     scheduler_ranks,
 )
-from sgl_pd.cluster.logs import TimingLine, last_pool_state, pool_states, timing_lines
+from sgl_pd.cluster.logs import TimingLine, last_pool_state, timing_lines, wait_pools_idle
 from sgl_pd.cluster.mesh import MeshServer, pd_mesh
 from sgl_pd.cluster.prompts import long_prompt_ids, varied_prompts
 from sgl_pd.models import TINY_DEEPSEEK_V3_PATH, TINY_QWEN3_MOE_PATH
@@ -396,16 +396,7 @@ def serve_sharded(
                 url = mesh.router(*route)
                 answers[route] = list(pool.map(lambda p, url=url: ask_one(url, p), prompts))
         ranks = {name: scheduler_ranks(s.process.argv) for name, s in mesh.servers.items()}
-        deadline = time.monotonic() + patience.seconds(90)
-        while True:
-            pools = {n: pool_states(s.process.log_path) for n, s in mesh.servers.items()}
-            idle = all(
-                len(pools[n]) == ranks[n] and all(v == (0, True) for v in pools[n].values())
-                for n in pools
-            )
-            if idle or time.monotonic() > deadline:
-                break
-            time.sleep(1)
+        pools = wait_pools_idle(mesh.servers, patience.seconds(90))
         timing = {
             n: timing_lines(s.process.log_path)
             for n, s in mesh.servers.items()
@@ -459,9 +450,9 @@ def qwen3_moe_sharded(tmp_path_factory: pytest.TempPathFactory, patience: Patien
     )
 
 
-def _assert_sharded_tokens(reference: Run, run: ShardedRun) -> None:
+def _assert_sharded_tokens(reference: Run, by_route: dict[tuple[str, str], list[Answer]]) -> None:
     want = reference.answers[:SHARDED_PROMPTS]
-    for route, answers in run.answers.items():
+    for route, answers in by_route.items():
         mismatches = [
             (i, w.ids, g.ids)
             for i, (w, g) in enumerate(zip(want, answers, strict=True))
@@ -484,9 +475,8 @@ def test_deepseek_nextn_sharded_gives_monolithic_tokens_and_acceptance(
     acceptance through the sharded pair matches monolithic NEXTN's: the draft layer's KV
     reaches every decode rank from whichever source rank was picked."""
     answers = deepseek_nextn_sharded.answers[route]
-    single = ShardedRun({route: answers}, {}, {}, {}, {})
-    _assert_sharded_tokens(deepseek_nextn, single)
-    _assert_sharded_tokens(deepseek, single)
+    _assert_sharded_tokens(deepseek_nextn, {route: answers})
+    _assert_sharded_tokens(deepseek, {route: answers})
     mono_rate = _accept_rate(deepseek_nextn.answers[:SHARDED_PROMPTS])
     assert abs(_accept_rate(answers) - mono_rate) <= 0.05, (mono_rate, _accept_rate(answers))
     _assert_every_rank_idle(deepseek_nextn_sharded)
@@ -512,7 +502,7 @@ def test_a_replica_rank_that_writes_nothing_lets_the_request_complete(
 def test_qwen3_moe_tp2_to_tp2_gives_monolithic_tokens(
     qwen3_moe: Run, qwen3_moe_sharded: ShardedRun
 ) -> None:
-    _assert_sharded_tokens(qwen3_moe, qwen3_moe_sharded)
+    _assert_sharded_tokens(qwen3_moe, qwen3_moe_sharded.answers)
     _assert_every_rank_idle(qwen3_moe_sharded)
 
 
@@ -552,7 +542,7 @@ def deepseek_dp_attention(
 def test_deepseek_dp_attention_decode_gives_monolithic_tokens(
     deepseek: Run, deepseek_dp_attention: ShardedRun
 ) -> None:
-    _assert_sharded_tokens(deepseek, deepseek_dp_attention)
+    _assert_sharded_tokens(deepseek, deepseek_dp_attention.answers)
     _assert_every_rank_idle(deepseek_dp_attention)
     # both attention-DP ranks decoded requests of their own
     log = deepseek_dp_attention.logs["d_dp2"]

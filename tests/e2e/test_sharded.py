@@ -14,7 +14,6 @@ the module ends by SIGKILLing it mid-transfer and restarting it.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,8 +21,8 @@ import pytest
 
 from sgl_pd.cluster.campaign import first_success, kill_mid_transfer
 from sgl_pd.cluster.client import generate_ids
-from sgl_pd.cluster.local import Patience, Server, scheduler_ranks
-from sgl_pd.cluster.logs import pool_states, timing_lines
+from sgl_pd.cluster.local import Patience, Server
+from sgl_pd.cluster.logs import pools_idle, timing_lines, wait_pools_idle
 from sgl_pd.cluster.mesh import MeshServer, PdMesh, pd_mesh
 from sgl_pd.cluster.prompts import long_prompt_ids, varied_prompts
 
@@ -99,23 +98,6 @@ def _modes(server: Server) -> dict[str, int]:
     return modes
 
 
-def _wait_idle(
-    servers: dict[str, Server], patience: Patience
-) -> dict[str, dict[str, tuple[int, bool]]]:
-    """Every scheduler process of every server: its last idle-pool line, once all report
-    nothing in use and no leak (or the states when the wait ran out: the test shows them)."""
-    deadline = time.monotonic() + patience.seconds(90)
-    while True:
-        states = {name: pool_states(s.process.log_path) for name, s in servers.items()}
-        complete = all(
-            len(states[name]) == scheduler_ranks(s.process.argv) for name, s in servers.items()
-        )
-        idle = all(v == (0, True) for ranks in states.values() for v in ranks.values())
-        if (complete and idle) or time.monotonic() > deadline:
-            return states
-        time.sleep(1)
-
-
 def _assert_pairing_serves(
     mesh: PdMesh, page: int, route: tuple[str, str], want: list[list[int]]
 ) -> None:
@@ -132,9 +114,8 @@ def _assert_pairing_serves(
 
 
 def _assert_all_idle(mesh: PdMesh, patience: Patience) -> None:
-    states = _wait_idle(mesh.servers, patience)
-    assert all(len(states[n]) == scheduler_ranks(s.process.argv) for n, s in mesh.servers.items())
-    assert all(v == (0, True) for ranks in states.values() for v in ranks.values()), states
+    states = wait_pools_idle(mesh.servers, patience.seconds(90))
+    assert pools_idle(mesh.servers, states), states
 
 
 ROUTE_IDS = ["tp2-tp2", "tp2-tp1", "tp1-tp2"]
