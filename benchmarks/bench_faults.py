@@ -44,7 +44,6 @@ from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids, varied_prompts
 
 WRITE_DELAY_MS = 20
 FAILURE_RATE = 0.004
-LIVENESS_S = 1.5
 LONG_PROMPT_TOKENS = 1024
 SERVER_ARGS = ["--chunked-prefill-size", "128", "--log-level", "info"]
 
@@ -100,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         f"rate {FAILURE_RATE} per batch, {kills} kill(s) per side; logs in {log_dir}"
     )
     prompts = [prompt_ids(p) for p in varied_prompts(count, seed=31)]
-    pd_args = [*SERVER_ARGS, "--pd-liveness-timeout", str(LIVENESS_S)]
+    pd_args = list(SERVER_ARGS)
     with monolithic_server(log_dir / "mono", extra=SERVER_ARGS) as mono, pd_cluster(
         log_dir / "pd",
         prefill_extra=[

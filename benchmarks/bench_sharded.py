@@ -46,7 +46,7 @@ SERVER_ARGS = (
     # a cached prefix would be sent before the forward: every prompt is computed whole
     "--disable-radix-cache",
     "--log-level", "info",
-    "--pd-liveness-timeout", "30",  # seven busy processes on two cores answer late
+    "--pd-hang-timeout", "30",  # seven busy processes on two cores answer late
 )  # fmt: skip
 PAIRINGS = {  # name -> (prefill server, decode server)
     "tp1_tp1": ("p_tp1", "d_tp1"),

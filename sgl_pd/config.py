@@ -43,7 +43,9 @@ class SglPdConfig:
     transfer_timeout_s: float = 120.0  # a request's KV, from its destination pages to done
     kv_send: str = "layerwise"  # when a prefiller sends a chunk's KV: per layer or after it
     first_token: str = "decode"  # who samples the first token: the decoder (D16) or prefill
-    liveness_timeout_s: float = 1.5  # a peer silent this long is declared lost
+    # A peer that accepts connections but has not answered heartbeats this long is
+    # declared hung (a dead one, whose connections are refused, is lost within a second)
+    hang_timeout_s: float = 20.0
     # The cluster secret (hex of its bytes) that authenticates every control connection;
     # "" with no_auth=False: not configured, and PD serving refuses to start.
     auth_secret_hex: str = field(default="", repr=False)
@@ -66,7 +68,7 @@ class SglPdConfig:
             raise ConfigError(
                 f"--pd-first-token {self.first_token!r}: choose one of {FIRST_TOKEN_SAMPLERS}"
             )
-        for name in ("bootstrap_timeout_s", "transfer_timeout_s", "liveness_timeout_s"):
+        for name in ("bootstrap_timeout_s", "transfer_timeout_s", "hang_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if not self.inject_write_delay_ms >= 0:
@@ -255,12 +257,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Seconds a request's KV transfer may take before it fails and its pages are freed.",
     )
     group.add_argument(
-        "--pd-liveness-timeout",
+        "--pd-hang-timeout",
         type=float,
-        default=SglPdConfig.liveness_timeout_s,
-        help="Seconds without an answer to heartbeats after which a peer is declared lost: "
-        "a decoder fails the requests a lost prefill rank was writing, a prefill rank stops "
-        "writing to a lost decoder.",
+        default=SglPdConfig.hang_timeout_s,
+        help="Seconds a peer may leave heartbeats unanswered while it still accepts "
+        "connections (busy, starved, stopped) before it is declared hung: a decoder fails "
+        "the requests a hung prefill rank was writing, a prefill rank stops writing to a "
+        "hung decoder. A dead peer, whose connections are refused, is declared lost within "
+        "about a second whatever this says.",
     )
     group.add_argument(
         "--pd-inject-write-delay-ms",
@@ -290,7 +294,7 @@ def config_from_args(
         transfer_timeout_s=args.pd_transfer_timeout,
         kv_send=args.pd_kv_send,
         first_token=args.pd_first_token,
-        liveness_timeout_s=args.pd_liveness_timeout,
+        hang_timeout_s=args.pd_hang_timeout,
         inject_write_delay_ms=args.pd_inject_write_delay_ms,
         inject_write_failure_rate=args.pd_inject_write_failure_rate,
         auth_secret_hex="" if args.pd_no_auth else _secret_hex(args, environ),

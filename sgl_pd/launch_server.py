@@ -32,7 +32,8 @@ _HARNESS_APPLIED_ENV = "SGL_PD_HARNESS_APPLIED"
 # SGLang's deferred release of a decode request that ended early gives up waiting for the
 # prefill ranks' drain acks after this many seconds (default 30) and frees the pages
 # anyway. A write in flight ends within Mooncake's transfer timeout (30 s + 1 s/GiB), and
-# a lost rank is declared within --pd-liveness-timeout, so wait well past both.
+# a hung rank is declared within --pd-hang-timeout (a dead one within a second), so wait
+# well past both.
 DEFERRED_RELEASE_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
 DEFERRED_RELEASE_TIMEOUT_S = "120"
 
@@ -44,9 +45,10 @@ def _serves_pd(sglang_argv: list[str]) -> bool:
     return mode in ("prefill", "decode") and backend == BACKEND_NAME
 
 
-def _unsupported_parallelism(sglang_argv: list[str]) -> str | None:
-    """Why an sgl_pd server cannot run this parallel layout, or None; said before SGLang
-    starts its ranks (each would fail with a traceback of its own)."""
+def _unsupported(sglang_argv: list[str], config: SglPdConfig) -> str | None:
+    """Why an sgl_pd server cannot run with these SGLang options, or None; said before
+    SGLang starts its ranks (each would fail with a traceback of its own, or worse, run
+    and deliver wrong KV)."""
     mode = flag_value(sglang_argv, "--disaggregation-mode")
     if mode == "prefill" and uses_dp_attention(sglang_argv):
         return (
@@ -56,6 +58,30 @@ def _unsupported_parallelism(sglang_argv: list[str]) -> str | None:
     for flag in ("--pp-size", "--pipeline-parallel-size"):
         if flag_value(sglang_argv, flag) not in (None, "1"):
             return f"pipeline parallelism is not served yet: drop {flag}"
+    # Two-batch overlap runs each layer's attention for micro-batch A, then B: the hook
+    # that marks "layer L done" fires after A's o_proj, before B wrote layer L's KV.
+    if (
+        mode == "prefill"
+        and config.kv_send == "layerwise"
+        and "--enable-two-batch-overlap" in (sglang_argv)
+    ):
+        return (
+            "--enable-two-batch-overlap is not served with layer-wise streaming (a layer "
+            "counts as done after the first micro-batch): add --pd-kv-send after-forward"
+        )
+    # Optimistic prefill runs the forward while the decoder is still bootstrapping, so
+    # chunks would be counted with no destination to write them to.
+    attempts = flag_value(sglang_argv, "--optimistic-prefill-attempts")
+    if attempts not in (None, "0"):
+        return (
+            f"--optimistic-prefill-attempts {attempts} is not served: sgl_pd sends a chunk "
+            "only to a decoder that has asked for it; drop the flag"
+        )
+    if flag_value(sglang_argv, "--disaggregation-decode-allocation-policy") == "prefill_complete":
+        return (
+            "--disaggregation-decode-allocation-policy prefill_complete is not served "
+            "(it turns on optimistic prefill): keep the default, early"
+        )
     return None
 
 
@@ -102,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s")
     try:
         config, sglang_argv = _split_args(argv)
-        refusal = _unsupported_parallelism(sglang_argv) if _serves_pd(sglang_argv) else None
+        refusal = _unsupported(sglang_argv, config) if _serves_pd(sglang_argv) else None
         if refusal is not None:
             raise ConfigError(refusal)
         if _serves_pd(sglang_argv) and config.auth_secret() is None:

@@ -53,8 +53,11 @@ class DecodeKVManager(SglPdKVManager):
 
     # -- what the liveness thread watches -------------------------------------------------
 
-    def active_peers(self) -> set[str]:
+    def active_peers(self) -> dict[str, str | None]:
         return self.decode.active_peers()
+
+    def resumed_after_freeze(self, frozen_s: float) -> None:
+        self.decode.resumed_after_freeze(frozen_s)
 
     def peer_lost(self, inbox: str, why: str, gone: bool) -> None:
         self.peers.invalidate_inbox(inbox)  # a restarted prefiller has new endpoints

@@ -87,6 +87,7 @@ class _Track:
     counter: CompletionCounter
     metadata_source: int  # the prefill rank that writes word 0
     prefills: dict[int, str]  # every prefill rank asked -> its inbox (where aborts go)
+    sessions: dict[str, str]  # inbox -> that rank's transfer session (for liveness probes)
     instances: dict[int, int]  # every prefill rank asked -> its instance (who may report)
     reply_to: str  # this rank's inbox, where drain acks come back
     started_s: float
@@ -213,6 +214,7 @@ class DecodeMessenger:
             CompletionCounter(expectation),
             expectation.metadata_source,
             {peer.rank: peer.inbox for peer in prefills},
+            {peer.inbox: peer.session for peer in prefills},
             {peer.rank: peer.instance for peer in prefills},
             my_registration.inbox,
             self._now(),
@@ -302,16 +304,28 @@ class DecodeMessenger:
 
     # -- liveness thread ------------------------------------------------------------------
 
-    def active_peers(self) -> set[str]:
-        """Inboxes of prefill ranks that may still write into this rank's pages."""
+    def active_peers(self) -> dict[str, str | None]:
+        """Inbox -> transfer session of the prefill ranks that may still write into this
+        rank's pages."""
         with self._lock:
             return {
-                inbox
+                inbox: t.sessions.get(inbox)
                 for t in self._tracks.values()
                 if t.done_s is None
                 for rank, inbox in t.prefills.items()
                 if rank not in t.drained
             }
+
+    def resumed_after_freeze(self, frozen_s: float) -> None:
+        """This rank did not run past the hang timeout: its prefill ranks declared it
+        hung and stopped writing, so its unfinished requests fail (and abort) now rather
+        than at their transfer timeout."""
+        with self._lock:
+            rooms = [t.room for t in self._tracks.values() if t.error is None and t.done_s is None]
+        for room in rooms:
+            self.fail(
+                room, f"the decode rank did not run for {frozen_s:.1f} s (stopped or starved)"
+            )
 
     def peer_lost(self, inbox: str, why: str, gone: bool) -> None:
         """A prefill rank stopped answering: fail what it feeds, so clients hear within the
@@ -337,7 +351,7 @@ class DecodeMessenger:
                 track = self._tracks[e.request_id]
                 if track.error is None:
                     track.error = (
-                        f"KV transfer did not complete within {self._timeout_s:g} s "
+                        f"KV transfer made no progress for {self._timeout_s:g} s "
                         f"({track.counter.received} write groups arrived); raise "
                         "--pd-transfer-timeout or check the prefill server's log"
                     )
@@ -368,6 +382,7 @@ class DecodeMessenger:
         # A snapshot: prefill ranks keep writing into the live row while we read it. A
         # word caught half-written fails its request tag and is read again next poll.
         row = self._words[track.slot].copy()
+        received = track.counter.received
         try:
             if not track.metadata_seen and int(row[METADATA_WORD]) == metadata_word(track.room):
                 track.metadata_seen = True
@@ -381,6 +396,8 @@ class DecodeMessenger:
             return
         if track.counter.received and self._states.state(track.room) is _D.REQUESTED:
             self._states.transition(track.room, _D.TRANSFERRING)
+        elif track.counter.received > received:
+            self._states.progressed(track.room)  # the deadline bounds a stall
         self._check_done(track)
 
     def _check_done(self, track: _Track) -> None:

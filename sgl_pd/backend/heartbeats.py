@@ -1,7 +1,20 @@
 """The liveness thread of one rank: pings the peers its messenger has requests with,
-answers their pings, and declares silent peers lost within `timeout_s` (D2's "failures
-never strand a request": a killed prefiller fails its decode requests in seconds, a
-killed decoder stops the writes into it).
+answers their pings, and tells dead peers from busy ones (D2's "failures never strand a
+request", without failing healthy ones).
+
+- Dead: a peer silent for `SUSPECT_AFTER_S` is probed. When its inbox *and* its transfer
+  engine's listener both refuse connections, its kernel closed them: the process is gone
+  and can write nothing more, so its requests fail at once (well within 2 s of a crash).
+  Both must refuse: an inbox thread that died in a live process refuses too, while its
+  engine may still be writing.
+- Busy: a live process that misses pings (GIL held, CPU oversubscribed, a short SIGSTOP)
+  still accepts connections, so nothing fails before the hang timeout.
+- Hung: silent past `hang_timeout_s` (reachable or not), its requests fail; a decoder
+  keeps the pages until the prefill rank acks the abort or SGLang's deferred release
+  gives up on it.
+- Frozen itself: when this thread wakes after a gap longer than the hang timeout, this
+  process was stopped while its peers gave up on it; the messenger fails what it still
+  holds before any writer may write again (`FreezeWatch`).
 
 It also gives the messenger a steady tick for deadlines and bounded memory.
 """
@@ -13,7 +26,7 @@ import threading
 from typing import Protocol
 
 from sgl_pd.core.clock import Clock
-from sgl_pd.core.liveness import PeerLiveness
+from sgl_pd.core.liveness import FreezeWatch, PeerLiveness
 from sgl_pd.core.wire import Heartbeat, HeartbeatAck
 from sgl_pd.errors import SglPdError
 from sgl_pd.log_limits import LogLimiter, peer_text
@@ -22,7 +35,8 @@ from sgl_pd.messenger.probe import listener_gone
 
 logger = logging.getLogger("sgl_pd.liveness")
 
-PINGS_PER_TIMEOUT = 6  # pings sent to a silent peer before it is declared lost
+PING_INTERVAL_S = 0.25  # seconds between pings to each watched peer
+SUSPECT_AFTER_S = 0.75  # seconds of silence after which a peer's connections are probed
 # Pings are answered only from peers this rank had requests with in the last ANSWER_GRACE_S:
 # a peer pings only while it has requests here, and answering strangers would let anyone
 # make this rank open connections to endpoints of their choosing.
@@ -32,13 +46,35 @@ ANSWER_GRACE_S = 60.0
 class Watched(Protocol):
     """What a role's messenger offers the liveness thread."""
 
-    def active_peers(self) -> set[str]: ...
+    def active_peers(self) -> dict[str, str | None]:
+        """Inbox -> transfer session ("host:port" of its engine, None if unknown) of every
+        peer this rank has requests with."""
+        ...
 
     def peer_lost(self, inbox: str, why: str, gone: bool) -> None:
-        """`inbox` stopped answering; `gone`: its port refuses connections, so the
-        process is dead and can write nothing more (else it may only be slow)."""
+        """`inbox` is lost; `gone`: its connections are refused, so the process is dead
+        and can write nothing more (else it hung: it may still write)."""
+
+    def resumed_after_freeze(self, frozen_s: float) -> None:
+        """This process did not run for `frozen_s` seconds, past the hang timeout."""
 
     def housekeeping(self) -> None: ...
+
+
+def peer_gone(inbox: str, session: str | None) -> bool:
+    """True only when the peer's inbox refuses connections and so does its transfer
+    engine's listener (or it has none we can probe)."""
+    try:
+        if not listener_gone(inbox):
+            return False
+    except SglPdError:  # not an address we can probe: nothing proves it gone
+        return False
+    if session is None:
+        return True
+    try:
+        return listener_gone(f"tcp://{session}")
+    except SglPdError:
+        return True
 
 
 class Heartbeats:
@@ -48,18 +84,24 @@ class Heartbeats:
         outbox: Outbox,
         watched: Watched,
         *,
-        timeout_s: float,
+        hang_timeout_s: float,
         clock: Clock,
         name: str,
+        freeze: FreezeWatch | None = None,
     ) -> None:
         self._me = my_inbox
         self._outbox = outbox
         self._watched = watched
         self._clock = clock
         self._lock = threading.Lock()  # guards the tracker: the inbox thread reports answers
+        interval_s = min(PING_INTERVAL_S, hang_timeout_s / 8)
         self._liveness = PeerLiveness(
-            clock, interval_s=timeout_s / PINGS_PER_TIMEOUT, timeout_s=timeout_s
+            clock,
+            interval_s=interval_s,
+            suspect_after_s=min(SUSPECT_AFTER_S, hang_timeout_s / 2),
+            hang_timeout_s=hang_timeout_s,
         )
+        self.freeze = freeze if freeze is not None else FreezeWatch(clock, hang_timeout_s)
         self._peers: dict[str, float] = {}  # peer inbox -> last time it was active
         self.unanswered = 0  # pings from peers this rank has no requests with
         self._log = LogLimiter(logger)
@@ -99,7 +141,7 @@ class Heartbeats:
 
     def _run(self) -> None:
         while not self._stop.wait(self._liveness.interval_s / 2):
-            for step in (self._tick, self._watched.housekeeping):
+            for step in (self._check_freeze, self._tick, self._watched.housekeeping):
                 try:
                     step()
                 except Exception:  # a bug; the next tick tries again
@@ -111,6 +153,23 @@ class Heartbeats:
                         exc_info=True,
                     )
 
+    def _check_freeze(self) -> None:
+        """Requests first, beat after: a writer that wakes before this thread sees the
+        old beat and holds off (`FreezeWatch.frozen`)."""
+        gap_s = self.freeze.gap_s()
+        if gap_s > self._liveness.hang_timeout_s:
+            logger.error(
+                "this process did not run for %.1f s, past the hang timeout (%g s): its "
+                "peers have given up on its requests",
+                gap_s,
+                self._liveness.hang_timeout_s,
+            )
+            with self._lock:  # every silence so far is ours, not the peers'
+                for endpoint in list(self._peers):
+                    self._liveness.heard(endpoint)
+            self._watched.resumed_after_freeze(gap_s)
+        self.freeze.beat()
+
     def _tick(self) -> None:
         active = self._watched.active_peers()
         now = self._clock.monotonic()
@@ -121,16 +180,23 @@ class Heartbeats:
                 del self._peers[peer]
         for endpoint, seq in tick.pings:
             self._outbox.send(endpoint, Heartbeat(sender=self._me, seq=seq, time_s=now))
-        for endpoint in tick.dead:
-            try:
-                gone = listener_gone(endpoint)
-            except SglPdError:  # not an address we can probe: nothing proves it gone
-                gone = False
+        for endpoint in tick.suspects:
+            if endpoint not in tick.hung and peer_gone(endpoint, active.get(endpoint)):
+                silent_s = self._liveness.silence_s(endpoint) or 0.0
+                with self._lock:
+                    self._liveness.lost(endpoint)
+                why = (
+                    f"peer {endpoint} is gone: silent for {silent_s:.1f} s and its "
+                    "connections are refused (the process exited or was killed)"
+                )
+                self._watched.peer_lost(endpoint, why, True)
+        for endpoint in tick.hung:
             why = (
-                f"peer {endpoint} did not answer heartbeats for {self._liveness.timeout_s:g} s"
-                + (" (its process is gone)" if gone else " (busy, frozen or unreachable)")
+                f"peer {endpoint} hung: no answer to heartbeats for "
+                f"{self._liveness.hang_timeout_s:g} s though it accepts connections, or it "
+                "is unreachable (raise --pd-hang-timeout if it was only busy)"
             )
-            self._watched.peer_lost(endpoint, why, gone)
+            self._watched.peer_lost(endpoint, why, False)
 
     def stop(self, timeout_s: float = 2.0) -> None:
         self._stop.set()

@@ -27,6 +27,7 @@ from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription, describe_pool
 from sgl_pd.config import SglPdConfig
 from sgl_pd.core.clock import Clock, SystemClock
+from sgl_pd.core.liveness import FreezeWatch
 from sgl_pd.core.sharding import ShardingScheme
 from sgl_pd.core.wire import (
     FrameCodec,
@@ -210,14 +211,16 @@ class SglPdKVManager(BaseKVManager):
         )
 
         clock = SystemClock()
+        self.freeze = FreezeWatch(clock, self.config.hang_timeout_s)
         watched = self._start_role(server_args, clock)
         self.heartbeats = Heartbeats(
             self.inbox.endpoint,
             self.outbox,
             watched,
-            timeout_s=self.config.liveness_timeout_s,
+            hang_timeout_s=self.config.hang_timeout_s,
             clock=clock,
             name=f"{self.role.value}-{self.rank}",
+            freeze=self.freeze,
         )
         health.watch(self.problem)
         self._serve()

@@ -40,6 +40,7 @@ class PrefillKVManager(SglPdKVManager):
             metrics=self.metrics,
             timeout_s=self.config.transfer_timeout_s,
             clock=clock,
+            freeze=self.freeze,
         )
         self.streamer: LayerStreamer | None = attach_messenger(self.prefill, layerwise)
         self.registration = self.registration_for(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.prefill_rooms import Chunk, Destination, PrefillRooms, Room
 from sgl_pd.backend.prefill_writer import DestinationWriters, KvWriter, LayersJob, MetadataJob
 from sgl_pd.core.clock import Clock
+from sgl_pd.core.liveness import FreezeWatch
 from sgl_pd.core.sharding import ShardingScheme
 from sgl_pd.core.states import PrefillState
 from sgl_pd.core.wire import (
@@ -71,6 +73,7 @@ class PrefillMessenger:
         metrics: TransferMetrics,
         timeout_s: float,
         clock: Clock,
+        freeze: FreezeWatch | None = None,
     ) -> None:
         self.rank = rank
         self.instance = instance
@@ -89,6 +92,7 @@ class PrefillMessenger:
             timeout_s=timeout_s,
             clock=clock,
             draft_layers=pool.draft_layers,
+            freeze=freeze,
         )
         self.writers = DestinationWriters(
             self.rooms,
@@ -141,18 +145,26 @@ class PrefillMessenger:
     ) -> Chunk | None:
         return self.rooms.notice_chunk(room_id, src_pages, end_token, is_last)
 
-    def submit_chunk(self, room_id: int, pages: np.ndarray, num_tokens: int) -> None:
+    def submit_chunk(
+        self, room_id: int, pages: np.ndarray, num_tokens: int, ready: Any = None
+    ) -> None:
+        """`ready`: an event (``synchronize()``) the KV of this send is complete after;
+        the writer waits on it, never the scheduler."""
         writes = self.rooms.submit_chunk(room_id, pages, num_tokens)
         for chunk, layers in writes:
             for dest in self._destinations(room_id):
-                self.writers.put(LayersJob(dest, chunk, layers))
+                self.writers.put(LayersJob(dest, chunk, layers, ready))
         # only now may the metadata follow them on the destinations' queues
         self.rooms.writes_queued(room_id, writes)
         self._queue_metadata(room_id)
 
     def abort(self, room_id: int, reason: str) -> None:
-        """SGLang's own abort: no decoder to ack, but the writes stop all the same."""
-        self.rooms.abort(room_id, reason, None, None)
+        """SGLang's own abort: the writes stop, and the decoders hear at once (SGLang may
+        never poll this request again; `PrefillRooms.sweep` drops it once drained)."""
+        requests = self.rooms.abort_own(room_id, reason)
+        if requests:
+            self._metrics.add_failure()
+            self._tell_decoders(requests, reason)
 
     def forget(self, room_id: int) -> tuple[int, float | None]:
         """Drops a concluded request; returns (bytes sent, seconds from first write to done)."""
@@ -181,15 +193,25 @@ class PrefillMessenger:
 
     # -- liveness thread ----------------------------------------------------------------
 
-    def active_peers(self) -> set[str]:
+    def active_peers(self) -> dict[str, str | None]:
         return self.rooms.active_decoders()
+
+    def resumed_after_freeze(self, frozen_s: float) -> None:
+        """Every live request fails: its decoders declared this rank hung and may have
+        freed its pages, so nothing more is written (writers hold off until now)."""
+        why = f"the prefill rank did not run for {frozen_s:.1f} s (stopped or starved)"
+        for room_id in self.rooms.fail_all(why):
+            self._metrics.add_failure()
+            for room in self.rooms.rooms_of([room_id]):
+                self._tell_decoders(list(room.requests.values()), why)
 
     def peer_lost(self, inbox: str, why: str, gone: bool) -> None:
         """A decode rank stopped answering: stop writing to it (always safe, whether it
         is `gone` or slow); its requests' source pages free once their writes ended."""
-        for room_id in self.rooms.decoder_lost(inbox, why):
+        for room_id, others in self.rooms.decoder_lost(inbox, why):
             logger.warning("request %d: %s", room_id, why)
             self._metrics.add_failure()
+            self._tell_decoders(others, f"another decode rank of the request is lost: {why}")
 
     def housekeeping(self) -> None:
         """Deadlines and bounded memory, a few times a second."""
@@ -198,6 +220,8 @@ class PrefillMessenger:
             _peer_log.warning("expired", "request %d: %s", room_id, peer_text(why, 300))
             for room in self.rooms.rooms_of([room_id]):
                 self._tell_decoders(list(room.requests.values()), why)
+        for room_id, acks in self.rooms.settle_quarantined():
+            self._ack(room_id, acks)
         self.rooms.sweep()
 
     # -- any thread ---------------------------------------------------------------------

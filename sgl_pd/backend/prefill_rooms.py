@@ -2,11 +2,19 @@
 flight, and the drain acks it owes.
 
 A request (SGLang's bootstrap room) moves WAITING_FOR_DECODER -> READY -> SENDING -> DONE
-(`core.states.PREFILL_TABLE`), or to FAILED / ABORTED / TIMED_OUT from any of them. Its
-source pages go back to SGLang only once it is final *and* drained: `inflight` counts the
-write jobs that passed `begin_write` and have not ended, and none starts once the request
-failed. A decoder's `Abort` is answered with an `AbortAck` at that moment, never before,
-which is what lets the decoder free its own pages safely.
+(`core.states.PREFILL_TABLE`), or to FAILED / ABORTED / TIMED_OUT from any of them.
+
+May its pages be freed? Everything that answers it is here (`_settle`): a request is
+*drained* once it is final, no write job is between `begin_write` and `end_write`, and
+no failed batch may still be landing (a failed Mooncake batch reports failure as soon as
+one of its writes fails, while others may still be posted: the request stays undrained
+for `FAILED_BATCH_QUARANTINE_S`, the engine's transfer timeout, after such a failure).
+No job starts once a request is final (`begin_write` refuses). Then, and only then:
+- its source pages are unpinned (`core.pins`): SGLang may reuse them, however and
+  whenever it freed them (radix de-duplication, its own aborts);
+- SGLang's `poll` may report Failed (SGLang frees the pages it still holds);
+- the `AbortAck`s owed to decoders go out, which is what lets a decoder free its own
+  pages (so a decoder never frees pages a write of ours may still land in).
 
 Threads: SGLang's scheduler thread, the inbox thread, the layer streamer and the
 destination writers all call in; every method takes the one lock and never does I/O.
@@ -23,13 +31,20 @@ import numpy as np
 from sgl_pd.core.clock import Clock
 from sgl_pd.core.counting import links_into
 from sgl_pd.core.layout import KvLayout
+from sgl_pd.core.liveness import FreezeWatch
+from sgl_pd.core.pins import PagePins
 from sgl_pd.core.plan import AddressedPlan, TokenRange
 from sgl_pd.core.sharding import ShardingScheme, ShardLink, link_shards
 from sgl_pd.core.states import PREFILL_TABLE, PrefillState, RequestTracker
 from sgl_pd.core.wire import TransferRequest
 
 _P = PrefillState
-UNOWNED_GRACE_S = 60.0  # a request no SGLang sender claimed is dropped this long after it ends
+# A final, drained request SGLang has not forgotten this long after it ended never will
+# be (SGLang dropped it on one of its own paths, or never made a sender for it): dropped.
+UNOWNED_GRACE_S = 60.0
+# Seconds a request stays undrained after one of its write batches failed: Mooncake's
+# transfer timeout (30 s + 1 s/GiB) twice, after which no write of that batch is posted.
+FAILED_BATCH_QUARANTINE_S = 60.0
 # Requests decoders asked for that SGLang has not seen (yet): in the router flow both sides
 # get a request at about the same time, so a few; more is a peer flooding this rank.
 MAX_UNOWNED_ROOMS = 4096
@@ -88,6 +103,7 @@ class Room:
     metadata_queued: bool = False
     metadata_pending: int = 0  # destinations whose metadata job has not finished
     inflight: int = 0  # write jobs between begin_write and end_write
+    quarantine_until_s: float | None = None  # a failed batch may land until then
     error: str | None = None
     acks_owed: set[str] = field(default_factory=set)  # decoder inboxes awaiting a drain ack
     ended_s: float | None = None  # when it became final
@@ -117,6 +133,8 @@ class PrefillRooms:
         timeout_s: float,
         clock: Clock,
         draft_layers: int = 0,
+        freeze: FreezeWatch | None = None,
+        pins: PagePins | None = None,
     ) -> None:
         self.rank = rank
         self.scheme = scheme
@@ -127,6 +145,8 @@ class PrefillRooms:
         self.draft_layers = range(layout.num_layers - draft_layers, layout.num_layers)
         self.timeout_s = timeout_s
         self._clock = clock
+        self._freeze = freeze
+        self.pins = pins if pins is not None else PagePins()
         self._lock = threading.Lock()
         self._rooms: dict[int, Room] = {}
         deadlines = {_P.WAITING_FOR_DECODER: timeout_s, _P.READY: timeout_s, _P.SENDING: timeout_s}
@@ -204,8 +224,10 @@ class PrefillRooms:
                 np.asarray(src_pages, dtype=np.int64),
                 is_last,
             )
+            self.pins.pin(room_id, chunk.src_pages)
             room.chunks += 1
             room.tokens_planned = end_token
+            self._states.progressed(room_id)
             if self.draft_layers:
                 room.awaiting_draft.append(chunk)
                 room.draft_layers_queued = False
@@ -225,6 +247,9 @@ class PrefillRooms:
             if room.error is not None:
                 return []
             room.pages_sent += len(pages)
+            self.pins.pin(room_id, pages)
+            if not PREFILL_TABLE.is_final(self._states.state(room_id)):
+                self._states.progressed(room_id)
             is_last = room.num_pages is not None and room.pages_sent >= room.num_pages
             due: list[tuple[Chunk, range]] = []
             if not self.layerwise:
@@ -309,6 +334,10 @@ class PrefillRooms:
             room = self._rooms.get(room_id)
             if room is None or room.error is not None:
                 return None
+            if self._freeze is not None and self._freeze.frozen():
+                # woken from a freeze before the liveness thread: the decoders may have
+                # freed these pages; the liveness thread fails the request next
+                return None
             room.inflight += 1
             now = self._clock.monotonic()
             if room.first_write_s is None:
@@ -318,10 +347,16 @@ class PrefillRooms:
             return room
 
     def end_write(
-        self, room_id: int, bytes_sent: int, writes: int = 0, metadata_done: bool = False
+        self,
+        room_id: int,
+        bytes_sent: int,
+        writes: int = 0,
+        metadata_done: bool = False,
+        batch_failed: bool = False,
     ) -> WriteEnd:
         """A write job ended (either way): the drain acks now owed, and whether this job
-        completed the request."""
+        completed the request. `batch_failed`: the engine reported a failed batch, some
+        of whose writes may still be posted."""
         with self._lock:
             room = self._rooms.get(room_id)
             if room is None:
@@ -329,14 +364,19 @@ class PrefillRooms:
             room.inflight -= 1
             room.bytes_sent += bytes_sent
             room.writes_posted += writes
+            now = self._clock.monotonic()
+            if batch_failed:
+                room.quarantine_until_s = now + FAILED_BATCH_QUARANTINE_S
+            elif bytes_sent and room.error is None:
+                self._states.progressed(room_id)
             completed = None
             if metadata_done and room.error is None:
                 room.metadata_pending -= 1
                 if room.metadata_pending == 0:
-                    room.done_s = self._clock.monotonic()
+                    room.done_s = now
                     self._end(room, _P.DONE)
                     completed = room
-            return WriteEnd(self._drained_acks(room), completed)
+            return WriteEnd(self._settle(room), completed)
 
     # -- failures ---------------------------------------------------------------------------
 
@@ -350,6 +390,7 @@ class PrefillRooms:
                 return []
             room.error = reason
             self._end(room, state)
+            self._settle(room)
             return list(room.requests.values())
 
     def abort(
@@ -378,21 +419,39 @@ class PrefillRooms:
                 self._end(room, _P.ABORTED)
             if ack_to:
                 room.acks_owed.add(ack_to)
-            return self._drained_acks(room)
+            return self._settle(room)
 
-    def decoder_lost(self, inbox: str, why: str) -> list[int]:
-        """A decode rank stopped answering: fail every request writing to it."""
+    def abort_own(self, room_id: int, reason: str) -> list[TransferRequest]:
+        """SGLang aborts the request itself: it stops like a decoder's abort; returns the
+        decode ranks to tell (they would otherwise wait for KV until their timeout)."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+            if room is None or room.error is not None:
+                return []
+            room.error = reason
+            self._end(room, _P.ABORTED)
+            self._settle(room)
+            return list(room.requests.values())
+
+    def decoder_lost(self, inbox: str, why: str) -> list[tuple[int, list[TransferRequest]]]:
+        """A decode rank is lost: fail every request writing to it. Returns (room, the
+        room's *other* decode ranks): they must hear, or they wait for KV that never
+        comes until their transfer timeout."""
         with self._lock:
             rooms = [
                 r
                 for r in self._rooms.values()
                 if self._live(r) and any(q.decoder_inbox == inbox for q in r.requests.values())
             ]
+            out = []
             for room in rooms:
                 room.error = why
                 self._end(room, _P.FAILED)
                 room.acks_owed.discard(inbox)
-            return [room.room for room in rooms]
+                self._settle(room)
+                others = [q for q in room.requests.values() if q.decoder_inbox != inbox]
+                out.append((room.room, others))
+            return out
 
     def expire(self) -> list[tuple[int, str]]:
         """Requests past their state's deadline, now TIMED_OUT: (room, reason)."""
@@ -406,10 +465,29 @@ class PrefillRooms:
                         "check that the decode server reaches this prefiller's bootstrap port"
                     )
                 else:
-                    why = f"request {room.room} stayed {e.state.value} for {e.waited_s:.1f} s"
+                    why = (
+                        f"request {room.room} made no progress for {e.waited_s:.1f} s "
+                        f"({e.state.value})"
+                    )
                 room.error = why
                 room.ended_s = self._clock.monotonic()
+                self._settle(room)
                 out.append((room.room, why))
+            return out
+
+    def settle_quarantined(self) -> list[tuple[int, set[str]]]:
+        """Requests whose failed-batch quarantine ended: (room, drain acks now owed)."""
+        with self._lock:
+            now = self._clock.monotonic()
+            out = []
+            for room in self._rooms.values():
+                until = room.quarantine_until_s
+                if until is not None and now >= until:
+                    room.quarantine_until_s = None
+                    room.ended_s = now  # SGLang's poll gets its grace from now
+                    acks = self._settle(room)
+                    if acks:
+                        out.append((room.room, acks))
             return out
 
     # -- SGLang's view ----------------------------------------------------------------------
@@ -420,43 +498,69 @@ class PrefillRooms:
             room = self._rooms.get(room_id)
             if room is None:
                 return None
-            return self._states.state(room_id), room.inflight == 0, room.error
+            return self._states.state(room_id), self._drained(room), room.error
 
     def forget(self, room_id: int) -> Room | None:
         """SGLang is done with the request (it no longer holds pages for it)."""
         with self._lock:
-            room = self._rooms.pop(room_id, None)
-            if room is not None:
-                self._states.forget(room_id)
+            room = self._rooms.get(room_id)
+            if room is None:
+                return None
+            if not self._drained(room):
+                # SGLang gave up on it while writes run: they stop, and the request
+                # stays until they ended (its pins with it); `sweep` drops it then
+                if room.error is None:
+                    room.error = "dropped by the prefill scheduler"
+                    self._end(room, _P.FAILED)
+                return room
+            del self._rooms[room_id]
+            self._states.forget(room_id)
+            self.pins.unpin(room_id)
             return room
 
     def sweep(self) -> int:
-        """Drops final, drained requests no SGLang sender claimed (a decoder asked, the
-        router's copy never came): bounded memory whatever peers send. Returns how many."""
+        """Drops final, drained requests SGLang never forgot (no SGLang sender claimed
+        it: a decoder asked, the router's copy never came; or SGLang dropped it on a path
+        that stops polling, such as its own aborts) a grace period after they ended:
+        bounded memory whatever peers send and whatever SGLang does. Returns how many."""
         with self._lock:
             now = self._clock.monotonic()
             stale = [
                 r.room
                 for r in self._rooms.values()
-                if not r.owned
-                and r.ended_s is not None
-                and r.inflight == 0
-                and now - r.ended_s > UNOWNED_GRACE_S
+                if r.ended_s is not None and self._drained(r) and now - r.ended_s > UNOWNED_GRACE_S
             ]
             for room_id in stale:
                 del self._rooms[room_id]
                 self._states.forget(room_id)
+                self.pins.unpin(room_id)
             return len(stale)
 
-    def active_decoders(self) -> set[str]:
-        """Inboxes of the decode ranks this rank has live requests with (for liveness)."""
+    def counts(self) -> tuple[int, int]:
+        """(requests known, write jobs in flight), for the gauges and the pool line."""
+        with self._lock:
+            return len(self._rooms), sum(r.inflight for r in self._rooms.values())
+
+    def active_decoders(self) -> dict[str, str | None]:
+        """Inbox -> transfer session of the decode ranks this rank has live requests with
+        (for liveness)."""
         with self._lock:
             return {
-                q.decoder_inbox
+                q.decoder_inbox: q.decoder.session
                 for r in self._rooms.values()
                 if self._live(r) or r.inflight
                 for q in r.requests.values()
             }
+
+    def fail_all(self, why: str) -> list[int]:
+        """Fails every live request (this process was frozen past the hang timeout)."""
+        with self._lock:
+            rooms = [r for r in self._rooms.values() if self._live(r)]
+            for room in rooms:
+                room.error = why
+                self._end(room, _P.FAILED)
+                self._settle(room)
+            return [room.room for room in rooms]
 
     def rooms_of(self, room_ids: Iterable[int]) -> list[Room]:
         with self._lock:
@@ -494,8 +598,18 @@ class PrefillRooms:
             self._states.transition(room.room, state)
         room.ended_s = self._clock.monotonic()
 
-    def _drained_acks(self, room: Room) -> set[str]:
-        if room.error is None or room.inflight or not room.acks_owed:
+    def _drained(self, room: Room) -> bool:
+        """No write of the request is running or may still land."""
+        return room.inflight == 0 and room.quarantine_until_s is None
+
+    def _settle(self, room: Room) -> set[str]:
+        """The one answer to "may its pages be freed?" (see the module's docstring):
+        once the request is final and drained its pins go and its drain acks are due.
+        Returns the decoder inboxes to ack now."""
+        if not (self._drained(room) and PREFILL_TABLE.is_final(self._states.state(room.room))):
+            return set()
+        self.pins.unpin(room.room)
+        if room.error is None or not room.acks_owed:
             return set()
         acks, room.acks_owed = room.acks_owed, set()
         return acks

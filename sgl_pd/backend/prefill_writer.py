@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.prefill_rooms import Chunk, Destination, PrefillRooms, Room
@@ -25,6 +26,7 @@ from sgl_pd.errors import SglPdError
 from sgl_pd.messenger.keyed_workers import KeyedWorkers
 from sgl_pd.transfer.completion import CompletionWordWriter
 from sgl_pd.transfer.engine import TransferEngine, Writes
+from sgl_pd.transfer.errors import TransferFailed
 
 logger = logging.getLogger("sgl_pd.prefill")
 
@@ -36,6 +38,9 @@ class LayersJob:
     destination: Destination
     chunk: Chunk
     layers: range
+    # an event the chunk's KV is complete after (SGLang's early send under the overlap
+    # scheduler: a CUDA event on the forward stream); the writer synchronizes on it
+    ready: Any = None
 
 
 @dataclass(frozen=True)
@@ -202,13 +207,19 @@ class DestinationWriters:
         room = self._rooms.begin_write(room_id, job.chunk if isinstance(job, LayersJob) else None)
         if room is None:
             return  # failed or gone: nothing more is written for it
-        sent, done = Sent(), False
+        sent, done, landing = Sent(), False, False
         try:
             if isinstance(job, LayersJob):
+                if job.ready is not None:
+                    job.ready.synchronize()
                 sent = self._writer.write_layers(job.destination, job.chunk, job.layers)
             else:
                 sent = self._writer.write_metadata(job.destination, room.aux_index, room)
                 done = True
+        except TransferFailed as e:
+            landing = e.may_still_land
+            logger.error("request %d: %s", room_id, e)
+            self._on_failure(room_id, str(e))
         except SglPdError as e:
             logger.error("request %d: %s", room_id, e)
             self._on_failure(room_id, str(e))
@@ -216,7 +227,9 @@ class DestinationWriters:
             logger.exception("request %d: internal error", room_id)
             self._on_failure(room_id, f"internal error: {e!r}")
         finally:
-            end = self._rooms.end_write(room_id, sent.bytes, sent.writes, metadata_done=done)
+            end = self._rooms.end_write(
+                room_id, sent.bytes, sent.writes, metadata_done=done, batch_failed=landing
+            )
             self._on_bytes(sent.bytes)
             if end.acks:
                 self._on_drained(room_id, end.acks)

@@ -115,6 +115,13 @@ def register_backend() -> None:
         first_token.before_prefill_bootstrap_add,
         HookType.BEFORE,
     )
+    from sgl_pd.backend import page_pins
+
+    HookRegistry.register(
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.add",
+        page_pins.before_prefill_bootstrap_add,
+        HookType.BEFORE,
+    )
 
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.handle_generate_request",

@@ -45,6 +45,10 @@ class SglPdKVSender(BaseKVSender):
         self._error: str | None = None
         self._concluded: int | None = None
         self._metric = KVTransferMetric()
+        # SGLang's early send of a cached prefix sets this (with the overlap scheduler) to
+        # a CUDA event on the forward stream: the prefix pages may still be written by the
+        # previous forward until it completes. It belongs to the next `send` only.
+        self._early_send_wait_event: Any = None
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self._messenger.expect(self.bootstrap_room, int(num_kv_indices), aux_index)
@@ -60,7 +64,8 @@ class SglPdKVSender(BaseKVSender):
         pages = np.asarray(kv_indices, dtype=np.int64)
         page_size = self.kv_mgr.layout.page_size
         tokens = int(num_kv_tokens) if num_kv_tokens is not None else len(pages) * page_size
-        self._messenger.submit_chunk(self.bootstrap_room, pages, tokens)
+        ready, self._early_send_wait_event = self._early_send_wait_event, None
+        self._messenger.submit_chunk(self.bootstrap_room, pages, tokens, ready=ready)
 
     def poll(self) -> int:
         """A failed request reads as Transferring until its writes in flight have ended:

@@ -1,13 +1,25 @@
-"""Peer liveness in seconds: which peers to ping now, and which stopped answering.
+"""Peer liveness in seconds: which peers to ping now, which to probe, which hung.
 
 A rank watches only the peers it has requests with (decode: the prefill ranks writing
 its pages; prefill: the decode ranks it writes to). Every `interval_s` it pings each of
-them; the peer answers from its inbox thread. A peer not heard from for `timeout_s` is
-declared dead once: its requests fail and nothing waits for it any more. A peer that
-comes back publishes a new inbox endpoint (a new process binds a new port), so it is a
-new peer here, never a resurrected one.
+them; the peer answers from its inbox thread.
 
-Pure bookkeeping: time comes from the injected clock, messages are sent by the caller.
+Silence alone cannot tell a dead peer from a busy one: on an oversubscribed host a live
+process can miss pings for seconds, and failing its requests then is a false failure.
+So silence has two thresholds:
+
+- past `suspect_after_s` the peer is a *suspect*: the caller probes its connections
+  (`messenger.probe`), at most once per interval. A refused connection is the kernel's
+  word that the process is gone; only that ends it quickly.
+- past `hang_timeout_s` it is *hung*: alive or not, it has not answered for longer than
+  any healthy pause, and its requests fail. Reported once; a peer still watched after
+  that is watched afresh.
+
+A peer that comes back publishes a new inbox endpoint (a new process binds a new port),
+so it is a new peer here, never a resurrected one.
+
+Pure bookkeeping: time comes from the injected clock, messages and probes are the
+caller's.
 """
 
 from __future__ import annotations
@@ -22,7 +34,8 @@ from sgl_pd.core.errors import StateError
 @dataclass(frozen=True)
 class LivenessTick:
     pings: tuple[tuple[str, int], ...]  # (peer endpoint, sequence number) to send now
-    dead: tuple[str, ...]  # peers silent for longer than the timeout, reported once
+    suspects: tuple[str, ...]  # silent past suspect_after_s, due a connection probe
+    hung: tuple[str, ...]  # silent past hang_timeout_s, reported once
 
 
 @dataclass
@@ -30,43 +43,54 @@ class _Peer:
     watched_since_s: float
     last_heard_s: float
     last_ping_s: float | None = None
+    last_probe_s: float | None = None
     seq: int = 0
 
 
 class PeerLiveness:
-    def __init__(self, clock: Clock, *, interval_s: float, timeout_s: float) -> None:
-        if not 0 < interval_s < timeout_s:
+    def __init__(
+        self, clock: Clock, *, interval_s: float, suspect_after_s: float, hang_timeout_s: float
+    ) -> None:
+        if not 0 < interval_s <= suspect_after_s < hang_timeout_s:
             raise StateError(
-                f"ping interval {interval_s} s must be > 0 and below the timeout {timeout_s} s"
+                f"need 0 < ping interval ({interval_s} s) <= suspect after "
+                f"({suspect_after_s} s) < hang timeout ({hang_timeout_s} s)"
             )
         self._clock = clock
         self.interval_s = interval_s
-        self.timeout_s = timeout_s
+        self.suspect_after_s = suspect_after_s
+        self.hang_timeout_s = hang_timeout_s
         self._peers: dict[str, _Peer] = {}
 
     def tick(self, active: Iterable[str]) -> LivenessTick:
         """`active`: the peers this rank has requests with now. Peers no longer active
-        are forgotten; new ones get a full timeout before they can be declared dead."""
+        are forgotten; new ones get a full timeout before they can be declared hung."""
         now = self._clock.monotonic()
         active_set = set(active)
         for gone in set(self._peers) - active_set:
             del self._peers[gone]
         pings: list[tuple[str, int]] = []
-        dead: list[str] = []
+        suspects: list[str] = []
+        hung: list[str] = []
         for endpoint in sorted(active_set):
             peer = self._peers.get(endpoint)
             if peer is None:
                 peer = self._peers[endpoint] = _Peer(now, now)
-            if now - peer.last_heard_s > self.timeout_s:
-                dead.append(endpoint)
-                # still active: watched afresh, declared dead again only after a full timeout
-                self._peers[endpoint] = _Peer(now, now)
+            silent_s = now - peer.last_heard_s
+            if silent_s > self.hang_timeout_s:
+                hung.append(endpoint)
+                self.lost(endpoint)
                 continue
+            if silent_s > self.suspect_after_s and (
+                peer.last_probe_s is None or now - peer.last_probe_s >= self.interval_s
+            ):
+                peer.last_probe_s = now
+                suspects.append(endpoint)
             if peer.last_ping_s is None or now - peer.last_ping_s >= self.interval_s:
                 peer.seq += 1
                 peer.last_ping_s = now
                 pings.append((endpoint, peer.seq))
-        return LivenessTick(tuple(pings), tuple(dead))
+        return LivenessTick(tuple(pings), tuple(suspects), tuple(hung))
 
     def heard(self, endpoint: str) -> None:
         """An answer (or any sign of life) from `endpoint`; ignored for unwatched peers."""
@@ -74,7 +98,41 @@ class PeerLiveness:
         if peer is not None:
             peer.last_heard_s = self._clock.monotonic()
 
+    def lost(self, endpoint: str) -> None:
+        """The caller declared `endpoint` lost: if still active it is watched afresh, and
+        reported again only after a full silence of its own."""
+        if endpoint in self._peers:
+            now = self._clock.monotonic()
+            self._peers[endpoint] = _Peer(now, now)
+
     def silence_s(self, endpoint: str) -> float | None:
         """Seconds since `endpoint` was last heard, or None when it is not watched."""
         peer = self._peers.get(endpoint)
         return None if peer is None else self._clock.monotonic() - peer.last_heard_s
+
+
+class FreezeWatch:
+    """Did this process stop running for longer than the hang timeout (SIGSTOP, a VM
+    paused, swap storms)? Its peers have then declared it hung and failed its requests, so
+    on waking it must not write into pages they may have freed.
+
+    The liveness thread calls `beat` every loop; a gap between beats longer than the hang
+    timeout is a freeze. Writer threads ask `frozen` before each write: true while the
+    last beat is older than the hang timeout, i.e. after a freeze until the liveness
+    thread, which fails the requests first and beats after, has run again.
+    """
+
+    def __init__(self, clock: Clock, hang_timeout_s: float) -> None:
+        self._clock = clock
+        self.hang_timeout_s = hang_timeout_s
+        self._last_beat_s = clock.monotonic()
+
+    def gap_s(self) -> float:
+        """Seconds since the last beat."""
+        return self._clock.monotonic() - self._last_beat_s
+
+    def frozen(self) -> bool:
+        return self.gap_s() > self.hang_timeout_s
+
+    def beat(self) -> None:
+        self._last_beat_s = self._clock.monotonic()

@@ -142,6 +142,13 @@ class RequestTracker(Generic[S]):
             )
         self._entries[request_id] = (new, self._clock.monotonic())
 
+    def progressed(self, request_id: int) -> None:
+        """The request made progress: its state's deadline counts from now (a deadline
+        bounds a stall, not a long transfer that keeps moving)."""
+        state = self._entry(request_id)[0]
+        if not self._table.is_final(state):
+            self._entries[request_id] = (state, self._clock.monotonic())
+
     def forget(self, request_id: int) -> S:
         """Stop tracking a request; returns its last state."""
         state = self._entry(request_id)[0]

@@ -43,11 +43,18 @@ class PeerUnreachable(TransferError):
 
 class TransferFailed(TransferError):
     """The engine reported a failed batch. Some writes of it may have landed: the destination
-    range must be treated as garbage until it is written again."""
+    range must be treated as garbage until it is written again.
 
-    def __init__(self, peer: str, n_writes: int, nbytes: int, reason: str) -> None:
+    `may_still_land`: Mooncake reports a batch failed as soon as one of its writes failed,
+    while others may still be posted and land later (up to its transfer timeout); neither
+    side may reuse the memory until then. False only where nothing was posted."""
+
+    def __init__(
+        self, peer: str, n_writes: int, nbytes: int, reason: str, *, may_still_land: bool = True
+    ) -> None:
         super().__init__(f"batch of {n_writes} writes ({nbytes} bytes) to {peer} failed: {reason}")
         self.peer = peer
         self.n_writes = n_writes
         self.nbytes = nbytes  # bytes
         self.reason = reason
+        self.may_still_land = may_still_land

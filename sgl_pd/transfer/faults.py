@@ -55,7 +55,9 @@ class FaultInjectingEngine:
                 fail = self._rng.random() < self._faults.failure_rate
                 self.failed_batches += fail
             if fail:
-                raise TransferFailed(peer, len(writes), writes.total_bytes, "injected failure")
+                raise TransferFailed(  # before anything was posted
+                    peer, len(writes), writes.total_bytes, "injected failure", may_still_land=False
+                )
         self._inner.write(peer, writes)
 
     def submit(self, peer: str, writes: Writes) -> BatchHandle:

@@ -117,13 +117,14 @@ class Rig:
 
     layerwise: bool = False
     draft_layers: int = 0
+    engine_type: type[GatedEngine] = field(default_factory=lambda: GatedEngine)
     fabric: FakeFabric = field(default_factory=FakeFabric)
     clock: ManualClock = field(default_factory=ManualClock)
     sent: list[tuple[str, Message]] = field(default_factory=list)
     decoders: dict[str, Decoder] = field(default_factory=dict)  # by inbox
 
     def __post_init__(self) -> None:
-        self.prefill_engine = GatedEngine(self.fabric)
+        self.prefill_engine = self.engine_type(self.fabric)
         self.prefill_memory = Memory.make(self.prefill_engine, fill=1)
         pool = self.prefill_memory.pool(self.draft_layers)
         self.prefill = PrefillMessenger(

@@ -120,12 +120,12 @@ def test_a_lost_prefill_rank_fails_its_requests_and_releases_their_pages() -> No
     rig = Rig()
     d = rig.add_decoder("decode-a")
     rig.request(d, 3, list(range(30, 34)), slot=3)
-    assert d.messenger.active_peers() == {"prefill-0"}
+    assert set(d.messenger.active_peers()) == {"prefill-0"}
     d.messenger.peer_lost("prefill-0", "peer prefill-0 did not answer heartbeats", gone=True)
     state, error = d.messenger.poll(3)
     assert state is DecodeState.FAILED and "heartbeats" in (error or "")
     assert d.messenger.is_release_safe(3, 1)
-    assert d.messenger.active_peers() == set()
+    assert d.messenger.active_peers() == {}
     rig.prefill.writers.close()
 
 
@@ -153,7 +153,7 @@ def test_a_lost_decoder_stops_the_writes_into_it() -> None:
     d = rig.add_decoder("decode-a")
     rig.request(d, 4, list(range(30, 34)), slot=4)
     rig.prefill.track(4)
-    assert rig.prefill.active_peers() == {"decode-a"}
+    assert set(rig.prefill.active_peers()) == {"decode-a"}
     rig.prefill.peer_lost("decode-a", "peer decode-a did not answer heartbeats", gone=False)
     state, drained, error = rig.prefill.state(4)  # type: ignore[misc]
     assert state is PrefillState.FAILED and drained and "heartbeats" in (error or "")
@@ -204,5 +204,5 @@ def test_requests_no_sender_claimed_are_swept_and_timeouts_fire() -> None:
     assert len(rig.prefill.rooms) == 0
     d.messenger.housekeeping()
     state_d, error = d.messenger.poll(6)  # the prefill's timeout reached the decoder first
-    assert state_d is DecodeState.FAILED and "stayed ready" in (error or "")
+    assert state_d is DecodeState.FAILED and "no progress for 31.0 s (ready)" in (error or "")
     rig.prefill.writers.close()

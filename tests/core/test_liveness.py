@@ -1,5 +1,6 @@
-"""Peer liveness: pings at the interval, a silent peer is declared dead once, after the
-timeout and not before."""
+"""Peer liveness: pings at the interval; a silent peer is a suspect (probed, at most once
+per interval) after `suspect_after_s` and hung, once, after the hang timeout and not
+before; a frozen process notices its own gap."""
 
 from __future__ import annotations
 
@@ -9,20 +10,20 @@ from hypothesis import strategies as st
 
 from sgl_pd.core.clock import ManualClock
 from sgl_pd.core.errors import StateError
-from sgl_pd.core.liveness import PeerLiveness
+from sgl_pd.core.liveness import FreezeWatch, PeerLiveness
 
 
 def _tracker(clock: ManualClock) -> PeerLiveness:
-    return PeerLiveness(clock, interval_s=0.25, timeout_s=1.0)
+    return PeerLiveness(clock, interval_s=0.25, suspect_after_s=0.5, hang_timeout_s=4.0)
 
 
-def test_an_answering_peer_is_pinged_at_the_interval_and_never_dead() -> None:
+def test_an_answering_peer_is_pinged_at_the_interval_and_never_suspect() -> None:
     clock = ManualClock()
     live = _tracker(clock)
     pings = []
     for _ in range(40):  # 10 s
         tick = live.tick(["a"])
-        assert tick.dead == ()
+        assert tick.hung == () and tick.suspects == ()
         for endpoint, _seq in tick.pings:
             live.heard(endpoint)
         pings += tick.pings
@@ -30,18 +31,37 @@ def test_an_answering_peer_is_pinged_at_the_interval_and_never_dead() -> None:
     assert [seq for _, seq in pings] == list(range(1, 41))
 
 
-def test_a_silent_peer_is_dead_after_the_timeout_once() -> None:
+def test_a_silent_peer_is_probed_once_per_interval_then_hung_once() -> None:
     clock = ManualClock()
     live = _tracker(clock)
     assert live.tick(["a", "b"]).pings == (("a", 1), ("b", 1))
-    clock.advance(0.9)
+    clock.advance(0.4)
+    assert live.tick(["a", "b"]).suspects == ()
+    clock.advance(0.2)  # silent 0.6 s: both suspects
+    assert live.tick(["a", "b"]).suspects == ("a", "b")
     live.heard("b")
-    assert live.tick(["a", "b"]).dead == ()
-    clock.advance(0.2)  # a: silent 1.1 s; b: 0.2 s
-    assert live.tick(["a", "b"]).dead == ("a",)
-    assert live.tick(["a", "b"]).dead == ()  # a is watched afresh, with a full timeout
-    clock.advance(1.01)
-    assert set(live.tick(["a", "b"]).dead) == {"a", "b"}
+    clock.advance(0.1)
+    assert live.tick(["a", "b"]).suspects == ()  # a was probed 0.1 s ago, b answered
+    clock.advance(0.15)
+    assert live.tick(["a", "b"]).suspects == ("a",)
+    clock.advance(3.5)  # a: silent 4.35 s
+    tick = live.tick(["a"])
+    assert tick.hung == ("a",) and tick.suspects == ()
+    assert live.tick(["a"]).hung == ()  # watched afresh, with a full timeout
+    clock.advance(4.01)
+    assert live.tick(["a"]).hung == ("a",)
+
+
+def test_a_peer_declared_lost_is_watched_afresh() -> None:
+    clock = ManualClock()
+    live = _tracker(clock)
+    live.tick(["a"])
+    clock.advance(1.0)
+    assert live.tick(["a"]).suspects == ("a",)
+    live.lost("a")
+    assert live.silence_s("a") == 0.0
+    clock.advance(0.3)
+    assert live.tick(["a"]).suspects == ()
 
 
 def test_peers_no_longer_active_are_forgotten() -> None:
@@ -49,9 +69,9 @@ def test_peers_no_longer_active_are_forgotten() -> None:
     live = _tracker(clock)
     live.tick(["a"])
     clock.advance(5.0)
-    assert live.tick([]).dead == ()
+    assert live.tick([]).hung == ()
     assert live.silence_s("a") is None
-    assert live.tick(["a"]).dead == ()  # back again: a new grace period
+    assert live.tick(["a"]).hung == ()  # back again: a new grace period
 
 
 def test_answers_from_unwatched_peers_are_ignored() -> None:
@@ -61,8 +81,8 @@ def test_answers_from_unwatched_peers_are_ignored() -> None:
     assert live.silence_s("x") is None
 
 
-@given(st.lists(st.tuples(st.floats(0.01, 0.6), st.booleans()), min_size=1, max_size=60))
-def test_dead_exactly_when_silent_longer_than_the_timeout(steps: list[tuple[float, bool]]) -> None:
+@given(st.lists(st.tuples(st.floats(0.01, 1.5), st.booleans()), min_size=1, max_size=60))
+def test_hung_exactly_when_silent_longer_than_the_timeout(steps: list[tuple[float, bool]]) -> None:
     clock = ManualClock()
     live = _tracker(clock)
     live.tick(["a"])
@@ -71,14 +91,30 @@ def test_dead_exactly_when_silent_longer_than_the_timeout(steps: list[tuple[floa
         clock.advance(dt)
         tick = live.tick(["a"])
         silent = clock.monotonic() - last_heard
-        assert (tick.dead == ("a",)) == (silent > 1.0)
-        if tick.dead:
+        assert (tick.hung == ("a",)) == (silent > 4.0)
+        if tick.suspects:
+            assert silent > 0.5
+        if tick.hung:
             last_heard = clock.monotonic()  # watched afresh
         elif answers:
             live.heard("a")
             last_heard = clock.monotonic()
 
 
-def test_interval_must_be_below_the_timeout() -> None:
+def test_thresholds_must_be_ordered() -> None:
     with pytest.raises(StateError):
-        PeerLiveness(ManualClock(), interval_s=1.0, timeout_s=1.0)
+        PeerLiveness(ManualClock(), interval_s=1.0, suspect_after_s=0.5, hang_timeout_s=4.0)
+    with pytest.raises(StateError):
+        PeerLiveness(ManualClock(), interval_s=0.25, suspect_after_s=4.0, hang_timeout_s=4.0)
+
+
+def test_a_gap_between_beats_past_the_hang_timeout_is_a_freeze() -> None:
+    clock = ManualClock()
+    watch = FreezeWatch(clock, hang_timeout_s=4.0)
+    clock.advance(3.9)
+    assert not watch.frozen()
+    watch.beat()
+    clock.advance(4.1)  # SIGSTOP: nothing beat
+    assert watch.frozen() and watch.gap_s() == pytest.approx(4.1)
+    watch.beat()
+    assert not watch.frozen()

@@ -24,14 +24,13 @@ from .conftest import CHUNKED_PREFILL_SIZE, COMMON_ARGS
 pytestmark = pytest.mark.e2e
 
 WRITE_DELAY_MS = 25  # per KV write batch (a layer group): a long prompt streams for ~1 s
-LIVENESS_S = 1.5
 PROMPTS = varied_prompts(30)
 MAX_NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
 def direct(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DirectCluster]:
-    args = [*COMMON_ARGS, "--pd-liveness-timeout", str(LIVENESS_S)]
+    args = list(COMMON_ARGS)
     with direct_cluster(
         tmp_path_factory.mktemp("direct"),
         prefill_extra=[*args, "--pd-inject-write-delay-ms", str(WRITE_DELAY_MS)],
@@ -105,8 +104,8 @@ def test_a_killed_prefiller_fails_its_requests_then_is_picked_up_again(
     mono: Server, direct: DirectCluster
 ) -> None:
     """Runs late: the prefill server dies mid-transfer. The request in flight ends with an
-    error within the liveness bound; new ones are refused at once, naming the server; once
-    it is back the decoders, never restarted, use it again."""
+    error within seconds (its connections are refused); new ones are refused at once,
+    naming the server; once it is back the decoders, never restarted, use it again."""
     decoder = direct.decoders[0]
     ids = long_prompt_ids(8 * CHUNKED_PREFILL_SIZE, start=11)
     killed = kill_mid_transfer(decoder.url, direct.prefill.process, ids, "direct-k1", 0.5)
@@ -115,7 +114,7 @@ def test_a_killed_prefiller_fails_its_requests_then_is_picked_up_again(
         response = killed.response
         finish = response.json()["meta_info"]["finish_reason"]["type"] if response.ok else None
         assert not response.ok or finish == "abort", response.text[:300]
-    time.sleep(3 * LIVENESS_S)  # the decoders' probes see the registry gone
+    time.sleep(4.5)  # the decoders' probes see the registry gone
     started = time.monotonic()
     response = requests.post(
         f"{decoder.url}/generate",

@@ -218,7 +218,7 @@ def serve_pd(log_dir: Path, model: Path, extra: list[str], patience: Patience) -
     router, all with `extra`; asks the PD prompts, then waits for idle pools."""
     # Three MoE servers on two cores answer heartbeats late while they compute; these
     # tests are about tokens, not liveness (which test_pd_faults checks).
-    args = [*COMMON_ARGS, *CHUNK_ARGS, "--pd-liveness-timeout", "15", *extra]
+    args = [*COMMON_ARGS, *CHUNK_ARGS, *extra]
     with pd_cluster(
         log_dir,
         model=model,
@@ -407,7 +407,7 @@ def serve_sharded(
 
 
 def _sharded_args(extra: list[str]) -> tuple[str, ...]:
-    return (*COMMON_ARGS, *CHUNK_ARGS, "--pd-liveness-timeout", "15", *extra)
+    return (*COMMON_ARGS, *CHUNK_ARGS, *extra)
 
 
 DEEPSEEK_ROUTES = [("p_tp2", "d_tp1"), ("p_tp1", "d_tp2")]

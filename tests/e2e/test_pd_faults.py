@@ -36,7 +36,6 @@ pytestmark = pytest.mark.e2e
 
 WRITE_DELAY_MS = 20  # per KV write batch: a 1024-token prompt streams for over a second
 FAILURE_RATE = 0.004  # of write batches: a few campaign requests fail on their own
-LIVENESS_S = 1.5
 DECODE_POOL_TOKENS = 1536  # small: an aborted long prompt's pages are reused at once
 LONG = 1024
 PROMPTS_IN_CAMPAIGN = 100
@@ -44,7 +43,7 @@ PROMPTS_IN_CAMPAIGN = 100
 
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdCluster]:
-    args = [*COMMON_ARGS, "--pd-liveness-timeout", str(LIVENESS_S)]
+    args = list(COMMON_ARGS)
     with pd_cluster(
         tmp_path_factory.mktemp("pd-faults"),
         prefill_extra=[

@@ -32,7 +32,6 @@ pytestmark = pytest.mark.e2e
 
 # Seven or eight scheduler processes share two cores: heartbeats are answered late while
 # they compute. 15 s still tells a killed server from a busy one within the test's time.
-LIVENESS_S = 15
 WRITE_DELAY_MS = 20  # per write batch of the slowed server: a long prompt streams for > 1 s
 PROMPTS = [long_prompt_ids(2), *varied_prompts(15, seed=31)]  # 2 to ~450 tokens
 NEW_TOKENS = 8
@@ -44,7 +43,7 @@ MODES = {  # page size -> send mode of the TP2 and the TP1 prefill server
 
 
 def _mesh_servers(page: int) -> list[MeshServer]:
-    common = (*COMMON_ARGS, "--page-size", str(page), "--pd-liveness-timeout", str(LIVENESS_S))
+    common = (*COMMON_ARGS, "--page-size", str(page))
     slowed = ("--pd-inject-write-delay-ms", str(WRITE_DELAY_MS)) if page == 16 else ()
     return [
         MeshServer(

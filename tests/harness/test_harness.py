@@ -91,11 +91,26 @@ def test_a_dp_attention_decoder_keeps_the_lm_head_on_all_gather_on_cpu() -> None
             "DP attention",
         ),
         (["--disaggregation-mode", "decode", "--pp-size", "2"], "pipeline parallelism"),
+        (
+            ["--disaggregation-mode", "prefill", "--enable-two-batch-overlap"],
+            "--pd-kv-send after-forward",
+        ),
+        (
+            ["--disaggregation-mode", "prefill", "--optimistic-prefill-attempts", "2"],
+            "--optimistic-prefill-attempts 2 is not served",
+        ),
+        (
+            [
+                "--disaggregation-mode",
+                "decode",
+                "--disaggregation-decode-allocation-policy",
+                "prefill_complete",
+            ],
+            "prefill_complete is not served",
+        ),
     ],
 )
-def test_launcher_refuses_unserved_parallelism_without_a_traceback(
-    flags: list[str], says: str
-) -> None:
+def test_launcher_refuses_unserved_options_without_a_traceback(flags: list[str], says: str) -> None:
     argv = [
         "--model-path",
         "m",

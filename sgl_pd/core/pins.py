@@ -1,0 +1,88 @@
+"""Source pages a prefill rank's queued or running writes will read: SGLang must not
+reuse them until those writes ended.
+
+Why SGLang frees such pages at all: a write job holds the page ids SGLang gave it
+(before the forward, layer by layer; or at its send, after it), and the writer runs
+behind the scheduler. Meanwhile SGLang's radix cache may free the request's copy of a
+prefix another request inserted first (`cache_unfinished_req` points the request's
+`req_to_token` row at the other copy and frees its own), and it frees every page of a
+request it aborts or drops itself. The next forward can reuse such a page, and a
+lagging writer would ship another request's KV under this one's name: wrong tokens with
+HTTP 200.
+
+So each request pins the pages its chunks name, from the moment a chunk is planned until
+the request is final *and* drained (no write in flight, none can start). SGLang's frees
+pass through `split`: a pinned page is held back, and handed back to SGLang's allocator
+(`take_releasable`, on the scheduler thread) once its last pin is gone. The allocator
+thus never sees a page that a write may still read; a page is freed once, late.
+
+Page ids are the allocator's page units (token index // page size). Thread-safe: pins
+come from the scheduler thread, unpins from writer and liveness threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+import numpy as np
+
+
+class PagePins:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count: dict[int, int] = {}  # page -> requests pinning it
+        self._by_owner: dict[int, set[int]] = {}  # request -> pages it pins
+        self._held: set[int] = set()  # pinned pages SGLang has freed
+        self._releasable: list[int] = []  # held pages whose last pin is gone
+
+    @property
+    def active(self) -> bool:
+        """Some page is pinned or waits to go back (cheap: read without the lock)."""
+        return bool(self._count) or bool(self._releasable)
+
+    def pin(self, owner: int, pages: Iterable[int]) -> None:
+        with self._lock:
+            mine = self._by_owner.setdefault(owner, set())
+            for page in pages:
+                p = int(page)
+                if p not in mine:
+                    mine.add(p)
+                    self._count[p] = self._count.get(p, 0) + 1
+
+    def unpin(self, owner: int) -> None:
+        """`owner` is final and drained: none of its writes reads a page any more."""
+        with self._lock:
+            for page in self._by_owner.pop(owner, ()):
+                left = self._count[page] - 1
+                if left:
+                    self._count[page] = left
+                    continue
+                del self._count[page]
+                if page in self._held:
+                    self._held.discard(page)
+                    self._releasable.append(page)
+
+    def split(self, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """SGLang frees `pages`: (free now, held back) as boolean masks over `pages`."""
+        with self._lock:
+            held = np.fromiter((int(p) in self._count for p in pages), dtype=bool, count=len(pages))
+            self._held.update(int(p) for p in pages[held])
+            return ~held, held
+
+    def take_releasable(self) -> list[int]:
+        """Held pages no write reads any more: the caller gives them to the allocator."""
+        with self._lock:
+            out, self._releasable = self._releasable, []
+            return out
+
+    @property
+    def held(self) -> int:
+        """Pages SGLang freed that wait for writes to end."""
+        with self._lock:
+            return len(self._held)
+
+    @property
+    def owners(self) -> int:
+        with self._lock:
+            return len(self._by_owner)
