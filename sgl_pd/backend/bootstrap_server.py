@@ -31,7 +31,11 @@ class SglPdBootstrapServer(BaseKVBootstrapServer):
             api_key=serving.api_key,
         )
         self._server = RegistryServer(
-            bind_host, int(port), auth=auth, submit=self._submitter.submit
+            bind_host,
+            int(port),
+            auth=auth,
+            submit=self._submitter.submit,
+            refusals=self._submitter.refused_for,
         )
         logger.info("sgl_pd registry listening on %s:%d", bind_host, port)
 

@@ -306,14 +306,16 @@ class DecodeMessenger:
 
     def active_peers(self) -> dict[str, str | None]:
         """Inbox -> transfer session of the prefill ranks that may still write into this
-        rank's pages."""
+        rank's pages. A rank whose part of a healthy request has all arrived is not
+        watched for it: it may forget the request long before the others finish theirs,
+        and then no longer answers this rank's pings."""
         with self._lock:
             return {
                 inbox: t.sessions.get(inbox)
                 for t in self._tracks.values()
                 if t.done_s is None
                 for rank, inbox in t.prefills.items()
-                if rank not in t.drained
+                if rank not in t.drained and not (t.error is None and t.counter.source_done(rank))
             }
 
     def resumed_after_freeze(self, frozen_s: float) -> None:

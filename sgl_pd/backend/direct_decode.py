@@ -9,7 +9,9 @@ and only then does the request continue into the decoder, exactly as a router re
 does: the decode scheduler allocates un-evictable pages and a metadata slot, its ranks
 send their `TransferRequest`s, and the request is decoded once its KV is complete by
 counting. A prefill server that refuses or does not answer is marked unavailable and the
-next one is tried; with none left the client gets a 400 that says so.
+next one is tried; with none left the client gets a 400 that says so. A server that took
+the request and then could not serve it (its API answered an error) says so in its next
+probe answer: the decoder aborts the request and the client gets the reason as a 400.
 
 Prefill servers are the addresses of --pd-prefill-bootstrap (or of its @FILE, re-read on
 every probe round); a probe thread asks each registry whether all its ranks registered,
@@ -21,18 +23,19 @@ Runs in the decoder's HTTP front-end process (a hook on `TokenizerManager.genera
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from sgl_pd.config import SglPdConfig, sgl_pd_role
 from sgl_pd.core.dispatch import PrefillerLoad, choose_prefiller, parse_bootstrap_addresses
-from sgl_pd.core.wire import MAX_SUBMIT_BYTES, ErrorCode, SubmitPrefill
+from sgl_pd.core.wire import MAX_SUBMIT_BYTES, ErrorCode, RefusedSubmission, SubmitPrefill
 from sgl_pd.errors import SglPdError
 from sgl_pd.log_limits import LogLimiter
 from sgl_pd.messenger.auth import ClusterAuth
@@ -76,9 +79,11 @@ class DirectDispatcher:
         self._spec = spec
         self._lock = threading.Lock()
         self._loads: dict[str, PrefillerLoad] = {}  # under _lock
+        # submitted requests still served -> (their loop, resolved with a refusal); under _lock
+        self._watched: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[str]]] = {}
         self._turn = 0  # under _lock
-        self._client = RegistryClient(name, auth=auth, attempt_timeout_s=PROBE_TIMEOUT_S)
-        self._name = name
+        self._name = name[:200]  # names its submissions and probes alike (refusals match)
+        self._client = RegistryClient(self._name, auth=auth, attempt_timeout_s=PROBE_TIMEOUT_S)
         self._log = LogLimiter(logger)
         self._stop = threading.Event()
         self._submitting = ThreadPoolExecutor(16, thread_name_prefix="sgl-pd-direct")
@@ -92,7 +97,7 @@ class DirectDispatcher:
     @property
     def name(self) -> str:
         """How this decoder names itself to prefill servers (their logs)."""
-        return self._name[:200]
+        return self._name
 
     def loads(self) -> dict[str, PrefillerLoad]:
         with self._lock:
@@ -122,6 +127,28 @@ class DirectDispatcher:
             if not (isinstance(e, RegistryRefused) and e.code is ErrorCode.OVERLOADED):
                 self._mark(addr, available=False)
             return str(e)
+
+    def watch(self, room: int) -> asyncio.Future[str]:
+        """A future the probe resolves with the reason if the prefill server that took
+        `room` refuses it later; call `unwatch` once the request ended."""
+        loop = asyncio.get_running_loop()
+        refused: asyncio.Future[str] = loop.create_future()
+        with self._lock:
+            self._watched[room] = (loop, refused)
+        return refused
+
+    def unwatch(self, room: int) -> None:
+        with self._lock:
+            self._watched.pop(room, None)
+
+    def _refused(self, addr: str, refusals: tuple[RefusedSubmission, ...]) -> None:
+        for refusal in refusals:
+            with self._lock:
+                watched = self._watched.pop(refusal.request_id, None)
+            if watched is not None:
+                loop, refused = watched
+                why = f"prefill server {addr} refused the request: {refusal.message}"
+                loop.call_soon_threadsafe(_resolve, refused, why)
 
     def close(self) -> None:
         self._stop.set()
@@ -178,10 +205,17 @@ class DirectDispatcher:
                 if self._stop.is_set():
                     return
                 try:
-                    self._client.query(addr, timeout_s=PROBE_TIMEOUT_S, stop=self._stop)
+                    refusals = self._client.probe(addr, timeout_s=PROBE_TIMEOUT_S, stop=self._stop)
                     self._mark(addr, available=True)
                 except SglPdError:
                     self._mark(addr, available=False)
+                    continue
+                self._refused(addr, refusals)
+
+
+def _resolve(future: asyncio.Future[str], why: str) -> None:
+    if not future.done():
+        future.set_result(why)
 
 
 _dispatcher: DirectDispatcher | None = None
@@ -285,12 +319,42 @@ async def around_generate_request(
         refusals.append(why)
     (obj.bootstrap_host, obj.bootstrap_port), obj.bootstrap_room = _host_and_port(addr), room
     released = False
+    refused = dispatcher.watch(room)
     try:
-        async for out in original(manager, obj, request):
+        outputs = _unless_refused(
+            original(manager, obj, request), refused, lambda: manager.abort_request(obj.rid)
+        )
+        async for out in outputs:
             if not released:  # the first output: the prefill is done there
                 dispatcher.release(addr, tokens)
+                dispatcher.unwatch(room)
                 released = True
             yield out
     finally:
+        dispatcher.unwatch(room)
         if not released:
             dispatcher.release(addr, tokens)
+
+
+async def _unless_refused(
+    outputs: AsyncIterator[Any], refused: asyncio.Future[str], abort: Callable[[], None]
+) -> AsyncIterator[Any]:
+    """`outputs` until the prefill server refuses the request: then the decoder aborts it
+    (its pages go back once the prefill ranks acked) and the client gets the reason as a
+    400 rather than waiting for the transfer timeout."""
+    outputs = aiter(outputs)
+    while True:
+        step = asyncio.ensure_future(anext(outputs))
+        await asyncio.wait({step, refused}, return_when=asyncio.FIRST_COMPLETED)
+        if not step.done():
+            abort()
+            with contextlib.suppress(Exception):
+                await step  # the abort ends the request
+            with contextlib.suppress(Exception):
+                await outputs.aclose()  # type: ignore[attr-defined]
+            raise NoPrefillServer(refused.result())
+        try:
+            out = step.result()
+        except StopAsyncIteration:
+            return
+        yield out

@@ -4,6 +4,11 @@ D16 and the KV streaming treat them exactly like router requests.
 
 Runs in the HTTP front-end process beside the registry: the registry thread calls
 `submit` (never blocks), one asyncio thread posts the requests to 127.0.0.1.
+
+A request this server took and then could not serve (its API answered an error, or the
+post failed) is remembered for `REFUSAL_MEMORY_S`: the submitting decoder probes the
+registry every second, reads its refusals in the answer (`refused_for`), and fails the
+request with the reason - its client and its pages do not wait for a transfer timeout.
 """
 
 from __future__ import annotations
@@ -13,15 +18,20 @@ import contextlib
 import json
 import logging
 import threading
+import time
+from collections import deque
 from typing import Any
 
-from sgl_pd.core.wire import ErrorCode, SubmitPrefill
+from sgl_pd.core.wire import MAX_REFUSED_PER_REPLY, ErrorCode, RefusedSubmission, SubmitPrefill
 from sgl_pd.log_limits import LogLimiter
 
 logger = logging.getLogger("sgl_pd.direct")
 
 MAX_IN_FLIGHT = 1024  # submitted requests not yet answered by the local server
 POST_TIMEOUT_S = 3600.0  # a prefill's answer comes once its KV is sent: long prompts, queues
+# seconds a refusal stays in probe answers: decoders probe every second, so several times
+REFUSAL_MEMORY_S = 30.0
+MAX_REFUSALS = 4096  # remembered at once, whoever submitted them
 
 
 class LocalSubmitter:
@@ -31,6 +41,8 @@ class LocalSubmitter:
         self._url = base_url.rstrip("/") + "/generate"
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._in_flight = 0  # under _lock
+        # (when, submitter, refusal), oldest first; under _lock
+        self._refused: deque[tuple[float, str, RefusedSubmission]] = deque(maxlen=MAX_REFUSALS)
         self._lock = threading.Lock()
         self._log = LogLimiter(logger)
         self._session: Any = None  # one aiohttp session, made and used on the loop thread
@@ -68,23 +80,31 @@ class LocalSubmitter:
             async with self._session.post(self._url, json=body, headers=self._headers) as resp:
                 if resp.status >= 400:
                     text = (await resp.text())[:300]
-                    self._log.warning(
-                        "refused",
-                        "direct request %d from %s: this server answered %d: %s",
-                        room,
-                        sender,
-                        resp.status,
-                        text,
-                    )
+                    self._refuse(room, sender, f"it answered {resp.status}: {text}")
                 else:
                     await resp.read()
-        except Exception as e:  # the decoder's timeouts end its side of the request
-            self._log.warning(
-                "post", "direct request %d from %s: not served here: %s", room, sender, e
-            )
+        except Exception as e:
+            self._refuse(room, sender, f"it could not take the request: {e}")
         finally:
             with self._lock:
                 self._in_flight -= 1
+
+    def _refuse(self, room: int, sender: str, why: str) -> None:
+        self._log.warning("refused", "direct request %d from %s: %s", room, sender, why)
+        with self._lock:
+            self._refused.append(
+                (time.monotonic(), sender, RefusedSubmission(request_id=room, message=why[:1000]))
+            )
+
+    def refused_for(self, sender: str) -> tuple[RefusedSubmission, ...]:
+        """The recent refusals of requests `sender` submitted, newest first (registry
+        thread: answers to the submitter's probes)."""
+        horizon = time.monotonic() - REFUSAL_MEMORY_S
+        with self._lock:
+            while self._refused and self._refused[0][0] < horizon:
+                self._refused.popleft()
+            mine = [r for _, who, r in reversed(self._refused) if who == sender]
+        return tuple(mine[:MAX_REFUSED_PER_REPLY])
 
     def close(self) -> None:
         if self._session is not None:

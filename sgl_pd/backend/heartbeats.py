@@ -12,9 +12,13 @@ request", without failing healthy ones).
 - Hung: silent past `hang_timeout_s` (reachable or not), its requests fail; a decoder
   keeps the pages until the prefill rank acks the abort or SGLang's deferred release
   gives up on it.
-- Frozen itself: when this thread wakes after a gap longer than the hang timeout, this
+- Frozen itself: when this thread wakes after a gap close to the hang timeout, this
   process was stopped while its peers gave up on it; the messenger fails what it still
-  holds before any writer may write again (`FreezeWatch`).
+  holds before any writer may write again (`FreezeWatch`). A freeze that falls between
+  a writer's check and its post to the engine lets that one batch go out on waking;
+  decoders keep a hung prefiller's pages until SGLang's deferred release gives up
+  (120 s, set by the launcher), so only a freeze longer than that could land it in
+  pages given to another request.
 
 It also gives the messenger a steady tick for deadlines and bounded memory.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Protocol
 
 from sgl_pd.core.clock import Clock
@@ -37,6 +42,10 @@ logger = logging.getLogger("sgl_pd.liveness")
 
 PING_INTERVAL_S = 0.25  # seconds between pings to each watched peer
 SUSPECT_AFTER_S = 0.75  # seconds of silence after which a peer's connections are probed
+# Suspects are probed in parallel, and a tick waits this long for them at most (a probe
+# of an unreachable host gets no answer): a partition never stalls the pings to others.
+PROBE_BUDGET_S = 1.2
+MAX_PARALLEL_PROBES = 8
 # Pings are answered only from peers this rank had requests with in the last ANSWER_GRACE_S:
 # a peer pings only while it has requests here, and answering strangers would let anyone
 # make this rank open connections to endpoints of their choosing.
@@ -106,6 +115,7 @@ class Heartbeats:
         self.unanswered = 0  # pings from peers this rank has no requests with
         self._log = LogLimiter(logger)
         self._stop = threading.Event()
+        self._probes = ThreadPoolExecutor(MAX_PARALLEL_PROBES, f"sgl-pd-probe-{name}")
         self._thread = threading.Thread(
             target=self._run, name=f"sgl-pd-liveness-{name}", daemon=True
         )
@@ -140,6 +150,7 @@ class Heartbeats:
     # -- its own thread -----------------------------------------------------------------
 
     def _run(self) -> None:
+        self.freeze.beat()  # the time this process took to start is not a freeze
         while not self._stop.wait(self._liveness.interval_s / 2):
             for step in (self._check_freeze, self._tick, self._watched.housekeeping):
                 try:
@@ -152,12 +163,13 @@ class Heartbeats:
                         step.__name__,
                         exc_info=True,
                     )
+            # Requests first, beat after: a writer that wakes from a freeze before this
+            # thread sees the old beat and holds off (`FreezeWatch.frozen`).
+            self.freeze.beat()
 
     def _check_freeze(self) -> None:
-        """Requests first, beat after: a writer that wakes before this thread sees the
-        old beat and holds off (`FreezeWatch.frozen`)."""
         gap_s = self.freeze.gap_s()
-        if gap_s > self._liveness.hang_timeout_s:
+        if gap_s > self.freeze.limit_s:
             logger.error(
                 "this process did not run for %.1f s, past the hang timeout (%g s): its "
                 "peers have given up on its requests",
@@ -168,7 +180,6 @@ class Heartbeats:
                 for endpoint in list(self._peers):
                     self._liveness.heard(endpoint)
             self._watched.resumed_after_freeze(gap_s)
-        self.freeze.beat()
 
     def _tick(self) -> None:
         active = self._watched.active_peers()
@@ -180,10 +191,16 @@ class Heartbeats:
                 del self._peers[peer]
         for endpoint, seq in tick.pings:
             self._outbox.send(endpoint, Heartbeat(sender=self._me, seq=seq, time_s=now))
-        for endpoint in tick.suspects:
-            if endpoint not in tick.hung and peer_gone(endpoint, active.get(endpoint)):
-                silent_s = self._liveness.silence_s(endpoint) or 0.0
+        probes = {
+            endpoint: self._probes.submit(peer_gone, endpoint, active.get(endpoint))
+            for endpoint in tick.suspects
+            if endpoint not in tick.hung
+        }
+        wait(probes.values(), timeout=PROBE_BUDGET_S)
+        for endpoint, probe in probes.items():
+            if probe.done() and probe.exception() is None and probe.result():
                 with self._lock:
+                    silent_s = self._liveness.silence_s(endpoint) or 0.0
                     self._liveness.lost(endpoint)
                 why = (
                     f"peer {endpoint} is gone: silent for {silent_s:.1f} s and its "
@@ -201,3 +218,4 @@ class Heartbeats:
     def stop(self, timeout_s: float = 2.0) -> None:
         self._stop.set()
         self._thread.join(timeout=timeout_s)
+        self._probes.shutdown(wait=False, cancel_futures=True)

@@ -107,6 +107,9 @@ class Room:
     error: str | None = None
     acks_owed: set[str] = field(default_factory=set)  # decoder inboxes awaiting a drain ack
     ended_s: float | None = None  # when it became final
+    # SGLang stopped tracking it (aborted it itself, or cleared it while writes ran): it
+    # will not poll again, so `sweep` drops it once drained
+    released: bool = False
     bytes_sent: int = 0
     writes_posted: int = 0  # KV and metadata writes (completion words not counted)
     first_write_s: float | None = None
@@ -243,8 +246,8 @@ class PrefillRooms:
         chunks forwarded so far (the target's went as the forward ran). Both learn
         whether this send was the last."""
         with self._lock:
-            room = self._room(room_id)
-            if room.error is not None:
+            room = self._rooms.get(room_id)  # gone: SGLang concluded it, nothing to send
+            if room is None or room.error is not None:
                 return []
             room.pages_sent += len(pages)
             self.pins.pin(room_id, pages)
@@ -334,7 +337,7 @@ class PrefillRooms:
             room = self._rooms.get(room_id)
             if room is None or room.error is not None:
                 return None
-            if self._freeze is not None and self._freeze.frozen():
+            if self.frozen():
                 # woken from a freeze before the liveness thread: the decoders may have
                 # freed these pages; the liveness thread fails the request next
                 return None
@@ -426,7 +429,10 @@ class PrefillRooms:
         decode ranks to tell (they would otherwise wait for KV until their timeout)."""
         with self._lock:
             room = self._rooms.get(room_id)
-            if room is None or room.error is not None:
+            if room is None:
+                return []
+            room.released = True
+            if room.error is not None:
                 return []
             room.error = reason
             self._end(room, _P.ABORTED)
@@ -509,6 +515,7 @@ class PrefillRooms:
             if not self._drained(room):
                 # SGLang gave up on it while writes run: they stop, and the request
                 # stays until they ended (its pins with it); `sweep` drops it then
+                room.released = True
                 if room.error is None:
                     room.error = "dropped by the prefill scheduler"
                     self._end(room, _P.FAILED)
@@ -519,22 +526,32 @@ class PrefillRooms:
             return room
 
     def sweep(self) -> int:
-        """Drops final, drained requests SGLang never forgot (no SGLang sender claimed
-        it: a decoder asked, the router's copy never came; or SGLang dropped it on a path
-        that stops polling, such as its own aborts) a grace period after they ended:
-        bounded memory whatever peers send and whatever SGLang does. Returns how many."""
+        """Drops final, drained requests SGLang will not conclude: no SGLang sender
+        claimed it (a decoder asked, the router's copy never came), or SGLang released it
+        on a path that stops polling (its own aborts, a clear while writes ran). A grace
+        period after they ended: bounded memory whatever peers send and whatever SGLang
+        does. A request SGLang still holds stays, however long its prefill runs: its next
+        poll must find it. Returns how many."""
         with self._lock:
             now = self._clock.monotonic()
             stale = [
                 r.room
                 for r in self._rooms.values()
-                if r.ended_s is not None and self._drained(r) and now - r.ended_s > UNOWNED_GRACE_S
+                if (r.released or not r.owned)
+                and r.ended_s is not None
+                and self._drained(r)
+                and now - r.ended_s > UNOWNED_GRACE_S
             ]
             for room_id in stale:
                 del self._rooms[room_id]
                 self._states.forget(room_id)
                 self.pins.unpin(room_id)
             return len(stale)
+
+    def frozen(self) -> bool:
+        """This process was stopped about as long as the hang timeout and the liveness
+        thread has not yet failed what it held: nothing may be written."""
+        return self._freeze is not None and self._freeze.frozen()
 
     def counts(self) -> tuple[int, int]:
         """(requests known, write jobs in flight), for the gauges and the pool line."""

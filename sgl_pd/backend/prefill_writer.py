@@ -212,6 +212,8 @@ class DestinationWriters:
             if isinstance(job, LayersJob):
                 if job.ready is not None:
                     job.ready.synchronize()
+                if self._rooms.frozen():
+                    return  # the liveness thread fails the request before it beats again
                 sent = self._writer.write_layers(job.destination, job.chunk, job.layers)
             else:
                 sent = self._writer.write_metadata(job.destination, room.aux_index, room)

@@ -122,6 +122,12 @@ def register_backend() -> None:
         page_pins.before_prefill_bootstrap_add,
         HookType.BEFORE,
     )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker"
+        "._check_all_pools",
+        page_pins.around_check_all_pools,
+        HookType.AROUND,
+    )
 
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.handle_generate_request",

@@ -205,6 +205,18 @@ class CompletionCounter:
         self._counts[src_rank] = count
         return self.is_complete
 
+    def source_done(self, src_rank: int) -> bool:
+        """`src_rank` has nothing more to write here: it has no link to this rank, or
+        every group it owes (and the metadata, if it writes it) was counted."""
+        if src_rank == self._metadata_source and self._metadata_pending:
+            return False
+        per_chunk = self._per_chunk.get(src_rank)
+        if per_chunk is None:
+            return True
+        return self._num_chunks is not None and self._counts[src_rank] == (
+            self._num_chunks * per_chunk
+        )
+
     def record_metadata(self, src_rank: int) -> bool:
         if src_rank != self._metadata_source:
             raise UnknownSource(

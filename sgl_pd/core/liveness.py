@@ -112,19 +112,23 @@ class PeerLiveness:
 
 
 class FreezeWatch:
-    """Did this process stop running for longer than the hang timeout (SIGSTOP, a VM
-    paused, swap storms)? Its peers have then declared it hung and failed its requests, so
-    on waking it must not write into pages they may have freed.
+    """Did this process stop running for about the hang timeout (SIGSTOP, a VM paused, a
+    swap storm)? Its peers have then declared it hung and may have freed the pages its
+    writes go to, so on waking it must not write for the requests it held.
 
-    The liveness thread calls `beat` every loop; a gap between beats longer than the hang
-    timeout is a freeze. Writer threads ask `frozen` before each write: true while the
-    last beat is older than the hang timeout, i.e. after a freeze until the liveness
-    thread, which fails the requests first and beats after, has run again.
+    The liveness thread beats at the end of every loop, so the gap it finds when it wakes
+    measures its sleep, not its own work. A peer times this process's silence from the
+    last answer it got, which may precede the last beat by a ping interval and the
+    answer's way; so a gap counts as a freeze `margin_s` before the hang timeout
+    (`limit_s`). Writer threads ask `frozen` before each job: true while the last beat is
+    older than that, i.e. after a freeze until the liveness thread, which fails the
+    requests before it beats, has run again.
     """
 
-    def __init__(self, clock: Clock, hang_timeout_s: float) -> None:
+    def __init__(self, clock: Clock, hang_timeout_s: float, margin_s: float = 1.5) -> None:
         self._clock = clock
         self.hang_timeout_s = hang_timeout_s
+        self.limit_s = max(hang_timeout_s / 2, hang_timeout_s - margin_s)
         self._last_beat_s = clock.monotonic()
 
     def gap_s(self) -> float:
@@ -132,7 +136,7 @@ class FreezeWatch:
         return self._clock.monotonic() - self._last_beat_s
 
     def frozen(self) -> bool:
-        return self.gap_s() > self.hang_timeout_s
+        return self.gap_s() > self.limit_s
 
     def beat(self) -> None:
         self._last_beat_s = self._clock.monotonic()

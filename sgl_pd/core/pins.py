@@ -70,6 +70,16 @@ class PagePins:
             self._held.update(int(p) for p in pages[held])
             return ~held, held
 
+    def cleared(self) -> list[int]:
+        """SGLang rebuilt its free list from scratch, with every page in it: pages
+        waiting to go back are back already, and every pinned page now counts as freed
+        by SGLang. Returns the pinned pages, which the caller takes out of the free list
+        again (they go back once, when their writes ended)."""
+        with self._lock:
+            self._releasable = []
+            self._held = set(self._count)
+            return sorted(self._held)
+
     def take_releasable(self) -> list[int]:
         """Held pages no write reads any more: the caller gives them to the allocator."""
         with self._lock:

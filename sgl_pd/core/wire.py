@@ -40,7 +40,8 @@ from sgl_pd.errors import SglPdError
 # 2: count words, drain acks, heartbeat echoes, self-describing requests
 # 3: senders named in Abort, ErrorMsg and ChunkNotice (ownership checks), bounded requests
 # 4: decoders submit prefills to a prefill server's registry (direct mode)
-PROTOCOL_VERSION = 4
+# 5: registry replies carry the asker's submissions the prefill server refused
+PROTOCOL_VERSION = 5
 MAGIC = b"SGPD"
 MAX_BODY_BYTES = 64 << 20  # a 1M-token prompt with its page table stays far below this
 _HEADER = struct.Struct("<4sHHQII")
@@ -281,11 +282,27 @@ class RegistryQuery(_Message, tag="registry_query", frozen=True):
     sender: Text  # who asks, for the registry's log
 
 
+class RefusedSubmission(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A submitted request the prefill server took, then could not serve (its API answered
+    an error, or the request never reached it)."""
+
+    request_id: U64
+    message: Annotated[str, msgspec.Meta(max_length=4 * MAX_TEXT)]
+
+
+MAX_REFUSED_PER_REPLY = 256
+
+
 class RegistryReply(_Message, tag="registry_reply", frozen=True):
     """Registry -> decoder, sent only once every rank registered (else ErrorMsg NOT_READY)."""
 
     tp_size: Positive
     registrations: tuple[bytes, ...]  # ShardRegistration frames, indexed by rank
+    # Direct mode: the asker's recent submissions this server took and then refused, so
+    # the asker fails them at its next probe rather than at its transfer timeout.
+    refused: Annotated[
+        tuple[RefusedSubmission, ...], msgspec.Meta(max_length=MAX_REFUSED_PER_REPLY)
+    ] = ()
 
     def __post_init__(self) -> None:
         if len(self.registrations) != self.tp_size:

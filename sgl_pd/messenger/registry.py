@@ -33,6 +33,7 @@ from sgl_pd.core.wire import (
     ErrorMsg,
     FrameCodec,
     Message,
+    RefusedSubmission,
     RegisterAck,
     RegisterShard,
     RegistryQuery,
@@ -74,6 +75,8 @@ MAX_REGISTRATION_BYTES = 1 << 20  # one rank's registration frame (a few KiB in 
 MAX_REGISTRY_FRAME_BYTES = max(MAX_REGISTRATION_BYTES, MAX_SUBMIT_BYTES) + 4096
 # what a direct-mode submission may be refused with: (code, why); None = queued
 SubmitFn = Callable[[SubmitPrefill], "tuple[ErrorCode, str] | None"]
+# asker's name -> its submissions refused after they were taken (direct mode)
+RefusalsFn = Callable[[str], "tuple[RefusedSubmission, ...]"]
 SUBMIT_TIMEOUT_S = 5.0  # a decoder waits this long for a prefill server to take a request
 # all ranks' registrations together, so that a reply always fits in one frame
 MAX_REPLY_REGISTRATIONS_BYTES = MAX_FRAME_BYTES - HEADER_BYTES - (1 << 16)
@@ -98,15 +101,18 @@ class RegistryServer(RouterThread):
         context: ZmqContext | None = None,
         is_gone: Callable[[str], bool] = listener_gone,
         submit: SubmitFn | None = None,
+        refusals: RefusalsFn | None = None,
     ) -> None:
         """Binds tcp://host:port (0: a free port). Raises `AddressInUse` / `BindError`.
         With `auth`, only members of the cluster can register or query. With `submit`,
         decoders may also hand it requests to prefill (direct mode): `submit` queues one
-        and returns None, or returns why it cannot (never blocks)."""
+        and returns None, or returns why it cannot (never blocks); `refusals` names the
+        asker's submissions that were taken and then refused, for its next query."""
         super().__init__(host, port, context, max_message_bytes=MAX_REGISTRY_FRAME_BYTES, auth=auth)
         self._host = host
         self._is_gone = is_gone
         self._submit = submit
+        self._refusals = refusals
         self._codec = FrameCodec(REGISTRY_LAYOUT_HASH)  # registry thread only
         self._shards: dict[int, _Shard] = {}  # by rank; registry thread only
         self._bad_frames = 0  # written by the registry thread only
@@ -272,6 +278,7 @@ class RegistryServer(RouterThread):
         return RegistryReply(
             tp_size=tp_size,
             registrations=tuple(self._shards[r].frame for r in range(tp_size)),
+            refused=() if self._refusals is None else self._refusals(msg.sender),
         )
 
 
@@ -366,11 +373,23 @@ class RegistryClient:
     ) -> list[bytes]:
         """The registration frames of all prefill ranks at "host:port", indexed by rank;
         asks again while the registry answers NOT_READY or nothing."""
+        return list(self._query(addr, timeout_s, retry_interval_s, stop).registrations)
+
+    def probe(
+        self, addr: str, timeout_s: float = QUERY_TIMEOUT_S, stop: threading.Event | None = None
+    ) -> tuple[RefusedSubmission, ...]:
+        """Is the prefill server at "host:port" serving? Returns this client's submissions
+        it refused after taking them (direct mode); raises as `query` does."""
+        return self._query(addr, timeout_s, RETRY_INTERVAL_S, stop).refused
+
+    def _query(
+        self, addr: str, timeout_s: float, retry_interval_s: float, stop: threading.Event | None
+    ) -> RegistryReply:
         query = RegistryQuery(sender=self._name)
         reply = self._exchange(addr, query, "query", timeout_s, retry_interval_s, stop)
         if not isinstance(reply, RegistryReply):
             raise BootstrapError(f"prefill registry at {addr} answered a query with {reply}")
-        return list(reply.registrations)
+        return reply
 
     def submit(
         self,

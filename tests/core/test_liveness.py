@@ -108,13 +108,17 @@ def test_thresholds_must_be_ordered() -> None:
         PeerLiveness(ManualClock(), interval_s=0.25, suspect_after_s=4.0, hang_timeout_s=4.0)
 
 
-def test_a_gap_between_beats_past_the_hang_timeout_is_a_freeze() -> None:
+def test_a_gap_between_beats_close_to_the_hang_timeout_is_a_freeze() -> None:
+    """A peer times this process's silence from an answer that may precede the last beat,
+    so the freeze counts a margin before the hang timeout (never before half of it)."""
     clock = ManualClock()
-    watch = FreezeWatch(clock, hang_timeout_s=4.0)
-    clock.advance(3.9)
+    watch = FreezeWatch(clock, hang_timeout_s=20.0, margin_s=1.5)
+    assert watch.limit_s == 18.5
+    clock.advance(18.4)
     assert not watch.frozen()
     watch.beat()
-    clock.advance(4.1)  # SIGSTOP: nothing beat
-    assert watch.frozen() and watch.gap_s() == pytest.approx(4.1)
+    clock.advance(18.6)  # SIGSTOP: nothing beat
+    assert watch.frozen() and watch.gap_s() == pytest.approx(18.6)
     watch.beat()
     assert not watch.frozen()
+    assert FreezeWatch(clock, hang_timeout_s=2.0, margin_s=1.5).limit_s == 1.0

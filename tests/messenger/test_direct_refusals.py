@@ -1,0 +1,111 @@
+"""Direct mode, finding "a prefill-side refusal is only logged": a request a prefill
+server took and then refused (its HTTP API answered 400) fails at the submitting
+decoder's next probe with the server's reason, and the decoder aborts it - over a real
+HTTP server, the real registry and the decoder's real dispatcher."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from messenger_helpers import HOST, register_msg
+
+from sgl_pd.backend.direct_decode import DirectDispatcher, NoPrefillServer, _unless_refused
+from sgl_pd.backend.direct_prefill import LocalSubmitter
+from sgl_pd.core.wire import SubmitPrefill
+from sgl_pd.messenger import RegistryClient, RegistryServer
+
+REASON = "The input (9000 tokens) is longer than the model's context length (8192 tokens)."
+
+
+class _Refusing(BaseHTTPRequestHandler):
+    """SGLang's /generate refusing a request it validated."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        body = json.dumps({"error": {"message": REASON}}).encode()
+        self.send_response(400)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def refusing_api() -> Iterator[str]:
+    server = ThreadingHTTPServer((HOST, 0), _Refusing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://{HOST}:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+def _submission(room: int, sender: str) -> SubmitPrefill:
+    body = json.dumps({"input_ids": [1, 2, 3], "bootstrap_room": room}).encode()
+    return SubmitPrefill(request_id=room, sender=sender, request=body)
+
+
+def test_a_refusal_after_the_submission_fails_the_request_at_the_next_probe(
+    refusing_api: str,
+) -> None:
+    submitter = LocalSubmitter(refusing_api)
+    with (
+        RegistryServer(
+            HOST, 0, submit=submitter.submit, refusals=submitter.refused_for
+        ) as registry,
+        RegistryClient("prefill rank") as rank,
+    ):
+        rank.register(registry.address, register_msg(0, 1, instance=1))
+        dispatcher = DirectDispatcher(
+            registry.address, auth=None, name="decoder 1", probe_interval_s=0.1
+        )
+        aborted = asyncio.Event()
+
+        async def decode_side() -> AsyncIterator[str]:
+            """The decoder's request: waits for KV until it is aborted."""
+            await aborted.wait()
+            yield "abort"
+
+        async def serve() -> None:
+            refused = dispatcher.watch(7)
+            assert (
+                await dispatcher.submit(registry.address, _submission(7, dispatcher.name)) is None
+            )
+            with pytest.raises(NoPrefillServer) as raised:
+                async for _ in _unless_refused(decode_side(), refused, aborted.set):
+                    pass
+            assert aborted.is_set()
+            assert registry.address in str(raised.value) and "400" in str(raised.value)
+            assert "context length" in str(raised.value)
+            dispatcher.unwatch(7)
+
+        try:
+            asyncio.run(asyncio.wait_for(serve(), 10))
+            # another decoder's probes do not see this decoder's refusals
+            assert submitter.refused_for("decoder 2") == ()
+            assert [r.request_id for r in submitter.refused_for("decoder 1")] == [7]
+        finally:
+            dispatcher.close()
+            submitter.close()
+
+
+def test_outputs_pass_through_until_the_request_ends() -> None:
+    async def outputs() -> AsyncIterator[int]:
+        for i in range(3):
+            await asyncio.sleep(0)
+            yield i
+
+    async def serve() -> list[int]:
+        refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        return [out async for out in _unless_refused(outputs(), refused, lambda: None)]
+
+    assert asyncio.run(serve()) == [0, 1, 2]
