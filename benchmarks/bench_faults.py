@@ -4,7 +4,9 @@ Starts a monolithic server (for the expected greedy tokens) and a prefill + deco
 router cluster whose prefiller slows every KV write batch and fails a few, then:
 
 1. runs the campaign: N requests at concurrency 16, 10% of them aborted at the decoder
-   after a random delay (SGLang's /abort_request, what a client disconnect triggers);
+   after a random delay (SGLang's /abort_request, what a client disconnect triggers),
+   while the prefill and the decode server are stopped in turn (SIGSTOP, then SIGCONT)
+   for 5 s, well under the hang timeout: a live but stopped server must fail nothing;
 2. kills the prefiller with SIGKILL while a long prompt's layers stream, measures how
    long the client waits for its error, restarts it, and checks a request succeeds;
 3. does the same to the decoder (the prefiller must stop writing and free its pages);
@@ -13,7 +15,8 @@ router cluster whose prefiller slows every KV write batch and fails a few, then:
     python benchmarks/bench_faults.py [--quick] [--requests N]
 
 Prints a table and ends with one JSON line: faults_injected, requests_lost, wrong_tokens,
-pages_leaked, fault_to_error_p99_s. SGL_PD_LOCAL_PATIENCE scales every start-up wait.
+pages_leaked, fault_to_error_p99_s, false_failures (requests that failed though no fault
+but a pause hit them: target 0). SGL_PD_LOCAL_PATIENCE scales every start-up wait.
 """
 
 from __future__ import annotations
@@ -35,16 +38,18 @@ from sgl_pd.cluster.campaign import (
     expected_tokens,
     first_success,
     kill_mid_transfer,
+    periodic_pauses,
     run_campaign,
 )
 from sgl_pd.cluster.client import generate_ids
 from sgl_pd.cluster.local import PdCluster, Server, local_patience, monolithic_server, pd_cluster
-from sgl_pd.cluster.logs import last_pool_state
+from sgl_pd.cluster.logs import decode_failures, last_pool_state
 from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids, varied_prompts
 
 WRITE_DELAY_MS = 20
 FAILURE_RATE = 0.004
 LONG_PROMPT_TOKENS = 1024
+PAUSE_S = 5.0  # each SIGSTOP; the hang timeout stays at its default (20 s)
 SERVER_ARGS = ["--chunked-prefill-size", "128", "--log-level", "info"]
 
 
@@ -90,13 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="100 requests, one kill per side")
     parser.add_argument("--requests", type=int, default=None, help="campaign size")
+    parser.add_argument("--out", type=Path, default=None, help="unused: no files written")
     args = parser.parse_args(argv)
     count = args.requests or (100 if args.quick else 1000)
     kills = 1 if args.quick else 3
+    pause_every_s = 15.0 if args.quick else 30.0
     log_dir = Path(tempfile.mkdtemp(prefix="bench_faults_"))
     print(
         f"[bench] {count} requests, 10% aborted, write delay {WRITE_DELAY_MS} ms, failure "
-        f"rate {FAILURE_RATE} per batch, {kills} kill(s) per side; logs in {log_dir}"
+        f"rate {FAILURE_RATE} per batch, a {PAUSE_S:g} s SIGSTOP every {pause_every_s:g} s, "
+        f"{kills} kill(s) per side; logs in {log_dir}"
     )
     prompts = [prompt_ids(p) for p in varied_prompts(count, seed=31)]
     pd_args = list(SERVER_ARGS)
@@ -125,18 +133,22 @@ def main(argv: list[str] | None = None) -> int:
             bar.update(1)
 
         started = time.monotonic()
-        result = run_campaign(
-            cluster.router_url,
-            cluster.decode.url,
-            prompts,
-            expected,
-            max_new_tokens=6,
-            abort_fraction=0.1,
-            concurrency=16,
-            seed=7,
-            on_done=done,
-        )
+        victims = [cluster.prefill.process, cluster.decode.process]
+        with periodic_pauses(victims, every_s=pause_every_s, pause_s=PAUSE_S) as paused:
+            result = run_campaign(
+                cluster.router_url,
+                cluster.decode.url,
+                prompts,
+                expected,
+                max_new_tokens=6,
+                abort_fraction=0.1,
+                concurrency=16,
+                seed=7,
+                on_done=done,
+            )
         bar.close()
+        causes = decode_failures(sorted(cluster.decode.process.log_path.parent.glob("decode.log*")))
+        false_failures = result.false_failures(causes, excused=("injected failure",))
         campaign_s = time.monotonic() - started
         rounds = []
         for n in range(kills):
@@ -148,13 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     abort_to_end = result.fault_to_end_s()
     kill_to_error = [r["to_error_s"] for r in rounds]
     all_to_error = abort_to_end + kill_to_error
-    faults = result.aborts_sent + failures + len(rounds)
+    faults = result.aborts_sent + failures + len(rounds) + len(paused)
     lost = result.count("lost") + sum(not r["recovered"] for r in rounds)
     print(f"\ncampaign: {count} requests in {campaign_s:.0f} s")
     print(" fault kind              injected  client answer after fault p50 / p99 (s)")
     p50, p99 = _percentile(abort_to_end, 0.5), _percentile(abort_to_end, 0.99)
     print(f" abort at decoder        {result.aborts_sent:8d}  {p50:6.2f} / {p99:.2f}")
     print(f" injected write failure  {failures:8d}  (client sees an error)")
+    print(f" SIGSTOP {PAUSE_S:g} s (either)    {len(paused):8d}  (nothing may fail)")
     for victim in ("prefill", "decode"):
         mine = [r["to_error_s"] for r in rounds if r["victim"] == victim]
         print(f" SIGKILL {victim:8s}        {len(mine):8d}  "
@@ -165,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     for outcome in result.wrong():
         print(f"   wrong: request {outcome.index} (aborted: {outcome.aborted_on_purpose}): "
               f"{outcome.detail}")  # fmt: skip
+    for outcome in false_failures:
+        print(f"   false failure: {outcome.rid}: {causes.get(outcome.rid, 'no cause logged')}")
+    print(f" false failures (failed, though only paused or not hit): {len(false_failures)}")
     print(f" recovered after restart: {sum(r['recovered'] for r in rounds)}/{len(rounds)}")
     print(f" pages (tokens) still in use when idle: {leaked}")
     summary = {
@@ -174,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         "pages_leaked": leaked,
         "fault_to_error_p99_s": round(_percentile(all_to_error, 0.99), 3),
         "fault_to_error_p50_s": round(statistics.median(all_to_error), 3) if all_to_error else 0,
+        "false_failures": len(false_failures),
+        "pauses": len(paused),
         "requests": count,
     }
     print(json.dumps(summary))

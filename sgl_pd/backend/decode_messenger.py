@@ -28,6 +28,7 @@ import numpy as np
 
 from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription
+from sgl_pd.backend.pool_report import note_live
 from sgl_pd.core.clock import Clock
 from sgl_pd.core.counting import (
     METADATA_WORD,
@@ -360,6 +361,10 @@ class DecodeMessenger:
             now = self._now()
             for room in [r for r, (_, t, _) in self._sealed.items() if now - t > self._timeout_s]:
                 del self._sealed[room]
+            rooms = len(self._tracks)
+            arriving = sum(t.done_s is None and t.error is None for t in self._tracks.values())
+        self._metrics.set_live(rooms, arriving)
+        note_live(rooms, arriving)
 
     # -- helpers (lock held) --------------------------------------------------------------
 

@@ -302,10 +302,14 @@ class SglPdKVManager(BaseKVManager):
         return self._role_problem()
 
     def close(self) -> None:
+        # Writers end before the inbox and outbox close: their drain acks still go out,
+        # and a peer never finds this inbox refusing while a write of ours may land (it
+        # would then take this process for gone; the engine closes last for the same
+        # reason).
         self.closing.set()
         self.heartbeats.stop()
+        self._close_role()
         self.inbox.close()
         self.outbox.close()
-        self._close_role()
         self.links.close()
         self.engine.close()

@@ -11,13 +11,13 @@ from typing import Any
 
 
 class TransferMetrics:
-    """Counters for one role; a no-op object when metrics are disabled."""
+    """Counters and gauges for one role; a no-op object when metrics are disabled."""
 
     def __init__(self, enabled: bool, role: str) -> None:
         self._enabled = enabled
         if not enabled:
             return
-        from prometheus_client import Counter, Histogram
+        from prometheus_client import Counter, Gauge, Histogram
 
         labels = {"role": role}
         self._bytes: Any = Counter(
@@ -38,6 +38,19 @@ class TransferMetrics:
             ["role"],
             buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0),
         ).labels(**labels)
+        # summed over the live scheduler processes of the server (its ranks)
+        self._rooms: Any = Gauge(
+            "sgl_pd_rooms",
+            "Requests this server's ranks hold transfer state for (live, or draining)",
+            ["role"],
+            multiprocess_mode="livesum",
+        ).labels(**labels)
+        self._in_flight: Any = Gauge(
+            "sgl_pd_writes_in_flight",
+            "Prefill: KV write jobs running; decode: requests whose KV is still arriving",
+            ["role"],
+            multiprocess_mode="livesum",
+        ).labels(**labels)
 
     def add_bytes(self, nbytes: int) -> None:
         if self._enabled:
@@ -54,3 +67,8 @@ class TransferMetrics:
     def add_failure(self) -> None:
         if self._enabled:
             self._failures.inc()
+
+    def set_live(self, rooms: int, in_flight: int) -> None:
+        if self._enabled:
+            self._rooms.set(rooms)
+            self._in_flight.set(in_flight)

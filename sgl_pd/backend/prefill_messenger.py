@@ -31,6 +31,7 @@ import numpy as np
 
 from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription
+from sgl_pd.backend.pool_report import note_live
 from sgl_pd.backend.prefill_rooms import Chunk, Destination, PrefillRooms, Room
 from sgl_pd.backend.prefill_writer import DestinationWriters, KvWriter, LayersJob, MetadataJob
 from sgl_pd.core.clock import Clock
@@ -223,6 +224,9 @@ class PrefillMessenger:
         for room_id, acks in self.rooms.settle_quarantined():
             self._ack(room_id, acks)
         self.rooms.sweep()
+        rooms, writes = self.rooms.counts()
+        self._metrics.set_live(rooms, writes)
+        note_live(rooms, writes)
 
     # -- any thread ---------------------------------------------------------------------
 

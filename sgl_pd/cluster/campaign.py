@@ -18,7 +18,7 @@ import contextlib
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -78,6 +78,7 @@ class Outcome:
     aborted_on_purpose: bool
     fault_to_end_s: float | None  # from the abort call to the client's answer
     detail: str = ""  # for wrong tokens: what came back against what was expected
+    rid: str = ""  # the request id the servers log
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,52 @@ class CampaignResult:
 
     def fault_to_end_s(self) -> list[float]:
         return sorted(o.fault_to_end_s for o in self.outcomes if o.fault_to_end_s is not None)
+
+    def false_failures(self, causes: Mapping[str, str], excused: Sequence[str]) -> list[Outcome]:
+        """Requests that failed though nothing was done to them on purpose: not aborted,
+        and their cause (rid -> reason, from `logs.decode_failures`) names none of the
+        `excused` faults (an injected write failure, a kill). A pause is never an
+        excuse: a live peer that was only stopped for a while must fail nothing."""
+        return [
+            o
+            for o in self.outcomes
+            if o.kind in ("error", "lost")
+            and not o.aborted_on_purpose
+            and not any(e in causes.get(o.rid, "") for e in excused)
+        ]
+
+
+@contextlib.contextmanager
+def periodic_pauses(
+    victims: Sequence[ManagedProcess], *, every_s: float, pause_s: float
+) -> Iterator[list[str]]:
+    """While the block runs, SIGSTOPs `victims` in turn (each whole process group) for
+    `pause_s` seconds every `every_s` seconds: alive and accepting connections, but not
+    running. Yields the names paused so far; every victim runs again when it ends."""
+    stop = threading.Event()
+    paused: list[str] = []
+
+    def loop() -> None:
+        turn = 0
+        while not stop.wait(every_s):
+            victim = victims[turn % len(victims)]
+            turn += 1
+            victim.pause()
+            try:
+                stop.wait(pause_s)
+            finally:
+                victim.resume()
+            paused.append(victim.name)
+
+    thread = threading.Thread(target=loop, name="pauses", daemon=True)
+    thread.start()
+    try:
+        yield paused
+    finally:
+        stop.set()
+        thread.join(pause_s + 5)
+        for victim in victims:
+            victim.resume()
 
 
 def abort_at_decoder(decode_url: str, rid: str) -> None:
@@ -197,23 +244,23 @@ def run_campaign(
             response = post_generate(router_url, prompts[index], rid, max_new_tokens)
             ended = time.monotonic()
         except requests.RequestException:
-            return Outcome(index, "lost", abort, None)
+            return Outcome(index, "lost", abort, None, rid=rid)
         finally:
             if timer is not None:
                 timer.cancel()
         fault_to_end = ended - aborted_at[0] if aborted_at else None
         if response.status_code != 200:
-            return Outcome(index, "aborted" if abort else "error", abort, fault_to_end)
+            return Outcome(index, "aborted" if abort else "error", abort, fault_to_end, rid=rid)
         body = response.json()
         finish = (body.get("meta_info") or {}).get("finish_reason") or {}
         if isinstance(finish, dict) and finish.get("type") == "abort":
-            return Outcome(index, "aborted" if abort else "error", abort, fault_to_end)
+            return Outcome(index, "aborted" if abort else "error", abort, fault_to_end, rid=rid)
         ids = [int(t) for t in body["output_ids"]]
         kind = expected[index].judge(ids)
         if kind == "ok":
-            return Outcome(index, kind, abort, None)
+            return Outcome(index, kind, abort, None, rid=rid)
         detail = f"finish {finish}, got {ids}, expected {expected[index]}"
-        return Outcome(index, kind, abort, fault_to_end, detail)
+        return Outcome(index, kind, abort, fault_to_end, detail, rid)
 
     outcomes = []
     with ThreadPoolExecutor(max_workers=concurrency) as pool:

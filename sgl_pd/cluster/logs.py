@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from sgl_pd.backend.pool_report import POOL_LINE_PREFIX
@@ -22,6 +22,24 @@ def timing_lines(log: Path) -> list[TimingLine]:
         if TIMING_LINE_PREFIX in line:
             fields = re.findall(r"(\w+)=(\S+)", line.split(TIMING_LINE_PREFIX, 1)[1])
             out.append({k: (v if k == "mode" else float(v)) for k, v in fields})
+    return out
+
+
+# SGLang's decode scheduler, when a request's KV transfer fails (the exception is ours)
+_DECODE_FAILURE = re.compile(
+    r"Decode transfer failed for request .*?rid='([^']*)'.*? with exception (.*)$"
+)
+
+
+def decode_failures(logs: Iterable[Path]) -> dict[str, str]:
+    """rid -> why the decoder failed the request's KV transfer, from decode server logs
+    (the first reason logged for each)."""
+    out: dict[str, str] = {}
+    for log in logs:
+        for line in log.read_text(errors="replace").splitlines():
+            match = _DECODE_FAILURE.search(line)
+            if match:
+                out.setdefault(match.group(1), match.group(2))
     return out
 
 

@@ -129,6 +129,16 @@ class ManagedProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=30)
 
+    def pause(self) -> None:
+        """SIGSTOP to the whole process group: alive, connections still accepted, but
+        nothing runs (a frozen host, a stalled VM) until `resume`."""
+        assert self.process is not None, "start() first"
+        _signal_group(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None, "start() first"
+        _signal_group(self.process.pid, signal.SIGCONT)
+
     def restart(self, log_suffix: str) -> None:
         """Starts the same command again, logging to `<log>.<log_suffix>`; the caller
         waits for readiness. The old log stays for reading."""
@@ -141,6 +151,7 @@ class ManagedProcess:
             self.process.poll() is not None and not _group_alive(self.process.pid)
         ):
             return
+        _signal_group(self.process.pid, signal.SIGCONT)  # a paused group cannot stop
         _signal_group(self.process.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:

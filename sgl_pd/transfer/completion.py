@@ -14,8 +14,11 @@ to the sender, and it is a separate batch:
   receiver's read of the word cannot overtake it.
 - RDMA RC (ConnectX): a write completion at the sender means the remote NIC acknowledged the
   write, after placing it in the target memory; a later write (the word) cannot be seen
-  before it on host memory. For GPU memory the NIC's PCIe writes are ordered too, and the
-  reader must load the word and then the payload (the decoder fences before reading KV).
+  before it on host memory. For GPU memory the argument rests on the NIC's PCIe writes
+  staying in order (no relaxed ordering on the KV registration): the decoder's host
+  thread sees the word, and only then does the scheduler launch the kernels that read
+  the KV, so no explicit fence is issued. That is unverified on GPUs here; a fabric or
+  setting that reorders PCIe writes needs one (as EFA does, below).
 - EFA (SRD, unordered): upstream reports that a send completion does not by itself prove
   the payload is visible in GPU memory. There the word alone is not enough: the receiver
   must also fence (or the sender must use delivery-complete semantics) before trusting the

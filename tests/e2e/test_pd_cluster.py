@@ -163,6 +163,10 @@ def test_metrics_report_transfers(pd: PdCluster) -> None:
     done = re.search(r'^sgl_pd_transfer_requests_total\{role="decode"\} ([0-9.e+]+)$', text, re.M)
     assert done is not None and float(done.group(1)) >= 1
     assert re.search(r'^sgl_pd_transfer_seconds_count\{role="decode"\}', text, re.M)
+    for url, role in ((pd.prefill.url, "prefill"), (pd.decode.url, "decode")):
+        text = requests.get(f"{url}/metrics", timeout=30).text
+        for gauge in ("sgl_pd_rooms", "sgl_pd_writes_in_flight"):  # live state, per side
+            assert re.search(rf'^{gauge}\{{role="{role}"\}} [0-9.e+]+$', text, re.M), gauge
 
 
 def test_every_page_is_free_again(pd: PdCluster) -> None:

@@ -1,7 +1,10 @@
 """Faults against a real PD pair (SGLang on CPU, Mooncake TCP, SGLang's router): the
 prefiller's KV writes are slowed on purpose (and a few fail), so requests can be aborted
 mid-transfer. Whatever ends early, no page is written after it went back to the pool:
-every request that completes has the monolithic tokens, and both pools end empty.
+every request that completes has the monolithic tokens, and both pools end empty. A
+server stopped (SIGSTOP) for less than the hang timeout fails nothing; one stopped past
+it fails what it was part of and serves again once it runs; a killed one fails its
+requests at once, because its connections are refused.
 
 The tests share one cluster and run in file order; the last ones kill and restart each
 server, so they come last.
@@ -22,12 +25,13 @@ from sgl_pd.cluster.campaign import (
     expected_tokens,
     first_success,
     kill_mid_transfer,
+    periodic_pauses,
     post_generate,
     run_campaign,
 )
 from sgl_pd.cluster.client import generate_ids
 from sgl_pd.cluster.local import PdCluster, Server, pd_cluster
-from sgl_pd.cluster.logs import last_pool_state
+from sgl_pd.cluster.logs import decode_failures, last_pool_state
 from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids, varied_prompts
 
 from .conftest import COMMON_ARGS
@@ -39,11 +43,14 @@ FAILURE_RATE = 0.004  # of write batches: a few campaign requests fail on their 
 DECODE_POOL_TOKENS = 1536  # small: an aborted long prompt's pages are reused at once
 LONG = 1024
 PROMPTS_IN_CAMPAIGN = 100
+HANG_S = 10  # --pd-hang-timeout on both sides
+PAUSE_S = 5  # a pause well under it: nothing may fail
+LIVENESS_LINES = ("hung:", "is gone:", "did not run for")  # what a liveness failure logs
 
 
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdCluster]:
-    args = list(COMMON_ARGS)
+    args = [*COMMON_ARGS, "--pd-hang-timeout", str(HANG_S)]
     with pd_cluster(
         tmp_path_factory.mktemp("pd-faults"),
         prefill_extra=[
@@ -123,6 +130,79 @@ def test_campaign_with_aborts_and_failures(mono: Server, faulty: PdCluster) -> N
     assert result.count("ok") + result.count("near_tie") >= PROMPTS_IN_CAMPAIGN * 0.6
     assert result.aborts_sent >= 5
     _pools_idle(faulty)
+
+
+def _log_tail(server: Server, since: int) -> str:
+    return server.process.log_path.read_bytes()[since:].decode(errors="replace")
+
+
+def _log_size(server: Server) -> int:
+    return server.process.log_path.stat().st_size
+
+
+@pytest.mark.parametrize("victim", ["prefill", "decode"])
+def test_a_server_paused_shorter_than_the_hang_timeout_fails_nothing(
+    mono: Server, faulty: PdCluster, victim: str
+) -> None:
+    """Requests in flight (long prompts streaming, short ones queued) while one server is
+    stopped for 5 s: all complete with the monolithic tokens, except any an injected write
+    failure ended, and neither side logs a liveness failure."""
+    server = faulty.prefill if victim == "prefill" else faulty.decode
+    prompts = [long_prompt_ids(LONG, start=300 + 7 * i) for i in range(2)]
+    prompts += [prompt_ids(p) for p in varied_prompts(6, seed=41)]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        expected = list(pool.map(lambda p: expected_tokens(mono.url, p, 4), prompts))
+    marks = {s.name: _log_size(s) for s in (faulty.prefill, faulty.decode)}
+    rids = [f"pause-{victim}-{i}" for i in range(len(prompts))]
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        with periodic_pauses([server.process], every_s=1.0, pause_s=PAUSE_S) as paused:
+            futures = [
+                pool.submit(post_generate, faulty.router_url, p, rid, 4)
+                for p, rid in zip(prompts, rids, strict=True)
+            ]
+            while not paused:
+                time.sleep(0.1)
+        responses = [f.result() for f in futures]
+    causes = decode_failures([faulty.decode.process.log_path])
+    for rid, response, want in zip(rids, responses, expected, strict=True):
+        if response.status_code == 200 and _finish(response) != "abort":
+            got = [int(t) for t in response.json()["output_ids"]]
+            assert want.judge(got) != "wrong_tokens", f"{rid}: {got} vs {want}"
+        else:
+            assert "injected failure" in causes.get(rid, ""), f"{rid} failed: {response.text}"
+    for s in (faulty.prefill, faulty.decode):
+        tail = _log_tail(s, marks[s.name])
+        assert not [w for w in LIVENESS_LINES if w in tail], f"{s.name} failed a request"
+    _pools_idle(faulty)
+
+
+def test_a_prefiller_paused_past_the_hang_timeout_fails_its_request_then_serves(
+    mono: Server, faulty: PdCluster
+) -> None:
+    """SIGSTOP the prefill server mid-transfer for longer than the hang timeout: the
+    decoder fails the request as hung (the process still accepts connections), the
+    prefiller, once it runs again, fails what it held and writes nothing more for it,
+    both pools go back to idle, and the next request is served."""
+    ids = long_prompt_ids(LONG, start=91)
+    marks = {s.name: _log_size(s) for s in (faulty.prefill, faulty.decode)}
+    answer: list[requests.Response] = []
+    sender = threading.Thread(
+        target=lambda: answer.append(post_generate(faulty.router_url, ids, "hang-1", 4))
+    )
+    with periodic_pauses([faulty.prefill.process], every_s=1.0, pause_s=HANG_S + 4) as paused:
+        sender.start()
+        while not paused:  # one pause, then the block ends
+            time.sleep(0.2)
+    sender.join(120)
+    assert answer and (answer[0].status_code != 200 or _finish(answer[0]) == "abort")
+    assert "hung:" in _log_tail(faulty.decode, marks[faulty.decode.name])
+    deadline = time.monotonic() + 30
+    while "did not run for" not in _log_tail(faulty.prefill, marks[faulty.prefill.name]):
+        assert time.monotonic() < deadline, "the prefiller did not notice it was stopped"
+        time.sleep(0.5)
+    _pools_idle(faulty)
+    expected = generate_ids(mono.url, "Count: 4 5 6", 6)
+    assert first_success(faulty.router_url, "Count: 4 5 6", 6, budget_s=120) == expected
 
 
 def _restart_and_serve(mono: Server, cluster: PdCluster, victim: Server) -> None:
