@@ -35,7 +35,13 @@ from sgl_pd.core.liveness import FreezeWatch
 from sgl_pd.core.pins import PagePins
 from sgl_pd.core.plan import AddressedPlan, TokenRange
 from sgl_pd.core.sharding import ShardingScheme, ShardLink, link_shards
-from sgl_pd.core.states import PREFILL_TABLE, PrefillState, RequestTracker
+from sgl_pd.core.states import (
+    METADATA_DUE,
+    PREFILL_TABLE,
+    MetadataWait,
+    PrefillState,
+    RequestTracker,
+)
 from sgl_pd.core.wire import TransferRequest
 
 _P = PrefillState
@@ -93,14 +99,10 @@ class Room:
     tokens_planned: int = 0  # tokens covered by chunks so far
     src_pages: list[int] = field(default_factory=list)  # after-forward mode
     chunks: int = 0
-    send_complete: bool = False  # SGLang's last send: the metadata row is filled
-    # Every layer of the last chunk is queued for writing once both are: the target
-    # model's layers (after the forward) and the draft model's (at SGLang's send, since
-    # the draft runs after the target; True from the start when there is no draft).
-    target_layers_queued: bool = False
-    draft_layers_queued: bool = True
+    # What the metadata job waits for (`core.states.MetadataWait`): the draft model's
+    # layers go at SGLang's send, since the draft runs after the target
+    metadata: MetadataWait = MetadataWait.LAST_SEND | MetadataWait.TARGET_LAYERS
     awaiting_draft: list[Chunk] = field(default_factory=list)  # layer-wise, forwarded chunks
-    metadata_queued: bool = False
     metadata_pending: int = 0  # destinations whose metadata job has not finished
     inflight: int = 0  # write jobs between begin_write and end_write
     quarantine_until_s: float | None = None  # a failed batch may land until then
@@ -233,7 +235,7 @@ class PrefillRooms:
             self._states.progressed(room_id)
             if self.draft_layers:
                 room.awaiting_draft.append(chunk)
-                room.draft_layers_queued = False
+                room.metadata |= MetadataWait.DRAFT_LAYERS
             self._sending(room)
             return chunk
 
@@ -277,8 +279,8 @@ class PrefillRooms:
                 ]
                 room.awaiting_draft = room.awaiting_draft[len(forwarded) :]  # in order
                 due.extend((c, self.draft_layers) for c in forwarded)
-            room.send_complete = is_last
             if is_last:
+                room.metadata &= ~MetadataWait.LAST_SEND
                 room.last_send_s = self._clock.monotonic()
             return due
 
@@ -289,10 +291,12 @@ class PrefillRooms:
             if room is None:
                 return
             for chunk, layers in writes:
-                if chunk.is_last:
-                    every_layer = len(layers) == self.layout.num_layers  # after-forward
-                    room.target_layers_queued |= every_layer
-                    room.draft_layers_queued |= every_layer or layers == self.draft_layers
+                if not chunk.is_last:
+                    continue
+                if len(layers) == self.layout.num_layers:  # after-forward: all of them
+                    room.metadata &= ~(MetadataWait.TARGET_LAYERS | MetadataWait.DRAFT_LAYERS)
+                elif layers == self.draft_layers:
+                    room.metadata &= ~MetadataWait.DRAFT_LAYERS
 
     def chunk_queued(self, chunk: Chunk) -> None:
         """Layer-wise mode: every target layer of `chunk` is queued for its destinations."""
@@ -300,23 +304,16 @@ class PrefillRooms:
             with self._lock:
                 room = self._rooms.get(chunk.room)
                 if room is not None:
-                    room.target_layers_queued = True
+                    room.metadata &= ~MetadataWait.TARGET_LAYERS
 
     def take_metadata_due(self, room_id: int) -> list[Destination]:
         """The destinations whose metadata job should be queued now: once, after every
         layer of the last chunk is queued and SGLang has filled the metadata row."""
         with self._lock:
             room = self._rooms.get(room_id)
-            if (
-                room is None
-                or room.error is not None
-                or room.metadata_queued
-                or not (
-                    room.send_complete and room.target_layers_queued and room.draft_layers_queued
-                )
-            ):
+            if room is None or room.error is not None or room.metadata != METADATA_DUE:
                 return []
-            room.metadata_queued = True
+            room.metadata = MetadataWait.QUEUED
             room.metadata_pending = len(room.requests)
             return [self._destination_or_notice(room, rank) for rank in sorted(room.requests)]
 

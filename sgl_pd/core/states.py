@@ -96,6 +96,25 @@ PREFILL_TABLE: TransitionTable[PrefillState] = TransitionTable(
 )
 
 
+class MetadataWait(enum.Flag):
+    """What a prefill request's metadata row (D9) still waits for before its job may be
+    queued: the row is written behind the KV on each destination's FIFO queue, so every
+    write of the last chunk must be queued first. Empty: due now; QUEUED: done once.
+
+    The scheduler thread clears LAST_SEND (SGLang's last send filled the row) and, after
+    a forward, the layers it queued; in layer-wise mode the streamer thread clears
+    TARGET_LAYERS; each draft-model chunk noticed sets DRAFT_LAYERS again. All under the
+    rooms' lock."""
+
+    LAST_SEND = enum.auto()  # SGLang's last send: the metadata row is filled
+    TARGET_LAYERS = enum.auto()  # every target-model layer of the last chunk is queued
+    DRAFT_LAYERS = enum.auto()  # every draft-model layer of every chunk is queued
+    QUEUED = enum.auto()  # the metadata jobs were handed out (terminal)
+
+
+METADATA_DUE = MetadataWait(0)
+
+
 @dataclass(frozen=True)
 class Expired(Generic[S]):
     request_id: int

@@ -152,7 +152,7 @@ def test_a_server_paused_shorter_than_the_hang_timeout_fails_nothing(
     prompts += [prompt_ids(p) for p in varied_prompts(6, seed=41)]
     with ThreadPoolExecutor(max_workers=8) as pool:
         expected = list(pool.map(lambda p: expected_tokens(mono.url, p, 4), prompts))
-    marks = {s.name: _log_size(s) for s in (faulty.prefill, faulty.decode)}
+    marks = {s.url: _log_size(s) for s in (faulty.prefill, faulty.decode)}
     rids = [f"pause-{victim}-{i}" for i in range(len(prompts))]
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         with periodic_pauses([server.process], every_s=1.0, pause_s=PAUSE_S) as paused:
@@ -171,8 +171,8 @@ def test_a_server_paused_shorter_than_the_hang_timeout_fails_nothing(
         else:
             assert "injected failure" in causes.get(rid, ""), f"{rid} failed: {response.text}"
     for s in (faulty.prefill, faulty.decode):
-        tail = _log_tail(s, marks[s.name])
-        assert not [w for w in LIVENESS_LINES if w in tail], f"{s.name} failed a request"
+        tail = _log_tail(s, marks[s.url])
+        assert not [w for w in LIVENESS_LINES if w in tail], f"{s.url} failed a request"
     _pools_idle(faulty)
 
 
@@ -184,7 +184,7 @@ def test_a_prefiller_paused_past_the_hang_timeout_fails_its_request_then_serves(
     prefiller, once it runs again, fails what it held and writes nothing more for it,
     both pools go back to idle, and the next request is served."""
     ids = long_prompt_ids(LONG, start=91)
-    marks = {s.name: _log_size(s) for s in (faulty.prefill, faulty.decode)}
+    marks = {s.url: _log_size(s) for s in (faulty.prefill, faulty.decode)}
     answer: list[requests.Response] = []
     sender = threading.Thread(
         target=lambda: answer.append(post_generate(faulty.router_url, ids, "hang-1", 4))
@@ -195,9 +195,9 @@ def test_a_prefiller_paused_past_the_hang_timeout_fails_its_request_then_serves(
             time.sleep(0.2)
     sender.join(120)
     assert answer and (answer[0].status_code != 200 or _finish(answer[0]) == "abort")
-    assert "hung:" in _log_tail(faulty.decode, marks[faulty.decode.name])
+    assert "hung:" in _log_tail(faulty.decode, marks[faulty.decode.url])
     deadline = time.monotonic() + 30
-    while "did not run for" not in _log_tail(faulty.prefill, marks[faulty.prefill.name]):
+    while "did not run for" not in _log_tail(faulty.prefill, marks[faulty.prefill.url]):
         assert time.monotonic() < deadline, "the prefiller did not notice it was stopped"
         time.sleep(0.5)
     _pools_idle(faulty)
