@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sgl_pd.backend.prefill_writer import layer_writes
+from sgl_pd.backend.prefill.writer import layer_writes
 from sgl_pd.core.counting import links_into
 from sgl_pd.core.layout import KvLayout, PageLayout
 from sgl_pd.core.plan import AddressedPlan, TokenRange, TransferPlan, plan_transfer

@@ -137,8 +137,8 @@ class SglPdKVManager(BaseKVManager):
         is_mla_backend: bool | None = False,
     ) -> SglPdKVManager:
         if cls is SglPdKVManager:
-            from sgl_pd.backend.decode_manager import DecodeKVManager
-            from sgl_pd.backend.prefill_manager import PrefillKVManager
+            from sgl_pd.backend.decode.manager import DecodeKVManager
+            from sgl_pd.backend.prefill.manager import PrefillKVManager
 
             prefill = disaggregation_mode.value == "prefill"
             cls = PrefillKVManager if prefill else DecodeKVManager

@@ -43,10 +43,10 @@ def kv_class_around_hook(original: Any, transfer_backend: Any, class_type: Any) 
     if class_type == KVClassType.KVARGS:
         return original(transfer_backend, class_type)
 
-    from sgl_pd.backend.bootstrap_server import SglPdBootstrapServer
+    from sgl_pd.backend.decode.receiver import SglPdKVReceiver
     from sgl_pd.backend.manager import SglPdKVManager
-    from sgl_pd.backend.receiver import SglPdKVReceiver
-    from sgl_pd.backend.sender import SglPdKVSender
+    from sgl_pd.backend.prefill.bootstrap_server import SglPdBootstrapServer
+    from sgl_pd.backend.prefill.sender import SglPdKVSender
 
     return {
         KVClassType.MANAGER: SglPdKVManager,
@@ -81,11 +81,13 @@ def register_backend() -> None:
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.run_batch", after_run_batch, HookType.AFTER
     )
-    from sgl_pd.backend import direct_decode, first_token, health, layerwise_glue, request_checks
+    from sgl_pd.backend import first_token, health, request_checks
+    from sgl_pd.backend.decode import direct
+    from sgl_pd.backend.prefill import layerwise_glue
 
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
-        direct_decode.around_generate_request,
+        direct.around_generate_request,
         HookType.AROUND,
     )
 
@@ -115,7 +117,7 @@ def register_backend() -> None:
         first_token.before_prefill_bootstrap_add,
         HookType.BEFORE,
     )
-    from sgl_pd.backend import page_pins
+    from sgl_pd.backend.prefill import page_pins
 
     HookRegistry.register(
         "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.add",

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from sgl_pd.backend.pool_report import POOL_LINE_PREFIX
-from sgl_pd.backend.prefill_messenger import TIMING_LINE_PREFIX
+from sgl_pd.backend.prefill.messenger import TIMING_LINE_PREFIX
 from sgl_pd.cluster.local import Server, scheduler_ranks
 
 TimingLine = dict[str, str | float]

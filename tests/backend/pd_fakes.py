@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sgl_pd.backend.decode_messenger import DecodeMessenger
+from sgl_pd.backend.decode.messenger import DecodeMessenger
 from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription
-from sgl_pd.backend.prefill_messenger import PrefillMessenger
+from sgl_pd.backend.prefill.messenger import PrefillMessenger
 from sgl_pd.core.clock import ManualClock
 from sgl_pd.core.layout import KvLayout, PageLayout
 from sgl_pd.core.regions import Region, RegionTable

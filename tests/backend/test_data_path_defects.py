@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from sgl_pd.backend.prefill_rooms import FAILED_BATCH_QUARANTINE_S, UNOWNED_GRACE_S
+from sgl_pd.backend.prefill.rooms import FAILED_BATCH_QUARANTINE_S, UNOWNED_GRACE_S
 from sgl_pd.core.states import DecodeState, PrefillState
 from sgl_pd.core.wire import AbortAck, AbortReason, ErrorMsg
 from sgl_pd.transfer.engine import Writes

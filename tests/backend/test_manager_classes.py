@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from sgl_pd.backend.decode_manager import DecodeKVManager
-from sgl_pd.backend.prefill_manager import PrefillKVManager
-from sgl_pd.backend.receiver import SglPdKVReceiver
-from sgl_pd.backend.sender import SglPdKVSender
+from sgl_pd.backend.decode.manager import DecodeKVManager
+from sgl_pd.backend.decode.receiver import SglPdKVReceiver
+from sgl_pd.backend.prefill.manager import PrefillKVManager
+from sgl_pd.backend.prefill.sender import SglPdKVSender
 
 
 def test_nothing_abstract_is_left() -> None:

@@ -15,7 +15,7 @@ import torch
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
-from sgl_pd.backend.page_pins import around_check_all_pools, protect_allocator
+from sgl_pd.backend.prefill.page_pins import around_check_all_pools, protect_allocator
 from sgl_pd.core.pins import PagePins
 
 PAGES = 12

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from gpu_marks import GPU_ONLY
 
-from sgl_pd.backend.layerwise_glue import forward_stream_of
+from sgl_pd.backend.prefill.layerwise_glue import forward_stream_of
 from sgl_pd.layerwise import CudaProgress, decode, encode
 
 pytestmark = GPU_ONLY

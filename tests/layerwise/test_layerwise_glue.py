@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from sgl_pd.backend import layerwise_glue as glue
+from sgl_pd.backend.prefill import layerwise_glue as glue
 from sgl_pd.errors import ConfigError
 from sgl_pd.layerwise import ForwardJob, HostProgress, LayerStreamer
 

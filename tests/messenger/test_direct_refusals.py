@@ -14,8 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from messenger_helpers import HOST, register_msg
 
-from sgl_pd.backend.direct_decode import DirectDispatcher, NoPrefillServer, _unless_refused
-from sgl_pd.backend.direct_prefill import LocalSubmitter
+from sgl_pd.backend.decode.direct import DirectDispatcher, NoPrefillServer, _unless_refused
+from sgl_pd.backend.prefill.direct import LocalSubmitter
 from sgl_pd.core.wire import SubmitPrefill
 from sgl_pd.messenger import RegistryClient, RegistryServer
 

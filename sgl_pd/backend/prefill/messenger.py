@@ -32,8 +32,8 @@ import numpy as np
 from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.pool_report import note_live
-from sgl_pd.backend.prefill_rooms import Chunk, Destination, PrefillRooms, Room
-from sgl_pd.backend.prefill_writer import DestinationWriters, KvWriter, LayersJob, MetadataJob
+from sgl_pd.backend.prefill.rooms import Chunk, Destination, PrefillRooms, Room
+from sgl_pd.backend.prefill.writer import DestinationWriters, KvWriter, LayersJob, MetadataJob
 from sgl_pd.core.clock import Clock
 from sgl_pd.core.liveness import FreezeWatch
 from sgl_pd.core.sharding import ShardingScheme

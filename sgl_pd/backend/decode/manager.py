@@ -8,7 +8,7 @@ import logging
 import threading
 from typing import Any
 
-from sgl_pd.backend.decode_messenger import DecodeMessenger
+from sgl_pd.backend.decode.messenger import DecodeMessenger
 from sgl_pd.backend.heartbeats import Watched
 from sgl_pd.backend.manager import SglPdKVManager
 from sgl_pd.core.clock import Clock

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sgl_pd.backend.pool import PoolDescription
-from sgl_pd.backend.prefill_rooms import Chunk, Destination, PrefillRooms, Room
+from sgl_pd.backend.prefill.rooms import Chunk, Destination, PrefillRooms, Room
 from sgl_pd.core.counting import count_word, metadata_word, source_word_offset
 from sgl_pd.core.plan import AddressedPlan, plan_transfer
 from sgl_pd.core.regions import RegionTable

@@ -12,8 +12,8 @@ from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer, KVPoll
 from sglang.srt.runtime_context import get_serving
 
 from sgl_pd.backend.addresses import bind_address, host_port, local_connect_host
-from sgl_pd.backend.direct_prefill import LocalSubmitter
 from sgl_pd.backend.manager import cluster_auth
+from sgl_pd.backend.prefill.direct import LocalSubmitter
 from sgl_pd.config import SglPdConfig
 from sgl_pd.messenger.registry import RegistryServer
 

@@ -136,7 +136,7 @@ def attach_messenger(messenger: Any, layerwise: bool) -> LayerStreamer | None:
 
 
 def _our_requests(batch: Any) -> list[Any]:
-    from sgl_pd.backend.sender import SglPdKVSender
+    from sgl_pd.backend.prefill.sender import SglPdKVSender
 
     return [
         req

@@ -9,9 +9,9 @@ from typing import Any
 
 from sgl_pd.backend.addresses import bind_address, host_port, local_connect_host
 from sgl_pd.backend.heartbeats import Watched
-from sgl_pd.backend.layerwise_glue import attach_messenger
 from sgl_pd.backend.manager import SglPdKVManager
-from sgl_pd.backend.prefill_messenger import PrefillMessenger
+from sgl_pd.backend.prefill.layerwise_glue import attach_messenger
+from sgl_pd.backend.prefill.messenger import PrefillMessenger
 from sgl_pd.core.clock import Clock
 from sgl_pd.core.wire import Abort, Message, RegisterShard, Role, TransferRequest
 from sgl_pd.errors import SglPdError

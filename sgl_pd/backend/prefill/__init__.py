@@ -1,0 +1,7 @@
+"""The prefill role: its KV manager and messenger, which write each request's pages into
+decoders (rooms, writers, the layer-wise hooks), SGLang's KV sender, the registry server
+at the bootstrap port with direct-mode submissions, and the pins that hold source pages.
+
+Whether a request's source pages may be freed is decided in one place: `rooms.py`
+(its module docstring and `PrefillRooms._settle`).
+"""
