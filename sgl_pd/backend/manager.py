@@ -1,12 +1,13 @@
 """One sgl_pd messenger per SGLang scheduler process (one TP rank), in SGLang's
 ``BaseKVManager`` terms.
 
-`SglPdKVManager(...)` builds the role's class, `PrefillKVManager` or `DecodeKVManager`
-(SGLang asks for one manager class for both roles). What both share is set up here: this
-rank's transfer engine (with the KV pool and metadata buffers registered), its inbox,
-its outbox (sends that never block SGLang's scheduler), its liveness thread and /health
-report. The role's class adds its messenger: the prefill side writes pages, the decode
-side asks for them and counts their completion words.
+`SglPdKVManager` is the base of the roles' classes, `PrefillKVManager` and
+`DecodeKVManager`; `roles` picks a scheduler's (SGLang asks for one manager class for
+both roles). What both share is set up here: this rank's transfer engine (with the KV
+pool and metadata buffers registered), its inbox, its outbox (sends that never block
+SGLang's scheduler), its liveness thread and /health report. The role's class adds its
+messenger: the prefill side writes pages, the decode side asks for them and counts their
+completion words.
 """
 
 from __future__ import annotations
@@ -128,21 +129,6 @@ class SglPdKVManager(BaseKVManager):
     supports_host_destination = False
     enable_all_cp_ranks_for_transfer = False
     role: Role  # set by each role's class
-
-    def __new__(
-        cls,
-        args: Any,
-        disaggregation_mode: Any,
-        server_args: Any,
-        is_mla_backend: bool | None = False,
-    ) -> SglPdKVManager:
-        if cls is SglPdKVManager:
-            from sgl_pd.backend.decode.manager import DecodeKVManager
-            from sgl_pd.backend.prefill.manager import PrefillKVManager
-
-            prefill = disaggregation_mode.value == "prefill"
-            cls = PrefillKVManager if prefill else DecodeKVManager
-        return super().__new__(cls)
 
     def __init__(
         self,

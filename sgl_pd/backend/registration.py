@@ -44,12 +44,12 @@ def kv_class_around_hook(original: Any, transfer_backend: Any, class_type: Any) 
         return original(transfer_backend, class_type)
 
     from sgl_pd.backend.decode.receiver import SglPdKVReceiver
-    from sgl_pd.backend.manager import SglPdKVManager
     from sgl_pd.backend.prefill.bootstrap_server import SglPdBootstrapServer
     from sgl_pd.backend.prefill.sender import SglPdKVSender
+    from sgl_pd.backend.roles import new_kv_manager
 
     return {
-        KVClassType.MANAGER: SglPdKVManager,
+        KVClassType.MANAGER: new_kv_manager,  # called like a class: the role's manager
         KVClassType.SENDER: SglPdKVSender,
         KVClassType.RECEIVER: SglPdKVReceiver,
         KVClassType.BOOTSTRAP_SERVER: SglPdBootstrapServer,
