@@ -16,8 +16,11 @@ pass through `split`: a pinned page is held back, and handed back to SGLang's al
 (`take_releasable`, on the scheduler thread) once its last pin is gone. The allocator
 thus never sees a page that a write may still read; a page is freed once, late.
 
-Page ids are the allocator's page units (token index // page size). Thread-safe: pins
-come from the scheduler thread, unpins from writer and liveness threads.
+Page ids are the allocator's page units (token index // page size). A chunk's ids may
+still be on their way to host memory when it is pinned (`core.page_ids`): such a pin is
+pending, and resolved before any page is judged (`split`, `cleared`), by which time the
+copy has landed. Thread-safe: pins come from the scheduler thread, unpins from writer and
+liveness threads.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from sgl_pd.core.page_ids import PageIds
+
 
 class PagePins:
     def __init__(self) -> None:
@@ -35,24 +40,41 @@ class PagePins:
         self._by_owner: dict[int, set[int]] = {}  # request -> pages it pins
         self._held: set[int] = set()  # pinned pages SGLang has freed
         self._releasable: list[int] = []  # held pages whose last pin is gone
+        self._pending: dict[int, list[PageIds]] = {}  # request -> ids not on the host yet
 
     @property
     def active(self) -> bool:
         """Some page is pinned or waits to go back (cheap: read without the lock)."""
-        return bool(self._count) or bool(self._releasable)
+        return bool(self._count) or bool(self._releasable) or bool(self._pending)
 
-    def pin(self, owner: int, pages: Iterable[int]) -> None:
+    def pin(self, owner: int, pages: Iterable[int] | PageIds) -> None:
         with self._lock:
-            mine = self._by_owner.setdefault(owner, set())
-            for page in pages:
-                p = int(page)
-                if p not in mine:
-                    mine.add(p)
-                    self._count[p] = self._count.get(p, 0) + 1
+            if isinstance(pages, PageIds):
+                if not pages.resolved:
+                    self._pending.setdefault(owner, []).append(pages)
+                    return
+                pages = pages.array()
+            self._pin(owner, pages)
+
+    def _pin(self, owner: int, pages: Iterable[int]) -> None:
+        mine = self._by_owner.setdefault(owner, set())
+        for page in pages:
+            p = int(page)
+            if p not in mine:
+                mine.add(p)
+                self._count[p] = self._count.get(p, 0) + 1
+
+    def _resolve_pending(self) -> None:
+        """Pins whose ids were still being copied count from now (lock held)."""
+        pending, self._pending = self._pending, {}
+        for owner, ids in pending.items():
+            for one in ids:
+                self._pin(owner, one.array())
 
     def unpin(self, owner: int) -> None:
         """`owner` is final and drained: none of its writes reads a page any more."""
         with self._lock:
+            self._pending.pop(owner, None)  # never counted, never judged: nothing to undo
             for page in self._by_owner.pop(owner, ()):
                 left = self._count[page] - 1
                 if left:
@@ -66,6 +88,7 @@ class PagePins:
     def split(self, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """SGLang frees `pages`: (free now, held back) as boolean masks over `pages`."""
         with self._lock:
+            self._resolve_pending()
             held = np.fromiter((int(p) in self._count for p in pages), dtype=bool, count=len(pages))
             self._held.update(int(p) for p in pages[held])
             return ~held, held
@@ -76,6 +99,7 @@ class PagePins:
         by SGLang. Returns the pinned pages, which the caller takes out of the free list
         again (they go back once, when their writes ended)."""
         with self._lock:
+            self._resolve_pending()
             self._releasable = []
             self._held = set(self._count)
             return sorted(self._held)
@@ -95,4 +119,4 @@ class PagePins:
     @property
     def owners(self) -> int:
         with self._lock:
-            return len(self._by_owner)
+            return len(self._by_owner.keys() | self._pending.keys())

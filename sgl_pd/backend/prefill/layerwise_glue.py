@@ -23,6 +23,7 @@ from typing import Any
 
 from sgl_pd.config import SglPdConfig, sgl_pd_role
 from sgl_pd.core.clock import SystemClock
+from sgl_pd.core.page_ids import PageIds
 from sgl_pd.errors import ConfigError
 from sgl_pd.layerwise.progress import CudaProgress, HostProgress, ProgressCounter
 from sgl_pd.layerwise.streamer import ForwardJob, LayerStreamer
@@ -159,11 +160,35 @@ def forward_stream_of(scheduler: Any) -> Any:
     return scheduler.forward_stream if scheduler.enable_overlap else None
 
 
+def page_ids_of(tokens: Any, page_size: int) -> PageIds:
+    """The page ids of a request's token slots, (tokens,) on SGLang's device: every
+    `page_size`-th slot // page_size, as SGLang's `kv_to_page_indices` computes them.
+
+    On a GPU the ids are copied to pinned host memory on the current stream (SGLang's
+    schedule stream) without waiting: reading them now would block the scheduler on the
+    forward in flight under the overlap scheduler. The copy lands before the coming
+    forward starts, since the forward stream waits for the schedule stream; readers
+    (`PageIds.array`) wait on its event. On CPU they are known at once."""
+    ids = tokens[::page_size] // page_size
+    if ids.device.type != "cuda":
+        return PageIds.ready(ids.numpy())
+    import torch
+
+    host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+    host.copy_(ids, non_blocking=True)
+    copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    copied.record()
+
+    def fetch() -> Any:
+        copied.synchronize()
+        return host.numpy()
+
+    return PageIds.later(fetch)
+
+
 def _chunk_notices(scheduler: Any, batch: Any, messenger: Any) -> list[Any]:
     """Tells the messenger the token range and pages of each of our requests in `batch`;
     returns the chunks it will stream (D7)."""
-    from sglang.srt.mem_cache.common import kv_to_page_indices
-
     page_size = messenger.layout.page_size
     chunks = []
     for req in _our_requests(batch):
@@ -171,7 +196,7 @@ def _chunk_notices(scheduler: Any, batch: Any, messenger: Any) -> list[Any]:
         tokens = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :end]
         chunk = messenger.notice_chunk(
             int(req.disagg_kv_sender.bootstrap_room),
-            kv_to_page_indices(tokens, page_size),
+            page_ids_of(tokens, page_size),
             end,
             is_last=end >= len(req.origin_input_ids),
         )

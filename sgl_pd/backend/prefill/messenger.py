@@ -36,6 +36,7 @@ from sgl_pd.backend.prefill.rooms import Chunk, Destination, PrefillRooms, Room
 from sgl_pd.backend.prefill.writer import DestinationWriters, KvWriter, LayersJob, MetadataJob
 from sgl_pd.core.clock import Clock
 from sgl_pd.core.liveness import FreezeWatch
+from sgl_pd.core.page_ids import PageIds
 from sgl_pd.core.sharding import ShardingScheme
 from sgl_pd.core.states import PrefillState
 from sgl_pd.core.wire import (
@@ -142,7 +143,7 @@ class PrefillMessenger:
         self.rooms.expect(room_id, num_pages, aux_index)
 
     def notice_chunk(
-        self, room_id: int, src_pages: np.ndarray, end_token: int, is_last: bool
+        self, room_id: int, src_pages: PageIds | np.ndarray, end_token: int, is_last: bool
     ) -> Chunk | None:
         return self.rooms.notice_chunk(room_id, src_pages, end_token, is_last)
 

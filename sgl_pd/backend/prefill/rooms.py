@@ -32,6 +32,7 @@ from sgl_pd.core.clock import Clock
 from sgl_pd.core.counting import links_into
 from sgl_pd.core.layout import KvLayout
 from sgl_pd.core.liveness import FreezeWatch
+from sgl_pd.core.page_ids import PageIds
 from sgl_pd.core.pins import PagePins
 from sgl_pd.core.plan import AddressedPlan, TokenRange
 from sgl_pd.core.sharding import ShardingScheme, ShardLink, link_shards
@@ -64,7 +65,9 @@ class Chunk:
     room: int
     index: int  # chunk number of the request, from 0
     tokens: TokenRange
-    src_pages: np.ndarray  # (pages,) this rank's page per logical page, up to the chunk's end
+    # (pages,) this rank's page per logical page, up to the chunk's end; layer-wise, the
+    # ids may still be on their way from the device (read them with `.array()`)
+    src_pages: PageIds
     is_last: bool
 
 
@@ -215,7 +218,7 @@ class PrefillRooms:
     # -- chunks -----------------------------------------------------------------------------
 
     def notice_chunk(
-        self, room_id: int, src_pages: np.ndarray, end_token: int, is_last: bool
+        self, room_id: int, src_pages: PageIds | np.ndarray, end_token: int, is_last: bool
     ) -> Chunk | None:
         """Layer-wise mode, before the forward (D7). None when nothing is to be sent."""
         with self._lock:
@@ -226,7 +229,7 @@ class PrefillRooms:
                 room_id,
                 room.chunks,
                 TokenRange(room.tokens_planned, end_token),
-                np.asarray(src_pages, dtype=np.int64),
+                src_pages if isinstance(src_pages, PageIds) else PageIds.ready(src_pages),
                 is_last,
             )
             self.pins.pin(room_id, chunk.src_pages)
@@ -264,7 +267,7 @@ class PrefillRooms:
                     room_id,
                     room.chunks,
                     TokenRange(start, start + num_tokens),
-                    np.asarray(room.src_pages, dtype=np.int64),
+                    PageIds.ready(room.src_pages),
                     is_last,
                 )
                 room.chunks += 1

@@ -113,7 +113,7 @@ class KvWriter:
         if addressed is None:
             request = dest.request
             plan = plan_transfer(
-                self.layout, dest.links, chunk.src_pages, request.dst_pages, chunk.tokens
+                self.layout, dest.links, chunk.src_pages.array(), request.dst_pages, chunk.tokens
             )
             dst_table = RegionTable.for_layout(self.layout, request.decoder.kv_regions)
             addressed = AddressedPlan(
