@@ -1,8 +1,9 @@
-"""Data-path defects, each reproduced against the backend over the in-memory engine: a
-page a queued write names is never reused before the write ended, a failed batch keeps
-its request undrained while its writes may land, requests SGLang drops itself neither
-leak nor leave decoders waiting, losing one decode rank tells the others, and deadlines
-bound stalls, not long transfers that keep moving."""
+"""Data-path defects, each reproduced against the backend over the in-memory engine: an
+early send waits for the forward that writes its pages, a page a queued write names is
+never reused before the write ended, a failed batch keeps its request undrained while
+its writes may land, requests SGLang drops itself neither leak nor leave decoders
+waiting, losing one decode rank tells the others, and deadlines bound stalls, not long
+transfers that keep moving."""
 
 from __future__ import annotations
 
@@ -36,6 +37,35 @@ def _errors(rig: Rig, inbox: str, room: int) -> list[ErrorMsg]:
 
 def _acks(rig: Rig, room: int) -> list[AbortAck]:
     return [m for _, m in rig.sent if isinstance(m, AbortAck) and m.request_id == room]
+
+
+# -- 1: SGLang's early send under the overlap scheduler ----------------------------------
+
+
+class _ForwardEvent:
+    """SGLang's `_early_send_wait_event`: the previous forward, still writing the
+    prefix pages on the forward stream, completes when `done` is set."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+    def synchronize(self) -> None:
+        assert self.done.wait(10)
+
+
+def test_an_early_send_is_written_only_after_the_forward_writing_its_pages() -> None:
+    rig = Rig()
+    d = rig.add_decoder("decode-a")
+    rig.request(d, 12, list(range(30, 34)), slot=7)
+    rig.prefill.track(12)
+    rig.prefill.expect(12, 4, aux_index=7)
+    forward = _ForwardEvent()
+    rig.prefill.submit_chunk(12, np.arange(10, 14), 4, ready=forward)
+    time.sleep(0.3)  # the writer would have written by now
+    assert rig.prefill.rooms.rooms_of([12])[0].bytes_sent == 0
+    forward.done.set()
+    wait_state(d, 12, DecodeState.COMPLETE)
+    rig.prefill.writers.close()
 
 
 # -- 3: pages a queued write names stay pinned ---------------------------------------------

@@ -45,6 +45,7 @@ LONG = 1024
 PROMPTS_IN_CAMPAIGN = 100
 HANG_S = 10  # --pd-hang-timeout on both sides
 PAUSE_S = 5  # a pause well under it: nothing may fail
+SHARED_PREFIX_ROUNDS = 12  # 96 requests: 5 to 6 of them were wrong before pages were pinned
 LIVENESS_LINES = ("hung:", "is gone:", "did not run for")  # what a liveness failure logs
 
 
@@ -129,6 +130,43 @@ def test_campaign_with_aborts_and_failures(mono: Server, faulty: PdCluster) -> N
     assert result.count("lost") == 0
     assert result.count("ok") + result.count("near_tie") >= PROMPTS_IN_CAMPAIGN * 0.6
     assert result.aborts_sent >= 5
+    _pools_idle(faulty)
+
+
+def test_concurrent_requests_on_a_new_shared_prefix_get_monolithic_tokens(
+    mono: Server, faulty: PdCluster
+) -> None:
+    """Rounds of 8 concurrent requests that share a prefix no request had before (300 to
+    900 tokens), each with its own suffix, while the prefiller's writes lag: the radix
+    cache frees each duplicate copy of the prefix after the forward and the next
+    forward reuses those pages, so a write that still named them would ship another
+    request's KV. Every answer has monolithic's tokens (on a cluster that served the
+    campaign first, as the defect needed)."""
+    rounds = []
+    for r in range(SHARED_PREFIX_ROUNDS):
+        prefix = long_prompt_ids(300 + (r * 211) % 600, start=20_000 + 1000 * r)
+        rounds.append([prefix + prompt_ids(f" then {s} and {s + r}")[1:] for s in range(8)])
+    prompts = [p for batch in rounds for p in batch]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        expected = list(pool.map(lambda p: expected_tokens(mono.url, p, 4), prompts))
+    answers: list[requests.Response] = []
+    for r, batch in enumerate(rounds):
+        rids = [f"shared-{r}-{i}" for i in range(len(batch))]
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            answers += pool.map(
+                lambda p, rid: post_generate(faulty.router_url, p, rid, 4), batch, rids
+            )
+    causes = decode_failures([faulty.decode.process.log_path])
+    wrong = []
+    for i, (response, want) in enumerate(zip(answers, expected, strict=True)):
+        if response.status_code != 200 or _finish(response) == "abort":
+            rid = f"shared-{i // 8}-{i % 8}"
+            assert "injected failure" in causes.get(rid, ""), f"{rid} failed: {response.text}"
+            continue
+        got = [int(t) for t in response.json()["output_ids"]]
+        if want.judge(got) == "wrong_tokens":
+            wrong.append((i, got, want.tokens))
+    assert not wrong, f"{len(wrong)} of {len(prompts)} answers wrong: {wrong[:3]}"
     _pools_idle(faulty)
 
 

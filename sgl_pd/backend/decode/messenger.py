@@ -9,7 +9,7 @@ and drain acks.
 
 Pages are released only after the writers stopped: a request that ends early (abort,
 timeout, failure) sends `Abort` to every prefill rank it asked, and SGLang's deferred
-release holds its pages until `is_abort_release_safe` - every such rank acked
+release holds its pages until `is_release_safe` - every such rank acked
 (`AbortAck`: nothing in flight any more) or was declared dead by liveness.
 
 Each request's state follows `core.states.DECODE_TABLE`. Threads: the inbox thread calls
@@ -290,7 +290,19 @@ class DecodeMessenger:
                 self._states.transition(room, _D.HANDED_OFF)
 
     def is_release_safe(self, room: int, required_acks: int) -> bool:
-        """SGLang's deferred release asks: may the request's pages go back to the pool?"""
+        """The decode side's one answer to "may this request's pages go back to the
+        pool?" (SGLang's deferred release asks it for a request that ended early).
+
+        Yes once nothing can land in them any more: the request completed (every write
+        it expects was counted, and each source writes its count only after its data
+        batch completed), or every prefill rank it asked has drained - it acked the
+        `Abort` (none of its writes is in flight and none can start: the prefill side's
+        `PrefillRooms._settle`) or is provably gone (its inbox and its transfer engine
+        both refuse connections: the process, and its posted writes, ended). A rank that
+        is only hung is neither: the pages wait for its ack, or for SGLang's deferred
+        release to give up (120 s, set by the launcher: past Mooncake's transfer timeout
+        and the hang timeout, so a write posted before the hang has ended).
+        `required_acks`: the prefill ranks SGLang expects to hear from."""
         with self._lock:
             track = self._tracks.get(room)
             if track is None or track.done_s is not None:
