@@ -14,6 +14,7 @@ from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.prefill.messenger import PrefillMessenger
 from sgl_pd.core.clock import ManualClock
 from sgl_pd.core.layout import KvLayout, PageLayout
+from sgl_pd.core.page_ids import PageIds
 from sgl_pd.core.regions import Region, RegionTable
 from sgl_pd.core.sharding import ShardingScheme
 from sgl_pd.core.states import DecodeState
@@ -201,7 +202,7 @@ class Rig:
             part = np.asarray(src_pages[start : start + chunk])
             end = start + len(part)
             noticed = self.prefill.notice_chunk(
-                room, np.asarray(src_pages[:end]), end, end == len(src_pages)
+                room, PageIds.ready(src_pages[:end]), end, end == len(src_pages)
             )
             assert noticed is not None
             self.prefill.write_layers([noticed], target_layers)

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from sgl_pd.core.page_ids import PageIds
 from sgl_pd.core.states import DecodeState, PrefillState
 from sgl_pd.core.wire import AbortAck, AbortReason
 
@@ -65,7 +66,7 @@ def test_the_metadata_is_not_due_before_the_last_chunks_draft_layers_are_queued(
     rig.request(d, 6, [1, 2], slot=2)
     rig.prefill.track(6)
     rig.prefill.expect(6, 2, aux_index=0)
-    chunk = rig.prefill.notice_chunk(6, np.arange(2), 2, True)
+    chunk = rig.prefill.notice_chunk(6, PageIds.ready(np.arange(2)), 2, True)
     assert chunk is not None
     rig.prefill.write_layers([chunk], range(3))
     rig.prefill.forward_done([chunk])  # the target's layers: all queued

@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from sgl_pd.backend.prefill.rooms import FAILED_BATCH_QUARANTINE_S, UNOWNED_GRACE_S
+from sgl_pd.core.page_ids import PageIds
 from sgl_pd.core.states import DecodeState, PrefillState
 from sgl_pd.core.wire import AbortAck, AbortReason, ErrorMsg
 from sgl_pd.transfer.engine import Writes
@@ -80,7 +81,7 @@ def test_a_page_freed_while_a_write_is_queued_is_held_until_the_write_ended() ->
     rig.request(d, 5, list(range(30, 34)), slot=1)
     rig.prefill.track(5)
     rig.prefill.expect(5, 4, aux_index=1)
-    chunk = rig.prefill.notice_chunk(5, np.arange(10, 14), 4, True)
+    chunk = rig.prefill.notice_chunk(5, PageIds.ready(np.arange(10, 14)), 4, True)
     assert chunk is not None
     rig.prefill.write_layers([chunk], range(4))
     assert rig.prefill_engine.waiting.wait(5)

@@ -143,7 +143,7 @@ class PrefillMessenger:
         self.rooms.expect(room_id, num_pages, aux_index)
 
     def notice_chunk(
-        self, room_id: int, src_pages: PageIds | np.ndarray, end_token: int, is_last: bool
+        self, room_id: int, src_pages: PageIds, end_token: int, is_last: bool
     ) -> Chunk | None:
         return self.rooms.notice_chunk(room_id, src_pages, end_token, is_last)
 
@@ -202,10 +202,9 @@ class PrefillMessenger:
         """Every live request fails: its decoders declared this rank hung and may have
         freed its pages, so nothing more is written (writers hold off until now)."""
         why = f"the prefill rank did not run for {frozen_s:.1f} s (stopped or starved)"
-        for room_id in self.rooms.fail_all(why):
+        for requests in self.rooms.fail_all(why):
             self._metrics.add_failure()
-            for room in self.rooms.rooms_of([room_id]):
-                self._tell_decoders(list(room.requests.values()), why)
+            self._tell_decoders(requests, why)
 
     def peer_lost(self, inbox: str, why: str, gone: bool) -> None:
         """A decode rank stopped answering: stop writing to it (always safe, whether it

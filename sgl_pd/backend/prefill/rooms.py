@@ -218,7 +218,7 @@ class PrefillRooms:
     # -- chunks -----------------------------------------------------------------------------
 
     def notice_chunk(
-        self, room_id: int, src_pages: PageIds | np.ndarray, end_token: int, is_last: bool
+        self, room_id: int, src_pages: PageIds, end_token: int, is_last: bool
     ) -> Chunk | None:
         """Layer-wise mode, before the forward (D7). None when nothing is to be sent."""
         with self._lock:
@@ -229,7 +229,7 @@ class PrefillRooms:
                 room_id,
                 room.chunks,
                 TokenRange(room.tokens_planned, end_token),
-                src_pages if isinstance(src_pages, PageIds) else PageIds.ready(src_pages),
+                src_pages,
                 is_last,
             )
             self.pins.pin(room_id, chunk.src_pages)
@@ -391,9 +391,7 @@ class PrefillRooms:
             room = self._rooms.get(room_id)
             if room is None or room.error is not None:
                 return []
-            room.error = reason
-            self._end(room, state)
-            self._settle(room)
+            self._stop(room, reason, state)
             return list(room.requests.values())
 
     def abort(
@@ -434,9 +432,7 @@ class PrefillRooms:
             room.released = True
             if room.error is not None:
                 return []
-            room.error = reason
-            self._end(room, _P.ABORTED)
-            self._settle(room)
+            self._stop(room, reason, _P.ABORTED)
             return list(room.requests.values())
 
     def decoder_lost(self, inbox: str, why: str) -> list[tuple[int, list[TransferRequest]]]:
@@ -451,10 +447,8 @@ class PrefillRooms:
             ]
             out = []
             for room in rooms:
-                room.error = why
-                self._end(room, _P.FAILED)
                 room.acks_owed.discard(inbox)
-                self._settle(room)
+                self._stop(room, why, _P.FAILED)
                 others = [q for q in room.requests.values() if q.decoder_inbox != inbox]
                 out.append((room.room, others))
             return out
@@ -569,15 +563,14 @@ class PrefillRooms:
                 for q in r.requests.values()
             }
 
-    def fail_all(self, why: str) -> list[int]:
-        """Fails every live request (this process was frozen past the hang timeout)."""
+    def fail_all(self, why: str) -> list[list[TransferRequest]]:
+        """Fails every live request (this process was frozen past the hang timeout);
+        returns each one's decode ranks to tell."""
         with self._lock:
             rooms = [r for r in self._rooms.values() if self._live(r)]
             for room in rooms:
-                room.error = why
-                self._end(room, _P.FAILED)
-                self._settle(room)
-            return [room.room for room in rooms]
+                self._stop(room, why, _P.FAILED)
+            return [list(room.requests.values()) for room in rooms]
 
     def rooms_of(self, room_ids: Iterable[int]) -> list[Room]:
         with self._lock:
@@ -614,6 +607,13 @@ class PrefillRooms:
         if not PREFILL_TABLE.is_final(current):
             self._states.transition(room.room, state)
         room.ended_s = self._clock.monotonic()
+
+    def _stop(self, room: Room, why: str, state: PrefillState) -> None:
+        """The request ends here with `why`: no write starts for it any more, and what
+        `_settle` allows happens now (a live request owes no drain acks yet)."""
+        room.error = why
+        self._end(room, state)
+        self._settle(room)
 
     def _drained(self, room: Room) -> bool:
         """No write of the request is running or may still land."""

@@ -212,8 +212,8 @@ class DestinationWriters:
             if isinstance(job, LayersJob):
                 if job.ready is not None:
                     job.ready.synchronize()
-                if self._rooms.frozen():
-                    return  # the liveness thread fails the request before it beats again
+                    if self._rooms.frozen():  # stopped while waiting: as in begin_write
+                        return  # the liveness thread fails the request before it beats
                 sent = self._writer.write_layers(job.destination, job.chunk, job.layers)
             else:
                 sent = self._writer.write_metadata(job.destination, room.aux_index, room)
