@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Protocol
 
@@ -97,8 +98,12 @@ class Heartbeats:
         clock: Clock,
         name: str,
         freeze: FreezeWatch | None = None,
+        on_lost: Callable[[str], None] | None = None,
     ) -> None:
+        """`on_lost(kind)`: told of each loss, kind "gone", "hung" or "frozen" (this
+        process), for the liveness-loss counter."""
         self._me = my_inbox
+        self._on_lost = on_lost if on_lost is not None else (lambda _kind: None)
         self._outbox = outbox
         self._watched = watched
         self._clock = clock
@@ -179,6 +184,7 @@ class Heartbeats:
             with self._lock:  # every silence so far is ours, not the peers'
                 for endpoint in list(self._peers):
                     self._liveness.heard(endpoint)
+            self._on_lost("frozen")
             self._watched.resumed_after_freeze(gap_s)
 
     def _tick(self) -> None:
@@ -206,6 +212,7 @@ class Heartbeats:
                     f"peer {endpoint} is gone: silent for {silent_s:.1f} s and its "
                     "connections are refused (the process exited or was killed)"
                 )
+                self._on_lost("gone")
                 self._watched.peer_lost(endpoint, why, True)
         for endpoint in tick.hung:
             why = (
@@ -213,6 +220,7 @@ class Heartbeats:
                 f"{self._liveness.hang_timeout_s:g} s though it accepts connections, or it "
                 "is unreachable (raise --pd-hang-timeout if it was only busy)"
             )
+            self._on_lost("hung")
             self._watched.peer_lost(endpoint, why, False)
 
     def stop(self, timeout_s: float = 2.0) -> None:

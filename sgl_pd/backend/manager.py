@@ -207,6 +207,7 @@ class SglPdKVManager(BaseKVManager):
             clock=clock,
             name=f"{self.role.value}-{self.rank}",
             freeze=self.freeze,
+            on_lost=self.metrics.peer_lost,
         )
         health.watch(self.problem)
         self._serve()

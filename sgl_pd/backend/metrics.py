@@ -1,56 +1,132 @@
 """Transfer metrics in SGLang's Prometheus ``/metrics`` (when ``--enable-metrics``).
 
 SGLang runs prometheus_client in multiprocess mode (its scheduler processes write to
-``PROMETHEUS_MULTIPROC_DIR``), so counters created here in a scheduler process appear in
+``PROMETHEUS_MULTIPROC_DIR``), so metrics created here in a scheduler process appear in
 the HTTP server's ``/metrics`` like SGLang's own.
+
+Every series is per scheduler rank and summed by the exposition: a TP8 server observes a
+request on each rank that takes part in it, so ratios (failures per request) and
+quantiles read the same at any TP size, while plain counts scale with the ranks. Labels
+are bounded: `role` (prefill, decode), `cause` (`FailureCause`), `kind` (how a peer was
+lost).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from sgl_pd.core.failures import FailureCause
+
+# seconds: from a fraction of a millisecond (a layer's KV over RDMA) to the transfer timeout
+_SECONDS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    120.0,
+)
+# bytes: one rank's KV of a short prompt (64 KiB) to a 128k-token DeepSeek-R1 prompt
+_BYTES = tuple(float(1 << shift) for shift in range(16, 38, 2))  # 64 KiB .. 64 GiB, x4
+
+LIVENESS_KINDS = ("gone", "hung", "frozen")  # refused connections, silence, this process
+
 
 class TransferMetrics:
-    """Counters and gauges for one role; a no-op object when metrics are disabled."""
+    """Counters, gauges and histograms of one role; a no-op object when metrics are off.
 
-    def __init__(self, enabled: bool, role: str) -> None:
+    `registry`: where the metrics are registered (prometheus_client's default, which
+    SGLang's multiprocess collector reads, unless a test passes its own).
+    """
+
+    def __init__(self, enabled: bool, role: str, registry: Any = None) -> None:
         self._enabled = enabled
         if not enabled:
             return
-        from prometheus_client import Counter, Gauge, Histogram
+        from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
+        reg = REGISTRY if registry is None else registry
         labels = {"role": role}
-        self._bytes: Any = Counter(
-            "sgl_pd_transfer_bytes", "KV and metadata bytes moved", ["role"]
-        ).labels(**labels)
-        self._pages: Any = Counter(
-            "sgl_pd_transfer_pages", "KV pages moved (per request, logical pages)", ["role"]
-        ).labels(**labels)
-        self._requests: Any = Counter(
-            "sgl_pd_transfer_requests", "Requests whose KV transfer completed", ["role"]
-        ).labels(**labels)
-        self._failures: Any = Counter(
-            "sgl_pd_transfer_failures", "Requests whose KV transfer failed", ["role"]
-        ).labels(**labels)
-        self._seconds: Any = Histogram(
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, ["role"], registry=reg).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, ["role"], buckets=buckets, registry=reg).labels(**labels)
+
+        def gauge(name: str, doc: str) -> Any:
+            # summed over the live scheduler processes of the server (its ranks)
+            return Gauge(name, doc, ["role"], multiprocess_mode="livesum", registry=reg).labels(
+                **labels
+            )
+
+        self._bytes = counter("sgl_pd_transfer_bytes", "KV and metadata bytes moved")
+        self._pages = counter(
+            "sgl_pd_transfer_pages", "KV pages moved (per request, logical pages)"
+        )
+        self._requests = counter("sgl_pd_transfer_requests", "Requests whose KV transfer completed")
+        failures = Counter(
+            "sgl_pd_transfer_failures",
+            "Requests whose KV transfer failed on this side, by cause",
+            ["role", "cause"],
+            registry=reg,
+        )
+        # every cause exported from the start, so that rate() sees a failure's first rise
+        self._failures = {c: failures.labels(role=role, cause=c.value) for c in FailureCause}
+        losses = Counter(
+            "sgl_pd_liveness_losses",
+            "Peers declared lost by liveness (gone: connections refused; hung: silent past "
+            "--pd-hang-timeout), and freezes of this process past it",
+            ["role", "kind"],
+            registry=reg,
+        )
+        self._losses = {k: losses.labels(role=role, kind=k) for k in LIVENESS_KINDS}
+        self._seconds = histogram(
             "sgl_pd_transfer_seconds",
-            "Per-request KV transfer time, first write to last completion (seconds)",
-            ["role"],
-            buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0),
-        ).labels(**labels)
-        # summed over the live scheduler processes of the server (its ranks)
-        self._rooms: Any = Gauge(
+            "Per-request KV transfer time (prefill: first write to last completion; "
+            "decode: pages requested to complete KV), seconds",
+            _SECONDS,
+        )
+        self._exposed = histogram(
+            "sgl_pd_exposed_transfer_seconds",
+            "Prefill: the request's last forward's end to the decoder holding its KV and "
+            "metadata (the transfer time the prefill did not hide), seconds",
+            _SECONDS,
+        )
+        self._bootstrap = histogram(
+            "sgl_pd_bootstrap_wait_seconds",
+            "Prefill: request seen to every decode rank's pages known; decode: request "
+            "seen to the prefiller's ranks known, seconds",
+            _SECONDS,
+        )
+        self._kv_wait = histogram(
+            "sgl_pd_decode_kv_wait_seconds",
+            "Decode: pages allocated and requested to the request's complete KV, seconds",
+            _SECONDS,
+        )
+        self._request_bytes = histogram(
+            "sgl_pd_request_kv_bytes",
+            "Prefill: KV and metadata bytes one rank wrote for one request",
+            _BYTES,
+        )
+        self._rooms = gauge(
             "sgl_pd_rooms",
             "Requests this server's ranks hold transfer state for (live, or draining)",
-            ["role"],
-            multiprocess_mode="livesum",
-        ).labels(**labels)
-        self._in_flight: Any = Gauge(
+        )
+        self._in_flight = gauge(
             "sgl_pd_writes_in_flight",
             "Prefill: KV write jobs running; decode: requests whose KV is still arriving",
-            ["role"],
-            multiprocess_mode="livesum",
-        ).labels(**labels)
+        )
 
     def add_bytes(self, nbytes: int) -> None:
         if self._enabled:
@@ -64,9 +140,32 @@ class TransferMetrics:
         if seconds is not None:
             self._seconds.observe(seconds)
 
-    def add_failure(self) -> None:
+    def prefill_done(self, exposed_s: float | None, bootstrap_s: float | None, nbytes: int) -> None:
+        """A prefill rank finished a request's writes; waits in seconds, None if unknown."""
+        if not self._enabled:
+            return
+        if exposed_s is not None:
+            self._exposed.observe(max(exposed_s, 0.0))
+        if bootstrap_s is not None:
+            self._bootstrap.observe(max(bootstrap_s, 0.0))
+        self._request_bytes.observe(nbytes)
+
+    def decode_done(self, kv_wait_s: float) -> None:
         if self._enabled:
-            self._failures.inc()
+            self._kv_wait.observe(kv_wait_s)
+
+    def bootstrap_waited(self, seconds: float) -> None:
+        if self._enabled:
+            self._bootstrap.observe(seconds)
+
+    def add_failure(self, cause: FailureCause) -> None:
+        if self._enabled:
+            self._failures[cause].inc()
+
+    def peer_lost(self, kind: str) -> None:
+        """`kind`: one of `LIVENESS_KINDS`."""
+        if self._enabled:
+            self._losses[kind].inc()
 
     def set_live(self, rooms: int, in_flight: int) -> None:
         if self._enabled:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -123,6 +124,17 @@ class Rig:
     clock: ManualClock = field(default_factory=ManualClock)
     sent: list[tuple[str, Message]] = field(default_factory=list)
     decoders: dict[str, Decoder] = field(default_factory=dict)  # by inbox
+    # metered: real metrics, each rank's in its own registry (role -> registry)
+    metered: bool = False
+    registries: dict[str, Any] = field(default_factory=dict)
+
+    def _metrics(self, role: str) -> TransferMetrics:
+        if not self.metered:
+            return TransferMetrics(False, role)
+        from prometheus_client import CollectorRegistry
+
+        self.registries[role] = CollectorRegistry()
+        return TransferMetrics(True, role, self.registries[role])
 
     def __post_init__(self) -> None:
         self.prefill_engine = self.engine_type(self.fabric)
@@ -136,7 +148,7 @@ class Rig:
             engine=self.prefill_engine,
             layerwise=self.layerwise,
             send_to_decoder=self._to_decoder,
-            metrics=TransferMetrics(False, "prefill"),
+            metrics=self._metrics("prefill"),
             timeout_s=30.0,
             clock=self.clock,
         )
@@ -161,7 +173,7 @@ class Rig:
             engine=engine,
             send_to_prefill=self._to_prefill,
             transfer_timeout_s=30.0,
-            metrics=TransferMetrics(False, "decode"),
+            metrics=self._metrics("decode"),
             clock=self.clock,
         )
         registration = ShardRegistration(

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sgl_pd.backend.failure_cause import cause_of_abort, cause_of_code
 from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.pool_report import note_live
@@ -42,6 +43,7 @@ from sgl_pd.core.counting import (
     source_word_index,
 )
 from sgl_pd.core.errors import CountingError
+from sgl_pd.core.failures import FailureCause
 from sgl_pd.core.regions import Region
 from sgl_pd.core.sharding import ShardingScheme, link_shards
 from sgl_pd.core.states import DECODE_TABLE, DecodeState, RequestTracker
@@ -173,7 +175,11 @@ class DecodeMessenger:
             if error.sender_instance not in track.instances.values():
                 _refused(error.request_id, error.sender_instance, "error")
                 return
-            self._fail(track, f"prefill reports {error.code.value}: {error.message}")
+            self._fail(
+                track,
+                f"prefill reports {error.code.value}: {error.message}",
+                cause_of_code(error.code),
+            )
 
     def on_abort_ack(self, ack: AbortAck) -> None:
         with self._lock:
@@ -253,11 +259,17 @@ class DecodeMessenger:
     def fail(self, room: int, reason: str, abort: AbortReason = AbortReason.ERROR) -> None:
         """Marks the request failed (unless it completed) and tells its prefill ranks to
         stop writing it; their drain acks come back through `on_abort_ack`."""
+        self._fail_and_abort(room, reason, abort, cause_of_abort(abort))
+
+    def _fail_and_abort(
+        self, room: int, reason: str, abort: AbortReason, cause: FailureCause
+    ) -> None:
         with self._lock:
             track = self._tracks.get(room)
             if track is None or track.done_s is not None:
                 return
-            self._fail(track, reason, _D.ABORTED if abort is AbortReason.CLIENT else _D.FAILED)
+            state = _D.ABORTED if abort is AbortReason.CLIENT else _D.FAILED
+            self._fail(track, reason, cause, state)
             if track.abort_sent:
                 return
             track.abort_sent = True
@@ -337,10 +349,9 @@ class DecodeMessenger:
         than at their transfer timeout."""
         with self._lock:
             rooms = [t.room for t in self._tracks.values() if t.error is None and t.done_s is None]
+        why = f"the decode rank did not run for {frozen_s:.1f} s (stopped or starved)"
         for room in rooms:
-            self.fail(
-                room, f"the decode rank did not run for {frozen_s:.1f} s (stopped or starved)"
-            )
+            self._fail_and_abort(room, why, AbortReason.ERROR, FailureCause.PEER_LOST)
 
     def peer_lost(self, inbox: str, why: str, gone: bool) -> None:
         """A prefill rank stopped answering: fail what it feeds, so clients hear within the
@@ -356,7 +367,7 @@ class DecodeMessenger:
                 if gone:
                     track.drained.update(ranks)
                 failed += track.error is None
-                self._fail(track, why)
+                self._fail(track, why, FailureCause.PEER_LOST)
         if failed or gone:
             logger.error("%s: %d request(s) failed", why, failed)
 
@@ -364,6 +375,8 @@ class DecodeMessenger:
         with self._lock:
             for e in self._states.poll_timeouts():
                 track = self._tracks[e.request_id]
+                if track.error is None and track.done_s is None:
+                    self._metrics.add_failure(FailureCause.TIMEOUT)
                 if track.error is None:
                     track.error = (
                         f"KV transfer made no progress for {self._timeout_s:g} s "
@@ -383,18 +396,21 @@ class DecodeMessenger:
     def _now(self) -> float:
         return self._clock.monotonic()
 
-    def _fail(self, track: _Track, reason: str, state: DecodeState = _D.FAILED) -> None:
+    def _fail(
+        self, track: _Track, reason: str, cause: FailureCause, state: DecodeState = _D.FAILED
+    ) -> None:
+        """The first failure of a request is the one counted, with its cause."""
         if track.error is None and track.done_s is None:
             track.error = reason
             if not DECODE_TABLE.is_final(self._states.state(track.room)):
                 self._states.transition(track.room, state)
-            self._metrics.add_failure()
+            self._metrics.add_failure(cause)
 
     def _seal(self, track: _Track, num_chunks: int) -> None:
         try:
             track.counter.seal(num_chunks)
         except CountingError as e:
-            self._fail(track, f"inconsistent completion count: {e}")
+            self._fail(track, f"inconsistent completion count: {e}", FailureCause.WRITE_FAILURE)
         self._check_done(track)
 
     def _count(self, track: _Track) -> None:
@@ -411,7 +427,7 @@ class DecodeMessenger:
                 if count is not None:
                     track.counter.observe(src, count)
         except CountingError as e:
-            self._fail(track, f"inconsistent completion words: {e}")
+            self._fail(track, f"inconsistent completion words: {e}", FailureCause.WRITE_FAILURE)
             return
         if track.counter.received and self._states.state(track.room) is _D.REQUESTED:
             self._states.transition(track.room, _D.TRANSFERRING)
@@ -427,3 +443,4 @@ class DecodeMessenger:
                 self._states.transition(track.room, _D.TRANSFERRING)
             self._states.transition(track.room, _D.COMPLETE)
             self._metrics.add_request(track.num_pages, track.done_s - track.started_s)
+            self._metrics.decode_done(track.done_s - track.started_s)

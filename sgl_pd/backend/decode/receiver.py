@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll
 
+from sgl_pd.backend.failure_cause import cause_of, cause_of_abort
+from sgl_pd.core.failures import FailureCause
 from sgl_pd.core.states import DECODE_TABLE, DecodeState
 from sgl_pd.core.wire import AbortReason
 from sgl_pd.errors import SglPdError
@@ -38,6 +41,7 @@ class SglPdKVReceiver(BaseKVReceiver):
         # even if the directory forgets the server meanwhile (another request's failure)
         self._table: PrefillTable | None = None
         self._error: str | None = None
+        self._created_s = time.monotonic()  # seconds; the bootstrap wait starts here
 
     def init(self, prefill_dp_rank: int) -> None:
         if prefill_dp_rank != 0:
@@ -51,12 +55,14 @@ class SglPdKVReceiver(BaseKVReceiver):
         if not self._requested:
             if self._table is None:
                 self._table = self.kv_mgr.peers.lookup(self.bootstrap_addr)
+                if self._table is not None:
+                    self.kv_mgr.metrics.bootstrap_waited(time.monotonic() - self._created_s)
             if self._table is not None:
                 return KVPoll.WaitingForInput
             failure = self.kv_mgr.peers.failure(self.bootstrap_addr)
             if failure is not None:
                 self.kv_mgr.peers.invalidate(self.bootstrap_addr)  # ask afresh next time
-                self._fail(str(failure))
+                self._fail(str(failure), cause=cause_of(failure))
                 return KVPoll.Failed
             return KVPoll.Bootstrapping
         state, error = self.kv_mgr.decode.poll(self.bootstrap_room)
@@ -102,7 +108,7 @@ class SglPdKVReceiver(BaseKVReceiver):
                 int(aux_index),
             )
         except SglPdError as e:
-            self._fail(str(e))
+            self._fail(str(e), cause=cause_of(e))
             return
         self._requested = True
         self.bootstrap_infos = list(table.shards)
@@ -127,13 +133,23 @@ class SglPdKVReceiver(BaseKVReceiver):
     def clear(self) -> None:
         self.kv_mgr.decode.forget(self.bootstrap_room)
 
-    def _fail(self, reason: str, abort: AbortReason = AbortReason.ERROR) -> None:
+    def _fail(
+        self,
+        reason: str,
+        abort: AbortReason = AbortReason.ERROR,
+        cause: FailureCause = FailureCause.REFUSED,
+    ) -> None:
+        """`cause`: what is counted when no page was asked for yet (the decode messenger
+        counts requests it tracks); by default a configuration this decoder refuses."""
         self._error = reason
         self.conclude_state = KVPoll.Failed
         if self._requested:
             self.kv_mgr.decode.fail(self.bootstrap_room, reason, abort)
             self.abort_notified = True
         else:
+            if abort is not AbortReason.ERROR:
+                cause = cause_of_abort(abort)
+            self.kv_mgr.metrics.add_failure(cause)
             # no page was asked for, so nothing is in flight; but the prefiller holds the
             # router's copy of the request and would wait for us until its timeout
             self.kv_mgr.abort_unrequested(

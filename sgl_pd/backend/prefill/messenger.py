@@ -35,6 +35,7 @@ from sgl_pd.backend.pool_report import note_live
 from sgl_pd.backend.prefill.rooms import Chunk, Destination, PrefillRooms, Room
 from sgl_pd.backend.prefill.writer import DestinationWriters, KvWriter, LayersJob, MetadataJob
 from sgl_pd.core.clock import Clock
+from sgl_pd.core.failures import FailureCause
 from sgl_pd.core.liveness import FreezeWatch
 from sgl_pd.core.page_ids import PageIds
 from sgl_pd.core.sharding import ShardingScheme
@@ -108,9 +109,15 @@ class PrefillMessenger:
     # -- inbox thread -------------------------------------------------------------------
 
     def on_transfer_request(self, request: TransferRequest) -> None:
+        failed_before = any(r.error for r in self.rooms.rooms_of([request.request_id]))
         refused = self.rooms.add_request(request)
-        if refused is not None:
+        if refused is None:
+            return
+        if failed_before:  # counted when it failed; the late decode rank only hears why
             self._tell_decoders([request], refused)
+            return
+        self._metrics.add_failure(FailureCause.REFUSED)
+        self._tell_decoders([request], refused, ErrorCode.BAD_REQUEST)
 
     def on_abort(self, abort: Abort) -> None:
         """A decoder gave up on a request: stop writing it; ack once nothing is in flight.
@@ -165,7 +172,7 @@ class PrefillMessenger:
         never poll this request again; `PrefillRooms.sweep` drops it once drained)."""
         requests = self.rooms.abort_own(room_id, reason)
         if requests:
-            self._metrics.add_failure()
+            self._metrics.add_failure(FailureCause.ABORT)
             self._tell_decoders(requests, reason)
 
     def forget(self, room_id: int) -> tuple[int, float | None]:
@@ -203,7 +210,7 @@ class PrefillMessenger:
         freed its pages, so nothing more is written (writers hold off until now)."""
         why = f"the prefill rank did not run for {frozen_s:.1f} s (stopped or starved)"
         for requests in self.rooms.fail_all(why):
-            self._metrics.add_failure()
+            self._metrics.add_failure(FailureCause.PEER_LOST)
             self._tell_decoders(requests, why)
 
     def peer_lost(self, inbox: str, why: str, gone: bool) -> None:
@@ -211,7 +218,7 @@ class PrefillMessenger:
         is `gone` or slow); its requests' source pages free once their writes ended."""
         for room_id, others in self.rooms.decoder_lost(inbox, why):
             logger.warning("request %d: %s", room_id, why)
-            self._metrics.add_failure()
+            self._metrics.add_failure(FailureCause.PEER_LOST)
             self._tell_decoders(others, f"another decode rank of the request is lost: {why}")
 
     def housekeeping(self) -> None:
@@ -219,6 +226,7 @@ class PrefillMessenger:
         for room_id, why in self.rooms.expire():
             # a flood of forged requests expires in bursts: one line per 10 s tells of it
             _peer_log.warning("expired", "request %d: %s", room_id, peer_text(why, 300))
+            self._metrics.add_failure(FailureCause.TIMEOUT)
             for room in self.rooms.rooms_of([room_id]):
                 self._tell_decoders(list(room.requests.values()), why)
         for room_id, acks in self.rooms.settle_quarantined():
@@ -230,10 +238,12 @@ class PrefillMessenger:
 
     # -- any thread ---------------------------------------------------------------------
 
-    def fail(self, room_id: int, reason: str) -> None:
+    def fail(
+        self, room_id: int, reason: str, cause: FailureCause = FailureCause.WRITE_FAILURE
+    ) -> None:
         requests = self.rooms.fail(room_id, reason)
         if requests:
-            self._metrics.add_failure()
+            self._metrics.add_failure(cause)
             self._tell_decoders(requests, reason)
 
     def close(self) -> None:
@@ -251,14 +261,19 @@ class PrefillMessenger:
         for dest in self.rooms.take_metadata_due(room_id):
             self.writers.put(MetadataJob(dest, room_id))
 
-    def _tell_decoders(self, requests: list[TransferRequest], why: str) -> None:
+    def _tell_decoders(
+        self,
+        requests: list[TransferRequest],
+        why: str,
+        code: ErrorCode = ErrorCode.TRANSFER_FAILED,
+    ) -> None:
         """The request failed here: each decode rank that asked hears why."""
         for request in requests:
             self._send(
                 request.decoder_inbox,
                 ErrorMsg(
                     request_id=request.request_id,
-                    code=ErrorCode.TRANSFER_FAILED,
+                    code=code,
                     message=why[:1000],
                     sender_instance=self.instance,
                 ),
@@ -277,6 +292,13 @@ class PrefillMessenger:
         assert room.done_s is not None
         self._log_timing(room)
         self._metrics.add_request(room.num_pages or 0, room.done_s - (room.first_write_s or 0))
+        # after-forward mode has no forward-end stamp: SGLang's last send follows the forward
+        forward_end_s = room.forward_end_s if room.forward_end_s is not None else room.last_send_s
+        self._metrics.prefill_done(
+            None if forward_end_s is None else room.done_s - forward_end_s,
+            None if room.ready_s is None else room.ready_s - room.created_s,
+            room.bytes_sent,
+        )
 
     def _log_timing(self, room: Room) -> None:
         """One line per request: what layer-wise streaming hides is visible here."""

@@ -120,6 +120,7 @@ class Room:
     first_write_s: float | None = None
     last_chunk_first_write_s: float | None = None
     forward_end_s: float | None = None
+    ready_s: float | None = None  # every decode rank's pages known (bootstrap over)
     last_send_s: float | None = None
     done_s: float | None = None
 
@@ -208,6 +209,7 @@ class PrefillRooms:
             waiting = self._states.state(room.room) is _P.WAITING_FOR_DECODER
             if waiting and len(room.requests) == room.decoder_tp:
                 self._states.transition(room.room, _P.READY)
+                room.ready_s = self._clock.monotonic()
             return None
 
     def expect(self, room_id: int, num_pages: int, aux_index: int | None) -> None:

@@ -16,9 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from sgl_pd.backend.failure_cause import cause_of
 from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.prefill.rooms import Chunk, Destination, PrefillRooms, Room
 from sgl_pd.core.counting import count_word, metadata_word, source_word_offset
+from sgl_pd.core.failures import FailureCause
 from sgl_pd.core.plan import AddressedPlan, plan_transfer
 from sgl_pd.core.regions import RegionTable
 from sgl_pd.core.wire import ChunkNotice, Message
@@ -51,7 +53,7 @@ class MetadataJob:
 
 Job = LayersJob | MetadataJob
 SendFn = Callable[[str, Message], object]  # (inbox endpoint, message): never blocks
-FailFn = Callable[[int, str], None]  # (room, reason)
+FailFn = Callable[[int, str, FailureCause], None]  # (room, reason, cause)
 AckFn = Callable[[int, set[str]], None]  # (room, decoder inboxes owed a drain ack)
 BytesFn = Callable[[int], None]
 
@@ -221,13 +223,13 @@ class DestinationWriters:
         except TransferFailed as e:
             landing = e.may_still_land
             logger.error("request %d: %s", room_id, e)
-            self._on_failure(room_id, str(e))
+            self._on_failure(room_id, str(e), cause_of(e))
         except SglPdError as e:
             logger.error("request %d: %s", room_id, e)
-            self._on_failure(room_id, str(e))
+            self._on_failure(room_id, str(e), cause_of(e))
         except Exception as e:
             logger.exception("request %d: internal error", room_id)
-            self._on_failure(room_id, f"internal error: {e!r}")
+            self._on_failure(room_id, f"internal error: {e!r}", cause_of(e))
         finally:
             end = self._rooms.end_write(
                 room_id, sent.bytes, sent.writes, metadata_done=done, batch_failed=landing
