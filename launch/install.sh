@@ -49,6 +49,22 @@ if ((${#missing[@]})); then
     DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
+# Test tools for the Kubernetes manifests and the monitoring rules (tests/k8s, and the
+# e2e check that a real Prometheus scrapes a PD pair): kubectl renders the kustomizations
+# (Debian's kubernetes-client unless a kubectl is there already: the two packages clash);
+# Debian's prometheus brings prometheus and promtool. Without recommends: no exporters.
+tools=()
+command -v kubectl >/dev/null 2>&1 || tools+=(kubernetes-client)
+dpkg -s prometheus >/dev/null 2>&1 || tools+=(prometheus)
+if ((${#tools[@]})); then
+    say "installing test tools: ${tools[*]}"
+    sudo_cmd=()
+    [[ $(id -u) -eq 0 ]] || sudo_cmd=(sudo)
+    "${sudo_cmd[@]}" apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq \
+        --no-install-recommends "${tools[@]}" >/dev/null
+fi
+
 if [[ ! -x "$venv/bin/python" ]]; then
     say "creating $venv with $("$python" --version)"
     "$python" -m venv "$venv"
