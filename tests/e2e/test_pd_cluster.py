@@ -8,6 +8,7 @@ import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
@@ -167,6 +168,113 @@ def test_metrics_report_transfers(pd: PdCluster) -> None:
         text = requests.get(f"{url}/metrics", timeout=30).text
         for gauge in ("sgl_pd_rooms", "sgl_pd_writes_in_flight"):  # live state, per side
             assert re.search(rf'^{gauge}\{{role="{role}"\}} [0-9.e+]+$', text, re.M), gauge
+
+
+def test_per_request_histograms_count_each_request_once_on_its_side(pd: PdCluster) -> None:
+    """N requests through the router: every per-request histogram of the side it belongs
+    to counts N more (TP1 servers: one rank each), and nothing counts as failed."""
+    from .metrics_reading import sample
+
+    per_side = {
+        pd.prefill.url: [("sgl_pd_exposed_transfer_seconds_count", "prefill"),
+                         ("sgl_pd_bootstrap_wait_seconds_count", "prefill"),
+                         ("sgl_pd_request_kv_bytes_count", "prefill")],
+        pd.decode.url: [("sgl_pd_decode_kv_wait_seconds_count", "decode"),
+                        ("sgl_pd_bootstrap_wait_seconds_count", "decode")],
+    }  # fmt: skip
+
+    def counts() -> dict[tuple[str, str], float]:
+        return {(url, name): sample(url, name, role=role)
+                for url, series in per_side.items() for name, role in series}  # fmt: skip
+
+    def failures() -> float:
+        return sum(
+            sample(url, "sgl_pd_transfer_failures_total", role=role, cause=cause)
+            for url, role in ((pd.prefill.url, "prefill"), (pd.decode.url, "decode"))
+            for cause in ("abort", "timeout", "peer_lost", "refused", "write_failure")
+        )
+
+    n = 8
+    before, failed_before = counts(), failures()
+    for prompt in PROMPTS[:n]:
+        generate_ids(pd.router_url, prompt, 2)
+    time.sleep(1.0)  # SGLang's metrics of a scheduler process reach /metrics through files
+    after = counts()
+    assert {k: after[k] - before[k] for k in before} == dict.fromkeys(before, n)
+    assert failures() == failed_before
+
+
+def test_a_real_prometheus_scrapes_the_pair_and_every_expression_returns_data(
+    pd: PdCluster, tmp_path: Path
+) -> None:
+    """Debian's Prometheus scrapes both servers (each target labelled with its role as
+    the Kubernetes scrape job labels pods) while requests run; every expression of the
+    dashboard and every alert's quantity then returns data."""
+    import importlib.util
+    import shutil
+    import subprocess
+    import threading
+
+    import yaml
+
+    from sgl_pd.cluster.processes import free_port
+
+    # the expressions as tests/k8s/test_monitoring.py reads them from the shipped files
+    path = Path(__file__).resolve().parents[1] / "k8s/test_monitoring.py"
+    spec = importlib.util.spec_from_file_location("sgl_pd_monitoring_exprs", path)
+    assert spec is not None and spec.loader is not None
+    monitoring = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(monitoring)
+    RULES, alert_exprs, dashboard_exprs = (
+        monitoring.RULES, monitoring.alert_exprs, monitoring.dashboard_exprs)  # fmt: skip
+
+    if shutil.which("prometheus") is None:
+        pytest.skip("prometheus is not installed: launch/install.sh installs it")
+    port = free_port()
+    targets = [(pd.prefill.url, "prefill"), (pd.decode.url, "decode")]
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(RULES)],
+        "scrape_configs": [{
+            "job_name": "sgl-pd",
+            "static_configs": [{"targets": [url.split("//", 1)[1]], "labels": {"component": role}}
+                               for url, role in targets],
+        }],
+    }  # fmt: skip
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    prometheus = subprocess.Popen(
+        ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+         f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    stop = threading.Event()
+
+    def load() -> None:  # several output tokens per request: ITL has samples too
+        i = 0
+        while not stop.is_set():
+            generate_ids(pd.router_url, PROMPTS[i % len(PROMPTS)], 6)
+            i += 1
+
+    sender = threading.Thread(target=load, daemon=True)
+    sender.start()
+    api = f"http://127.0.0.1:{port}/api/v1/query"
+    try:
+        time.sleep(20)  # enough scrapes for rate() over a window holding many requests
+        empty = []
+        for expr in dashboard_exprs() + list(alert_exprs().values()):
+            result = requests.get(api, params={"query": expr}, timeout=30).json()
+            assert result["status"] == "success", (expr, result)
+            if not result["data"]["result"]:
+                empty.append(expr)
+        assert empty == [], "expressions without data:\n" + "\n".join(empty)
+        up = requests.get(api, params={"query": "up"}, timeout=30).json()["data"]["result"]
+        assert sorted(r["metric"]["component"] for r in up if r["value"][1] == "1") == [
+            "decode", "prefill"]  # fmt: skip
+    finally:
+        stop.set()
+        sender.join(60)
+        prometheus.terminate()
+        prometheus.wait(30)
 
 
 def test_every_page_is_free_again(pd: PdCluster) -> None:

@@ -51,7 +51,8 @@ LIVENESS_LINES = ("hung:", "is gone:", "did not run for")  # what a liveness fai
 
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdCluster]:
-    args = [*COMMON_ARGS, "--pd-hang-timeout", str(HANG_S)]
+    # metrics on: the failure counters are checked per injected cause
+    args = [*COMMON_ARGS, "--pd-hang-timeout", str(HANG_S), "--enable-metrics"]
     with pd_cluster(
         tmp_path_factory.mktemp("pd-faults"),
         prefill_extra=[
@@ -176,6 +177,46 @@ def _log_tail(server: Server, since: int) -> str:
 
 def _log_size(server: Server) -> int:
     return server.process.log_path.stat().st_size
+
+
+def test_each_injected_failure_counts_once_under_its_cause(mono: Server, faulty: PdCluster) -> None:
+    """An abort at the decoder counts one `abort` there and nothing on the prefill side;
+    every request the injected write failures failed counts one `write_failure` on the
+    prefill side (the rooms its log names)."""
+    import re
+
+    from .metrics_reading import sample
+
+    def failures(server: Server, role: str, cause: str) -> float:
+        return sample(server.url, "sgl_pd_transfer_failures_total", role=role, cause=cause)
+
+    aborts = failures(faulty.decode, "decode", "abort")
+    prefill_aborts = failures(faulty.prefill, "prefill", "abort")
+    answer: list[requests.Response] = []
+    ids = long_prompt_ids(LONG, start=9000)
+    sender = threading.Thread(
+        target=lambda: answer.append(post_generate(faulty.router_url, ids, "m1", 4))
+    )
+    sender.start()
+    time.sleep(1.0)  # the writes stream for over a second: the abort lands mid-transfer
+    abort_at_decoder(faulty.decode.url, "m1")
+    sender.join(60)
+    time.sleep(1.0)
+    assert failures(faulty.decode, "decode", "abort") == aborts + 1
+    assert failures(faulty.prefill, "prefill", "abort") == prefill_aborts
+
+    since = _log_size(faulty.prefill)
+    written = failures(faulty.prefill, "prefill", "write_failure")
+    prompts = [prompt_ids(p) for p in varied_prompts(60, seed=41)]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(lambda p: post_generate(faulty.router_url, p[1], f"w{p[0]}", 2),
+                      enumerate(prompts)))  # fmt: skip
+    time.sleep(1.0)
+    injected = set(
+        re.findall(r"request (\d+): .*injected failure", _log_tail(faulty.prefill, since))
+    )
+    assert failures(faulty.prefill, "prefill", "write_failure") - written == len(injected)
+    _pools_idle(faulty)
 
 
 @pytest.mark.parametrize("victim", ["prefill", "decode"])
