@@ -1,0 +1,84 @@
+"""One rank's staging area for re-layout (`core.relayout`): a buffer on the KV pool's
+device, registered with the transfer engine, and who holds which bytes of it.
+
+Prefill ranks hold gather blocks for one write job at a time (`take` waits for space:
+back-pressure, bounded by the writes of the jobs holding it, each a few Mooncake batches);
+decode ranks hold a request's receive blocks from its transfer request to its scatter,
+or, when it ends early, until its pages may be freed (`try_take` never waits: a request
+that finds no space waits in its own state, see `decode.messenger`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from sgl_pd.core.staging_space import StagingSpace
+from sgl_pd.errors import SglPdError
+from sgl_pd.transfer.engine import TransferEngine
+
+MIB = 1 << 20
+
+
+class StagingBusy(SglPdError):
+    """No staging space came free in time (every holder is stuck)."""
+
+
+class StagingArea:
+    def __init__(self, nbytes: int, device: Any, engine: TransferEngine) -> None:
+        import torch
+
+        self._space = StagingSpace(nbytes)
+        self.capacity = self._space.capacity  # bytes
+        # (capacity,) uint8 on the pool's device; kept alive as long as the area
+        self._buffer = torch.empty(max(self.capacity, 1), dtype=torch.uint8, device=device)
+        self.base = int(self._buffer.data_ptr())  # absolute address of offset 0
+        self._engine = engine
+        if self.capacity:
+            engine.register(self.base, self.capacity)
+        self._cond = threading.Condition()
+
+    @property
+    def used(self) -> int:
+        """Bytes held now (the pool line and the gauge report it)."""
+        with self._cond:
+            return self._space.used
+
+    def fits(self, nbytes: int) -> bool:
+        return self._space.fits(nbytes)
+
+    def try_take(self, nbytes: int) -> int | None:
+        """Offset of `nbytes` now held, or None while the area is full."""
+        with self._cond:
+            return self._space.take(nbytes)
+
+    def take(self, nbytes: int, timeout_s: float) -> int:
+        """Offset of `nbytes`, waiting for holders to give space back (`fits` first)."""
+        taken: list[int] = []
+
+        def grab() -> bool:
+            offset = self._space.take(nbytes)
+            if offset is not None:
+                taken.append(offset)
+            return bool(taken)
+
+        with self._cond:
+            if not self._cond.wait_for(grab, timeout_s):
+                raise StagingBusy(
+                    f"no {nbytes / MIB:.1f} MiB of staging came free in {timeout_s:g} s "
+                    f"({self._space.used / MIB:.1f} of {self.capacity / MIB:.1f} MiB held)"
+                )
+            return taken[0]
+
+    def give_back(self, offset: int) -> None:
+        with self._cond:
+            self._space.give_back(offset)
+            self._cond.notify_all()
+
+    def view(self, offset: int, nbytes: int) -> Any:
+        """(nbytes,) uint8 tensor over held bytes."""
+        return self._buffer[offset : offset + nbytes]
+
+    def close(self) -> None:
+        if self.capacity:
+            self._engine.unregister(self.base)
