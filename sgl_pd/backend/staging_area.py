@@ -11,13 +11,21 @@ that finds no space waits in its own state, see `decode.messenger`).
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any
 
+from sgl_pd.backend.pool import PoolDescription
+from sgl_pd.backend.relayout_copies import PoolCopies
+from sgl_pd.core.layout import AttnKind, PageLayout
 from sgl_pd.core.staging_space import StagingSpace
+from sgl_pd.core.wire import Role
 from sgl_pd.errors import SglPdError
 from sgl_pd.transfer.engine import TransferEngine
 
 MIB = 1 << 20
+# Tokens of KV a decode rank's receive staging holds by default: a request larger than
+# the area is written one token slot at a time, so the default covers long prompts.
+DECODE_STAGING_TOKENS = 16384
 
 
 class StagingBusy(SglPdError):
@@ -82,3 +90,33 @@ class StagingArea:
     def close(self) -> None:
         if self.capacity:
             self._engine.unregister(self.base)
+
+
+@dataclass(frozen=True)
+class Staging:
+    """What a rank re-lays KV out with: its staging area and the copies on its pool."""
+
+    area: StagingArea
+    copies: PoolCopies
+
+
+def staging_bytes(config_mb: float, role: Role, pool: PoolDescription, chunk_tokens: int) -> int:
+    """Bytes of a rank's staging area: `config_mb` MiB, or when negative the default:
+    prefill, four write jobs' gather blocks of one layer of a full chunk (a job of more
+    layers is gathered and written a few layers at a time); decode, the receive blocks of
+    `DECODE_STAGING_TOKENS` tokens of this rank's KV. Nothing where no slice can be
+    strided: MLA and HND layouts, and a rank holding one head."""
+    layout = pool.layout
+    if (
+        layout.kind is AttnKind.MLA
+        or layout.page_layout is not PageLayout.NHD
+        or pool.local_heads == 1
+        or config_mb == 0
+    ):
+        return 0
+    if config_mb > 0:
+        return int(config_mb * MIB)
+    token_layer = len(layout.parts) * pool.local_heads * layout.row_bytes  # bytes
+    if role is Role.PREFILL:
+        return 4 * max(chunk_tokens, layout.page_size) * token_layer
+    return DECODE_STAGING_TOKENS * layout.num_layers * token_layer
