@@ -46,6 +46,9 @@ class SglPdConfig:
     # A peer that accepts connections but has not answered heartbeats this long is
     # declared hung (a dead one, whose connections are refused, is lost within a second)
     hang_timeout_s: float = 20.0
+    # MiB of staging for re-laying out KV heads under mismatched TP (`core.relayout`):
+    # negative = derived from the pool and chunk size, 0 = none (one write per token slot)
+    staging_mb: float = -1.0
     # The cluster secret (hex of its bytes) that authenticates every control connection;
     # "" with no_auth=False: not configured, and PD serving refuses to start.
     auth_secret_hex: str = field(default="", repr=False)
@@ -267,6 +270,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "about a second whatever this says.",
     )
     group.add_argument(
+        "--pd-staging-mb",
+        type=float,
+        default=SglPdConfig.staging_mb,
+        help="MiB of device memory per rank for re-laying out KV heads when prefill and "
+        "decode shard them differently (mismatched TP on NHD pools): prefill ranks gather "
+        "a decoder's heads into contiguous blocks, decoders receive blocks and scatter them "
+        "into their pool, so a page run costs one write instead of one per token slot. "
+        "Default: derived from the pool and chunk size (logged at start-up); 0 turns it "
+        "off. A request that cannot fit in a decoder's area is sent the slow way.",
+    )
+    group.add_argument(
         "--pd-inject-write-delay-ms",
         type=float,
         default=0.0,
@@ -295,6 +309,7 @@ def config_from_args(
         kv_send=args.pd_kv_send,
         first_token=args.pd_first_token,
         hang_timeout_s=args.pd_hang_timeout,
+        staging_mb=args.pd_staging_mb,
         inject_write_delay_ms=args.pd_inject_write_delay_ms,
         inject_write_failure_rate=args.pd_inject_write_failure_rate,
         auth_secret_hex="" if args.pd_no_auth else _secret_hex(args, environ),

@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Mapping
 
 from sgl_pd.config import (
     BACKEND_NAME,
@@ -36,6 +37,30 @@ _HARNESS_APPLIED_ENV = "SGL_PD_HARNESS_APPLIED"
 # well past both.
 DEFERRED_RELEASE_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
 DEFERRED_RELEASE_TIMEOUT_S = "120"
+
+# SGLang's router keeps an idle connection to each server for up to 50 s (its HTTP client's
+# pool idle timeout) and sends the next request on it, while SGLang's HTTP server closes a
+# connection idle for 5 s (uvicorn's keep-alive). When both happen at once the request is
+# lost unread, and the router (0.3.2) ignores a prefill server's transport error when the
+# decode side then fails: the decoder waits its whole transfer timeout for KV that no
+# prefill server was asked for. A server stopped or starved past its keep-alive often loses
+# a request sent to it meanwhile: on waking, the expired timer closes the connection before
+# the request waiting in it is read. So a server keeps an idle connection longer than the
+# router does, plus the longest pause that must fail nothing (the default hang timeout).
+ROUTER_POOL_IDLE_S = 50
+KEEP_ALIVE_ENV = "SGLANG_TIMEOUT_KEEP_ALIVE"
+KEEP_ALIVE_S = "75"
+
+# SGLang settings a server gets unless its environment sets them
+SGLANG_ENV_DEFAULTS = {
+    DEFERRED_RELEASE_TIMEOUT_ENV: DEFERRED_RELEASE_TIMEOUT_S,
+    KEEP_ALIVE_ENV: KEEP_ALIVE_S,
+}
+
+
+def server_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment a server starts with: `SGLANG_ENV_DEFAULTS`, then `environ`'s."""
+    return {**SGLANG_ENV_DEFAULTS, **environ}
 
 
 def _serves_pd(sglang_argv: list[str]) -> bool:
@@ -144,8 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         plan = plan_harness(requested, sglang_argv)
         logger.info("harness: %s (%s)", plan.harness.value, plan.reason)
         env = {
-            DEFERRED_RELEASE_TIMEOUT_ENV: DEFERRED_RELEASE_TIMEOUT_S,
-            **os.environ,
+            **server_env(os.environ),
             **plan.env,
             CONFIG_ENV: config.to_json(),
             _HARNESS_APPLIED_ENV: "1",

@@ -26,9 +26,12 @@ from sgl_pd.backend.addresses import Hosts, resolve_hosts
 from sgl_pd.backend.heartbeats import Heartbeats, Watched
 from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription, describe_pool
+from sgl_pd.backend.relayout_copies import PoolCopies
+from sgl_pd.backend.staging_area import MIB, Staging, StagingArea, staging_bytes
 from sgl_pd.config import SglPdConfig
 from sgl_pd.core.clock import Clock, SystemClock
 from sgl_pd.core.liveness import FreezeWatch
+from sgl_pd.core.regions import Region
 from sgl_pd.core.sharding import ShardingScheme
 from sgl_pd.core.wire import (
     FrameCodec,
@@ -182,6 +185,7 @@ class SglPdKVManager(BaseKVManager):
             self.engine = FaultInjectingEngine(self.engine, faults)
         for region in (*self.pool.kv.regions, *self.pool.aux):
             self.engine.register(region.base, region.length)
+        self.staging = self._staging(server_args)
         self.codec = FrameCodec(self.layout.compat_hash())
         self.links = LinkPool(self.codec.layout_hash, auth=self.auth)
         self.outbox = Outbox(self.links, name=f"{self.role.value}-{self.rank}")
@@ -221,6 +225,29 @@ class SglPdKVManager(BaseKVManager):
             self.layout.num_layers,
             self.pool.num_pages,
         )
+
+    def _staging(self, server_args: Any) -> Staging | None:
+        """This rank's re-layout staging (`core.relayout`), or None where its slices are
+        never strided or --pd-staging-mb is 0."""
+        chunk = int(getattr(server_args, "chunked_prefill_size", 0) or 0)
+        nbytes = staging_bytes(
+            self.config.staging_mb, self.role, self.pool, chunk if chunk > 0 else 8192
+        )
+        if not nbytes:
+            return None
+        device = str(getattr(server_args, "device", None) or "cuda")
+        if device == "cuda":  # the pool lives on this rank's GPU
+            device = f"cuda:{int(getattr(self.kv_args, 'gpu_id', 0) or 0)}"
+        staging = Staging(StagingArea(nbytes, device, self.engine), PoolCopies(self.pool, device))
+        logger.info(
+            "sgl_pd %s rank %d: %.1f MiB of %s staging for re-laying out KV heads under "
+            "mismatched TP (--pd-staging-mb)",
+            self.role.value,
+            self.rank,
+            staging.area.capacity / MIB,
+            "gather" if self.role is Role.PREFILL else "receive",
+        )
+        return staging
 
     # -- the role's part ----------------------------------------------------------------
 
@@ -262,6 +289,11 @@ class SglPdKVManager(BaseKVManager):
             inbox=self.inbox.endpoint,
             instance=self.instance,
             decoder_samples_first=self.config.first_token == "decode",
+            staging=(
+                Region(self.staging.area.base, self.staging.area.capacity)
+                if self.staging is not None and self.role is Role.DECODE
+                else None
+            ),
         )
 
     def ignore(self, message: Message) -> None:
@@ -299,4 +331,6 @@ class SglPdKVManager(BaseKVManager):
         self.inbox.close()
         self.outbox.close()
         self.links.close()
+        if self.staging is not None:
+            self.staging.area.close()
         self.engine.close()

@@ -127,6 +127,11 @@ class TransferMetrics:
             "sgl_pd_writes_in_flight",
             "Prefill: KV write jobs running; decode: requests whose KV is still arriving",
         )
+        self._staging = gauge(
+            "sgl_pd_staging_bytes",
+            "Bytes of re-layout staging held (prefill: gather blocks being written; "
+            "decode: receive blocks of requests in transfer)",
+        )
 
     def add_bytes(self, nbytes: int) -> None:
         if self._enabled:
@@ -167,7 +172,8 @@ class TransferMetrics:
         if self._enabled:
             self._losses[kind].inc()
 
-    def set_live(self, rooms: int, in_flight: int) -> None:
+    def set_live(self, rooms: int, in_flight: int, staging_bytes: int = 0) -> None:
         if self._enabled:
             self._rooms.set(rooms)
             self._in_flight.set(in_flight)
+            self._staging.set(staging_bytes)

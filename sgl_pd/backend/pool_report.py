@@ -4,10 +4,12 @@ SGLang checks its pools for leaks whenever a scheduler goes idle
 (``SchedulerInvariantChecker._check_all_pools``). We hook after that check and log
 what it saw, once per change, so tests and operators can read the free counts:
 
-    sgl_pd pool idle: used 0 tokens, available 32000, evictable 768, rooms 0, in flight 0 (no leak)
+    sgl_pd pool idle: used 0 tokens, available 32000, evictable 768, rooms 0,
+        in flight 0, staging 0 bytes (no leak)
 
 Rooms: requests this rank holds transfer state for; in flight: prefill, write jobs
-running; decode, requests whose KV is still arriving (the messenger's last tick).
+running; decode, requests whose KV is still arriving; staging: bytes of the re-layout
+staging area held (the messenger's last tick).
 """
 
 from __future__ import annotations
@@ -18,15 +20,16 @@ from typing import Any
 logger = logging.getLogger("sgl_pd.pool")
 
 POOL_LINE_PREFIX = "sgl_pd pool idle:"
-_last_logged: tuple[int, int, int, int, int, bool] | None = None
+_last_logged: tuple[int, int, int, int, int, int, bool] | None = None
 _ran_batch_since_log = False
-_live: tuple[int, int] = (0, 0)  # (rooms, in flight), set by the messenger's liveness tick
+# (rooms, in flight, staging bytes held), set by the messenger's liveness tick
+_live: tuple[int, int, int] = (0, 0, 0)
 
 
-def note_live(rooms: int, in_flight: int) -> None:
+def note_live(rooms: int, in_flight: int, staging_bytes: int = 0) -> None:
     """The messenger's counts, for the next pool line (any thread: one assignment)."""
     global _live
-    _live = (rooms, in_flight)
+    _live = (rooms, in_flight, staging_bytes)
 
 
 def after_run_batch(result: Any, *args: Any, **kwargs: Any) -> Any:
@@ -51,9 +54,10 @@ def after_pool_check(result: Any, checker: Any, stats: Any, *args: Any, **kwargs
     if seen != _last_logged or _ran_batch_since_log:
         _last_logged, _ran_batch_since_log = seen, False
         logger.info(
-            "%s used %d tokens, available %d, evictable %d, rooms %d, in flight %d (%s)",
+            "%s used %d tokens, available %d, evictable %d, rooms %d, in flight %d, "
+            "staging %d bytes (%s)",
             POOL_LINE_PREFIX,
-            *seen[:5],
+            *seen[:6],
             "LEAK" if has_leak else "no leak",
         )
     return result

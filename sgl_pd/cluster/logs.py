@@ -45,7 +45,8 @@ def decode_failures(logs: Iterable[Path]) -> dict[str, str]:
 
 def pool_states(log: Path) -> dict[str, tuple[int, bool]]:
     """Per scheduler process (SGLang's log tag, "TP0", "TP1", "DP1 TP1"...): (tokens in
-    use, no leak) from its last idle-pool line; empty before the first line."""
+    use, no leak and no staging held) from its last idle-pool line; empty before the
+    first line."""
     states: dict[str, tuple[int, bool]] = {}
     for line in log.read_text(errors="replace").splitlines():
         if POOL_LINE_PREFIX not in line:
@@ -53,9 +54,10 @@ def pool_states(log: Path) -> dict[str, tuple[int, bool]]:
         head, tail = line.split(POOL_LINE_PREFIX, 1)
         tag = re.search(r"((?:[A-Z]+\d+ ?)+)\]\s*$", head)
         used = re.search(r"used (\d+) tokens", tail)
+        staged = re.search(r"staging (\d+) bytes", tail)
         states[tag.group(1).strip() if tag else ""] = (
             int(used.group(1)) if used else -1,
-            "no leak" in tail,
+            "no leak" in tail and not (staged and int(staged.group(1))),
         )
     return states
 

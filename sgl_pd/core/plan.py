@@ -12,6 +12,9 @@ Write counts per link, per (layer, part) and page of the chunk (P = page size):
   HND, partial page (chunk edge):            1 write per head of the link
   NHD, link carries all heads of both sides: 1 write, consecutive pages merge
   NHD, heads split on either side:           1 write per token slot - the case HND removes
+  NHD, split side staged (`relayout`):        1 write, consecutive pages merge; a gathered
+      source is a block of the chunk's pages, a receiving destination one of the
+      request's pages (`core.relayout`), so their side of the merge always continues
 """
 
 from __future__ import annotations
@@ -27,6 +30,17 @@ from sgl_pd.core.counting import WriteGroup, chunk_groups
 from sgl_pd.core.errors import PlanError
 from sgl_pd.core.layout import KvLayout, KvPart, PageLayout
 from sgl_pd.core.regions import RegionTable
+from sgl_pd.core.relayout import (
+    NO_RELAYOUT,
+    UNSTAGED,
+    ReceivePlacement,
+    Relayout,
+    StagedLink,
+    block_bytes,
+    block_positions,
+    block_table,
+    staged_link,
+)
 from sgl_pd.core.sharding import ShardLink
 
 I64 = npt.NDArray[np.int64]
@@ -65,6 +79,8 @@ class LinkWrites:
     src_offsets: I64
     dst_offsets: I64
     lengths: I64
+    # offsets inside staged blocks rather than pool regions, per side (`core.relayout`)
+    staging: StagedLink = UNSTAGED
 
     @property
     def count(self) -> int:
@@ -98,12 +114,55 @@ class TransferPlan:
     tokens: TokenRange
     layers: range
     links: tuple[LinkWrites, ...]
+    first_page: int = 0  # logical page of the chunk's first token (gather blocks start there)
+    # (chunk pages,) source page ids in gather-block order (what a gather reads)
+    gather_pages: I64 | None = None
+
+    @property
+    def num_pages(self) -> int:
+        """Logical pages the chunk touches (a gather block holds this many)."""
+        return (self.tokens.stop - 1) // self.layout.page_size + 1 - self.first_page
 
     @property
     def num_writes(self) -> int:
         """Writes over all links, layers and parts."""
         per_region = sum(lw.count for lw in self.links)
         return per_region * len(self.layers) * len(self.layout.parts)
+
+    def gather_block(self, link_index: int) -> int:
+        """Bytes of one region's gather block of a gathering link (the chunk's pages)."""
+        return block_bytes(self.layout, self.links[link_index].link, self.num_pages)
+
+    def link_tables(
+        self,
+        link_index: int,
+        src_pool: RegionTable,
+        dst_pool: RegionTable,
+        receive: tuple[ReceivePlacement, int] | None,
+    ) -> tuple[RegionTable, RegionTable]:
+        """(source, destination) tables one link's writes are addressed against: the
+        pools, or for a staged side its blocks. A gathering link's source addresses are
+        relative to a block set starting at 0 for the plan's first layer (the writer adds
+        where each job's blocks are, `gather_shift`); `receive` = (the destination's
+        placement of the request's receive staging, its base address)."""
+        lw, layout = self.links[link_index], self.layout
+        src, dst = src_pool, dst_pool
+        if lw.staging.gathers:
+            parts = len(layout.parts)
+            block = self.gather_block(link_index)
+            src = block_table(layout, 0, self.layers.start * parts, block, len(self.layers) * parts)
+        if lw.staging.receives:
+            if receive is None:
+                raise PlanError("a receiving link needs the destination's receive staging")
+            placement, base = receive
+            dst = placement.table(layout, link_index, base)
+        return src, dst
+
+    def gather_shift(self, link_index: int, layers: range, blocks_addr: int) -> int:
+        """What to add to a gathering link's source addresses of `layers` when their
+        blocks (one per region, layer-major) start at `blocks_addr`."""
+        skipped = (layers.start - self.layers.start) * len(self.layout.parts)
+        return blocks_addr - skipped * self.gather_block(link_index)
 
     def writes(self) -> Iterator[Write]:
         """Every write, layer by layer (slow; for tests and debugging)."""
@@ -181,10 +240,12 @@ class AddressedPlan:
         self,
         plan: TransferPlan,
         links: Iterable[int],
-        src: RegionTable,
-        dst: RegionTable,
+        src: RegionTable | Mapping[int, RegionTable],
+        dst: RegionTable | Mapping[int, RegionTable],
         layer_group_size: int,
     ) -> None:
+        """`src` / `dst`: the pool's region table, or one per link index of `links` (a
+        staged side's blocks, `core.relayout.block_table`)."""
         self.plan = plan
         # the sender's links that carry writes; a link without writes has no groups
         self.sending = tuple(sorted(i for i in set(links) if plan.links[i].count))
@@ -194,7 +255,7 @@ class AddressedPlan:
         self._group_starts = frozenset(r.start for r in groups)
         self._rows: dict[int, tuple[I64, I64, I64]] = {}
         for i in self.sending:
-            whole = plan.batch(i, plan.layers, src, dst)
+            whole = plan.batch(i, plan.layers, _table_of(src, i), _table_of(dst, i))
             n = plan.links[i].count
             self._rows[i] = (
                 whole.src_addrs.reshape(-1, n),
@@ -234,6 +295,10 @@ class AddressedPlan:
         return AddressBatch(lw.link.src_rank, lw.link.dst_rank, src, dst, lengths)
 
 
+def _table_of(tables: RegionTable | Mapping[int, RegionTable], link_index: int) -> RegionTable:
+    return tables if isinstance(tables, RegionTable) else tables[link_index]
+
+
 def _coalesce(src: I64, dst: I64, length: I64) -> tuple[I64, I64, I64]:
     """Fewest writes for these spans: in source address order, merge each span into the
     previous one when both sides continue it in memory (so descending page runs merge too)."""
@@ -245,6 +310,13 @@ def _coalesce(src: I64, dst: I64, length: I64) -> tuple[I64, I64, I64]:
     breaks = (src[1:] != src[:-1] + length[:-1]) | (dst[1:] != dst[:-1] + length[:-1])
     starts = np.flatnonzero(np.concatenate(([True], breaks)))
     return src[starts], dst[starts], np.add.reduceat(length, starts)
+
+
+def _written(
+    link: ShardLink, spans: tuple[I64, I64, I64], staging: StagedLink = UNSTAGED
+) -> LinkWrites:
+    src, dst, lengths = _frozen(*spans)
+    return LinkWrites(link, src, dst, lengths, staging)
 
 
 def _frozen(*arrays: I64) -> tuple[I64, ...]:
@@ -275,17 +347,21 @@ def plan_transfer(
     dst_pages: Sequence[int] | I64,
     tokens: TokenRange,
     layers: range | None = None,
+    relayout: Relayout = NO_RELAYOUT,
 ) -> TransferPlan:
     """Plan the writes of tokens `tokens` for `layers` (default all).
 
     Page list entry i holds tokens [i * page_size, (i + 1) * page_size) of the request on
     that side; only the pages the chunk touches are read (and must be distinct, >= 0).
+    `relayout` says which strided sides may be staged (`core.relayout`).
     """
     layers = range(layout.num_layers) if layers is None else layers
     if layers.step != 1 or not layers or layers.start < 0 or layers.stop > layout.num_layers:
         raise PlanError(f"layers {layers} not a non-empty range inside [0, {layout.num_layers})")
     chunk = _Chunk(layout, src_pages, dst_pages, tokens)
-    return TransferPlan(layout, tokens, layers, tuple(chunk.link_writes(lk) for lk in links))
+    writes = tuple(chunk.link_writes(lk, staged_link(layout, lk, relayout)) for lk in links)
+    gather_pages = chunk.sp[np.argsort(chunk.dp, kind="stable")]
+    return TransferPlan(layout, tokens, layers, writes, chunk.first, gather_pages)
 
 
 class _Chunk:
@@ -305,15 +381,31 @@ class _Chunk:
         last = (tokens.stop - 1) // self.size
         self.sp = _pages(src_pages, "source", self.first, last)  # (n_pages,) page ids
         self.dp = _pages(dst_pages, "destination", self.first, last)
+        self.dp_all = np.asarray(dst_pages, dtype=np.int64)  # (request pages,)
         starts = np.arange(self.first, last + 1, dtype=np.int64) * self.size  # first tokens
         self.lo = np.maximum(tokens.start - starts, 0)  # (n_pages,) slots [lo, hi) of a page
         self.hi = np.minimum(tokens.stop - starts, self.size)
         self._slots: tuple[I64, I64] | None = None
         self._arrays: dict[tuple[str, int, int], I64] = {}
 
-    def link_writes(self, link: ShardLink) -> LinkWrites:
+    def link_writes(self, link: ShardLink, staging: StagedLink) -> LinkWrites:
         size, row, lo, hi = self.size, self.row, self.lo, self.hi
         nh, hs, hd = link.num_heads, link.src_local_heads, link.dst_local_heads
+        if staging.staged:
+            # NHD with a staged strided side: one span per page. Gather blocks hold the
+            # chunk's pages in order, receive blocks the request's (logical page p at
+            # p * page_size rows), nh heads a row; an unstaged side has all its heads.
+            if staging.gathers:  # block page of each chunk page: (n_pages,)
+                s = (block_positions(self.dp) * size + lo) * nh * row
+            else:
+                s = (self.sp * size + lo) * hs * row
+            if staging.receives:  # the request's block page of each chunk page
+                p = self.request_positions()[self.first : self.first + self.dp.shape[0]]
+                d = (p * size + lo) * nh * row
+            else:
+                d = (self.dp * size + lo) * hd * row
+            writes = _coalesce(s, d, (hi - lo) * nh * row)
+            return _written(link, writes, staging)
         if self.hnd:
             # (pages, heads, page_size, head_dim): one span per (page, head); heads merge
             # when the chunk covers the page, pages merge when a side's slice is its page.
@@ -321,11 +413,11 @@ class _Chunk:
             s = ((self.sp[:, None] * hs + link.src_head_offset + j) * size + lo[:, None]) * row
             d = ((self.dp[:, None] * hd + link.dst_head_offset + j) * size + lo[:, None]) * row
             n = np.broadcast_to(((hi - lo) * row)[:, None], s.shape)
-            return LinkWrites(link, *_frozen(*_coalesce(s.ravel(), d.ravel(), n.ravel())))
+            return _written(link, _coalesce(s.ravel(), d.ravel(), n.ravel()))
         if nh == hs == hd:
             # NHD, all heads of both sides: one span per page; consecutive pages merge.
             s, d = (self.sp * size + lo) * hs * row, (self.dp * size + lo) * hd * row
-            return LinkWrites(link, *_frozen(*_coalesce(s, d, (hi - lo) * hs * row)))
+            return _written(link, _coalesce(s, d, (hi - lo) * hs * row))
         # NHD with split heads: one span per token slot. Never mergeable: on the split side
         # consecutive slots are hs*row (or hd*row) apart but only nh*row long. Links often
         # share a side's geometry (TP8->TP4: every source sends all its heads), and the
@@ -338,6 +430,10 @@ class _Chunk:
             self._shared(("dst", hd, d_first), lambda: (dst_slots * hd + d_first) * row),
             self._shared(("len", nh, 0), lambda: np.full(src_slots.shape, nh * row, np.int64)),
         )
+
+    def request_positions(self) -> I64:
+        """(request pages,) block page of each of the request's destination pages."""
+        return block_positions(self.dp_all)
 
     def _token_slots(self) -> tuple[I64, I64]:
         """(n_tokens,) slot index (page * page_size + slot) of each token, per side."""

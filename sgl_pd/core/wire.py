@@ -41,7 +41,8 @@ from sgl_pd.errors import SglPdError
 # 3: senders named in Abort, ErrorMsg and ChunkNotice (ownership checks), bounded requests
 # 4: decoders submit prefills to a prefill server's registry (direct mode)
 # 5: registry replies carry the asker's submissions the prefill server refused
-PROTOCOL_VERSION = 5
+# 6: decoders register a receive staging area and grant requests part of it (re-layout)
+PROTOCOL_VERSION = 6
 MAGIC = b"SGPD"
 MAX_BODY_BYTES = 64 << 20  # a 1M-token prompt with its page table stays far below this
 _HEADER = struct.Struct("<4sHHQII")
@@ -145,6 +146,8 @@ class ShardRegistration(_Message, tag="register", frozen=True):
     # D16: the decoder samples each request's first token (prefill sends all but the last
     # prompt token's KV); both sides of a pair must agree (--pd-first-token)
     decoder_samples_first: bool = True
+    # decode: registered memory that receives re-laid-out KV blocks (`core.relayout`)
+    staging: Region | None = None
 
     def __post_init__(self) -> None:
         if self.rank >= self.scheme.tp_size:
@@ -339,9 +342,16 @@ class TransferRequest(_Message, tag="transfer", frozen=True):
     dst_pages: tuple[U32, ...]  # decoder page per logical page of the whole prompt
     metadata_slot: U32
     completion_slot: U32
+    # where the request's receive staging starts in the decoder's staging area (absolute
+    # address); None: strided destination slices are written one token slot at a time
+    staging_base: U64 | None = None
 
     def __post_init__(self) -> None:
         decoder = self.decoder
+        if self.staging_base is not None:
+            area = decoder.staging
+            if area is None or not area.base <= self.staging_base < area.base + area.length:
+                raise InvalidMessage("the staging grant is outside the decoder's staging area")
         if decoder.role is not Role.DECODE or decoder.completion is None:
             raise InvalidMessage("a transfer request carries a decode rank's registration")
         # Every index is checked against what the decode rank registered (its pool).

@@ -99,7 +99,7 @@ def test_observations_land_in_their_series() -> None:
     metrics.add_failure(FailureCause.TIMEOUT)
     metrics.add_failure(FailureCause.TIMEOUT)
     metrics.peer_lost("hung")
-    metrics.set_live(3, 2)
+    metrics.set_live(3, 2, 4096)
     assert _value(registry, "sgl_pd_decode_kv_wait_seconds_count", role="decode") == 1
     assert _value(registry, "sgl_pd_decode_kv_wait_seconds_sum", role="decode") == 0.02
     assert _value(registry, "sgl_pd_bootstrap_wait_seconds_count", role="decode") == 1
@@ -108,6 +108,7 @@ def test_observations_land_in_their_series() -> None:
     assert _value(registry, failures, role="decode", cause="abort") == 0
     assert _value(registry, "sgl_pd_liveness_losses_total", role="decode", kind="hung") == 1
     assert _value(registry, "sgl_pd_rooms", role="decode") == 3
+    assert _value(registry, "sgl_pd_staging_bytes", role="decode") == 4096
     assert _value(registry, "sgl_pd_writes_in_flight", role="decode") == 2
 
 

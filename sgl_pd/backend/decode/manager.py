@@ -35,6 +35,7 @@ class DecodeKVManager(SglPdKVManager):
             transfer_timeout_s=self.config.transfer_timeout_s,
             metrics=self.metrics,
             clock=clock,
+            staging=self.staging,
         )
         self.registration = self.registration_for(
             layer_group_size=1, completion=self.decode.completion_area

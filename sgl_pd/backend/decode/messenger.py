@@ -12,6 +12,13 @@ timeout, failure) sends `Abort` to every prefill rank it asked, and SGLang's def
 release holds its pages until `is_release_safe` - every such rank acked
 (`AbortAck`: nothing in flight any more) or was declared dead by liveness.
 
+Under mismatched TP, prefill ranks that each hold fewer heads than this rank write
+re-laid-out blocks into this rank's receive staging (`core.relayout`): a request is
+granted its part of the area when it asks for pages (or waits, unsent, until space comes
+free: back-pressure), and its blocks are scattered into the pool when it completes,
+before SGLang schedules it. The part is given back with the pages: after the scatter, or
+for a request that ended early when its pages are safe to free.
+
 Each request's state follows `core.states.DECODE_TABLE`. Threads: the inbox thread calls
 `on_*`; the liveness thread `active_peers` / `peer_lost` / `housekeeping`; SGLang's
 scheduler thread everything else. State sits behind one lock.
@@ -24,12 +31,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from sgl_pd.backend.failure_cause import cause_of_abort, cause_of_code
 from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.pool_report import note_live
+from sgl_pd.backend.staging_area import MIB, Staging
 from sgl_pd.core.clock import Clock
 from sgl_pd.core.counting import (
     METADATA_WORD,
@@ -45,7 +54,8 @@ from sgl_pd.core.counting import (
 from sgl_pd.core.errors import CountingError
 from sgl_pd.core.failures import FailureCause
 from sgl_pd.core.regions import Region
-from sgl_pd.core.sharding import ShardingScheme, link_shards
+from sgl_pd.core.relayout import ReceivePlacement, receive_placement
+from sgl_pd.core.sharding import ShardingScheme, ShardLink, link_shards
 from sgl_pd.core.states import DECODE_TABLE, DecodeState, RequestTracker
 from sgl_pd.core.wire import (
     Abort,
@@ -64,6 +74,9 @@ from sgl_pd.transfer.engine import TransferEngine
 logger = logging.getLogger("sgl_pd.decode")
 _log = LogLimiter(logger)
 MAX_EARLY_NOTICES = 4096  # last-chunk notices kept for requests not tracked yet
+# Seconds the receive staging of a request forgotten before its pages were safe is held:
+# SGLang's deferred release frees the pages themselves after this long at the latest
+ORPHAN_STAGING_HOLD_S = 120.0
 
 
 def _refused(room: int, sender: int | None, what: str) -> None:
@@ -95,6 +108,12 @@ class _Track:
     reply_to: str  # this rank's inbox, where drain acks come back
     started_s: float
     num_pages: int
+    links: tuple[ShardLink, ...]  # every link into this rank, in counting order
+    dst_pages: np.ndarray  # (request pages,) this rank's page per logical page
+    # receive staging: where the request's blocks go, and its part of the area (offset)
+    placement: ReceivePlacement | None = None
+    staging_offset: int | None = None
+    unsent: TransferRequest | None = None  # waiting for receive staging to come free
     error: str | None = None
     metadata_seen: bool = False
     abort_sent: bool = False
@@ -115,9 +134,11 @@ class DecodeMessenger:
         transfer_timeout_s: float,
         metrics: TransferMetrics,
         clock: Clock,
+        staging: Staging | None = None,
     ) -> None:
         self.rank = rank
         self.instance = instance  # this rank's, named in its aborts
+        self._staging = staging
         self.scheme = scheme
         self.pool = pool
         self.engine = engine
@@ -136,6 +157,8 @@ class DecodeMessenger:
         # the request was tracked here; at most MAX_EARLY_NOTICES, each dropped after the
         # transfer timeout, so that strangers cannot grow it
         self._sealed: dict[int, tuple[int, float, int]] = {}
+        # receive staging of requests forgotten before their pages were safe: (until, offset)
+        self._orphans: list[tuple[float, int]] = []
 
     @property
     def completion_area(self) -> SlotArea:
@@ -226,8 +249,21 @@ class DecodeMessenger:
             my_registration.inbox,
             self._now(),
             len(dst_pages),
+            links,
+            dst_pages,
+            placement=self._placement(room, prefill, links, len(dst_pages)),
+        )
+        message = TransferRequest(
+            request_id=room,
+            decoder=my_registration,
+            dst_pages=tuple(int(p) for p in dst_pages),
+            metadata_slot=slot,
+            completion_slot=slot,
         )
         with self._lock:
+            old = self._tracks.get(room)
+            if old is not None:
+                self._drop_staging(old)  # a retried room id: its old grant waits out
             self._tracks[room] = track
             if room in self._states:
                 self._states.forget(room)  # a retried room id: start afresh
@@ -236,15 +272,53 @@ class DecodeMessenger:
             early = self._sealed.pop(room, None)
             if early is not None and early[2] in track.instances.values():
                 self._seal(track, early[0])
-        message = TransferRequest(
-            request_id=room,
-            decoder=my_registration,
-            dst_pages=tuple(int(p) for p in dst_pages),
-            metadata_slot=slot,
-            completion_slot=slot,
-        )
-        for peer in prefills:
-            self._send(peer.inbox, message)
+            track.unsent = message
+            granted = self._grant(track)
+        if granted is not None:
+            self._send_request(track, granted)
+
+    def _placement(
+        self, room: int, prefill: ShardRegistration, links: tuple[ShardLink, ...], pages: int
+    ) -> ReceivePlacement | None:
+        """The request's receive staging, if its links need and this rank's area can ever
+        hold it (a request larger than the area is written one token slot at a time)."""
+        if self._staging is None:
+            return None
+        placement = receive_placement(prefill.layout, links, pages)
+        if not placement.total:
+            return None
+        if not self._staging.area.fits(placement.total):
+            _log.warning(
+                "staging",
+                "request %d needs %.1f MiB of receive staging, more than the %.1f MiB "
+                "area: it is written one token slot at a time (raise --pd-staging-mb)",
+                room,
+                placement.total / MIB,
+                self._staging.area.capacity / MIB,
+            )
+            return None
+        return placement
+
+    def _grant(self, track: _Track) -> TransferRequest | None:
+        """The request's message, with its staging grant, once it may go (lock held)."""
+        message = track.unsent
+        if message is None or track.error is not None:
+            return None
+        if track.placement is not None:
+            assert self._staging is not None
+            offset = self._staging.area.try_take(track.placement.total)
+            if offset is None:
+                return None  # back-pressure: asked again at the next poll
+            track.staging_offset = offset
+            message = msgspec.structs.replace(
+                message, staging_base=self._staging.area.base + offset
+            )
+        track.unsent = None
+        return message
+
+    def _send_request(self, track: _Track, message: TransferRequest) -> None:
+        for inbox in track.prefills.values():
+            self._send(inbox, message)
 
     def poll(self, room: int) -> tuple[DecodeState, str | None]:
         """Reads the request's count words; (state, error message)."""
@@ -252,9 +326,13 @@ class DecodeMessenger:
             track = self._tracks.get(room)
             if track is None:
                 return _D.FAILED, f"request {room} is not being transferred here"
+            unsent = self._grant(track)
             if track.error is None and track.done_s is None:
                 self._count(track)
-            return self._states.state(room), track.error
+            state, error = self._states.state(room), track.error
+        if unsent is not None:
+            self._send_request(track, unsent)
+        return state, error
 
     def fail(self, room: int, reason: str, abort: AbortReason = AbortReason.ERROR) -> None:
         """Marks the request failed (unless it completed) and tells its prefill ranks to
@@ -296,10 +374,25 @@ class DecodeMessenger:
             self._send(inbox, message)
 
     def hand_off(self, room: int) -> None:
-        """SGLang takes the complete request into its decode batch."""
+        """SGLang takes the complete request into its decode batch: its staged blocks are
+        scattered into its pages first (every write it expects has landed)."""
         with self._lock:
-            if room in self._states and self._states.state(room) is _D.COMPLETE:
-                self._states.transition(room, _D.HANDED_OFF)
+            track = self._tracks.get(room)
+            if room not in self._states or self._states.state(room) is not _D.COMPLETE:
+                return
+            self._states.transition(room, _D.HANDED_OFF)
+            staged = None if track is None else track.staging_offset
+        if track is not None and staged is not None:
+            assert self._staging is not None and track.placement is not None
+            area = self._staging.area
+            self._staging.copies.scatter(
+                area.view(staged, track.placement.total),
+                track.placement,
+                track.links,
+                track.dst_pages,
+            )
+            with self._lock:
+                self._drop_staging(track)
 
     def is_release_safe(self, room: int, required_acks: int) -> bool:
         """The decode side's one answer to "may this request's pages go back to the
@@ -319,12 +412,17 @@ class DecodeMessenger:
             track = self._tracks.get(room)
             if track is None or track.done_s is not None:
                 return True
-            return len(track.drained) >= min(required_acks, len(track.prefills))
+            safe = len(track.drained) >= min(required_acks, len(track.prefills))
+            if safe:
+                self._drop_staging(track)
+            return safe
 
     def forget(self, room: int) -> None:
         with self._lock:
-            if self._tracks.pop(room, None) is not None:
+            track = self._tracks.pop(room, None)
+            if track is not None:
                 self._states.forget(room)
+                self._drop_staging(track)
             self._sealed.pop(room, None)
 
     # -- liveness thread ------------------------------------------------------------------
@@ -377,7 +475,15 @@ class DecodeMessenger:
                 track = self._tracks[e.request_id]
                 if track.error is None and track.done_s is None:
                     self._metrics.add_failure(FailureCause.TIMEOUT)
-                if track.error is None:
+                if track.error is None and track.unsent is not None:
+                    assert self._staging is not None
+                    track.error = (
+                        f"no receive staging came free for {self._timeout_s:g} s "
+                        f"({self._staging.area.used / MIB:.1f} of "
+                        f"{self._staging.area.capacity / MIB:.1f} MiB held): raise "
+                        "--pd-staging-mb"
+                    )
+                elif track.error is None:
                     track.error = (
                         f"KV transfer made no progress for {self._timeout_s:g} s "
                         f"({track.counter.received} write groups arrived); raise "
@@ -388,13 +494,37 @@ class DecodeMessenger:
                 del self._sealed[room]
             rooms = len(self._tracks)
             arriving = sum(t.done_s is None and t.error is None for t in self._tracks.values())
-        self._metrics.set_live(rooms, arriving)
-        note_live(rooms, arriving)
+            self._release_orphans(now)
+            staged = 0 if self._staging is None else self._staging.area.used
+        self._metrics.set_live(rooms, arriving, staged)
+        note_live(rooms, arriving, staged)
 
     # -- helpers (lock held) --------------------------------------------------------------
 
     def _now(self) -> float:
         return self._clock.monotonic()
+
+    def _drop_staging(self, track: _Track) -> None:
+        """Gives the request's receive staging back: at once when nothing can land in it
+        any more (complete, or every prefill rank asked drained), else after
+        `ORPHAN_STAGING_HOLD_S`."""
+        offset, track.staging_offset = track.staging_offset, None
+        if offset is None:
+            return
+        assert self._staging is not None
+        if track.done_s is not None or len(track.drained) >= len(track.prefills):
+            self._staging.area.give_back(offset)
+        else:
+            self._orphans.append((self._now() + ORPHAN_STAGING_HOLD_S, offset))
+
+    def _release_orphans(self, now: float) -> None:
+        if not self._orphans:
+            return
+        assert self._staging is not None
+        due = [offset for until, offset in self._orphans if until <= now]
+        self._orphans = [(until, offset) for until, offset in self._orphans if until > now]
+        for offset in due:
+            self._staging.area.give_back(offset)
 
     def _fail(
         self, track: _Track, reason: str, cause: FailureCause, state: DecodeState = _D.FAILED

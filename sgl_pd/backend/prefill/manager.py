@@ -41,6 +41,7 @@ class PrefillKVManager(SglPdKVManager):
             timeout_s=self.config.transfer_timeout_s,
             clock=clock,
             freeze=self.freeze,
+            staging=self.staging,
         )
         self.streamer: LayerStreamer | None = attach_messenger(self.prefill, layerwise)
         self.registration = self.registration_for(

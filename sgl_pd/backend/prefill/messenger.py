@@ -34,6 +34,7 @@ from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.pool_report import note_live
 from sgl_pd.backend.prefill.rooms import Chunk, Destination, PrefillRooms, Room
 from sgl_pd.backend.prefill.writer import DestinationWriters, KvWriter, LayersJob, MetadataJob
+from sgl_pd.backend.staging_area import Staging
 from sgl_pd.core.clock import Clock
 from sgl_pd.core.failures import FailureCause
 from sgl_pd.core.liveness import FreezeWatch
@@ -77,10 +78,12 @@ class PrefillMessenger:
         timeout_s: float,
         clock: Clock,
         freeze: FreezeWatch | None = None,
+        staging: Staging | None = None,
     ) -> None:
         self.rank = rank
         self.instance = instance
         self.layout = pool.layout
+        self.staging = staging
         self.layerwise = layerwise
         # one completion group per layer when streaming layer by layer, else per chunk
         self.layer_group_size = 1 if layerwise else self.layout.num_layers
@@ -99,7 +102,7 @@ class PrefillMessenger:
         )
         self.writers = DestinationWriters(
             self.rooms,
-            KvWriter(rank, instance, pool, engine, self.layer_group_size, send_to_decoder),
+            KvWriter(rank, instance, pool, engine, self.layer_group_size, send_to_decoder, staging),
             on_failure=self.fail,
             on_drained=self._ack,
             on_bytes=metrics.add_bytes,
@@ -233,8 +236,9 @@ class PrefillMessenger:
             self._ack(room_id, acks)
         self.rooms.sweep()
         rooms, writes = self.rooms.counts()
-        self._metrics.set_live(rooms, writes)
-        note_live(rooms, writes)
+        staged = 0 if self.staging is None else self.staging.area.used
+        self._metrics.set_live(rooms, writes, staged)
+        note_live(rooms, writes, staged)
 
     # -- any thread ---------------------------------------------------------------------
 

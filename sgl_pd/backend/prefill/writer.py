@@ -7,6 +7,11 @@ in order on one thread: the count word this rank writes after each batch only gr
 A job writes one chunk's layers (`LayersJob`) or, after the last chunk, the metadata row
 and the last chunk's notice (`MetadataJob`). Every job runs between `begin_write` and
 `end_write` of `PrefillRooms`, which is how an abort waits for writes in flight.
+
+Under mismatched TP a link's heads may be strided in this rank's pages (`core.relayout`):
+the job then gathers them into staging blocks, a few layers at a time as the staging
+area allows, and writes the blocks; the destination side may be receive staging the
+decoder granted. Either way the count word follows the job's last write.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ from typing import Any
 from sgl_pd.backend.failure_cause import cause_of
 from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.prefill.rooms import Chunk, Destination, PrefillRooms, Room
+from sgl_pd.backend.staging_area import Staging
 from sgl_pd.core.counting import count_word, metadata_word, source_word_offset
 from sgl_pd.core.failures import FailureCause
-from sgl_pd.core.plan import AddressedPlan, plan_transfer
+from sgl_pd.core.plan import AddressedPlan, TransferPlan, plan_transfer
 from sgl_pd.core.regions import RegionTable
+from sgl_pd.core.relayout import ReceivePlacement, Relayout, receive_placement
 from sgl_pd.core.wire import ChunkNotice, Message
 from sgl_pd.errors import SglPdError
 from sgl_pd.messenger.keyed_workers import KeyedWorkers
@@ -33,6 +40,9 @@ from sgl_pd.transfer.errors import TransferFailed
 logger = logging.getLogger("sgl_pd.prefill")
 
 IDLE_EXIT_S = 30.0  # a destination's thread exits after this long without jobs
+# Seconds a job waits for gather staging: other jobs hold it for one write each, so only
+# writes stuck past Mooncake's own timeout make it run out
+STAGING_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,7 @@ class KvWriter:
         engine: TransferEngine,
         layer_group_size: int,
         send: SendFn,
+        staging: Staging | None = None,
     ) -> None:
         self.rank = rank
         self.instance = instance
@@ -91,7 +102,9 @@ class KvWriter:
         self.layout = pool.layout
         self.layer_group_size = layer_group_size
         self._words = CompletionWordWriter(engine)
+        self._engine = engine
         self._send = send
+        self._staging = staging  # gather blocks for strided source slices; None: per slot
 
     def write_layers(self, dest: Destination, chunk: Chunk, layers: range) -> Sent:
         """Writes `layers` of `chunk` on this rank's links into `dest`."""
@@ -106,23 +119,98 @@ class KvWriter:
         dest.groups_done += groups
         word = (self._slot_base(dest) + source_word_offset(self.rank),
                 count_word(request.request_id, dest.groups_done))  # fmt: skip
-        self._words.send_many(decoder.session, writes, [word])
+        gathering = [i for i in addressed.sending if addressed.plan.links[i].staging.gathers]
+        if gathering:
+            # one link per (source, destination) rank pair: it is the job's only one
+            (link_index,) = addressed.sending
+            self._write_gathered(decoder.session, addressed, link_index, layers)
+            self._words.send_many(decoder.session, Writes.empty(), [word])
+        else:
+            self._words.send_many(decoder.session, writes, [word])
         return Sent(writes.total_bytes, len(writes))
+
+    def _write_gathered(
+        self, session: str, addressed: AddressedPlan, link_index: int, layers: range
+    ) -> None:
+        """Gathers the link's heads of `layers` into staging blocks and writes them, as
+        many layers at a time as the staging area holds (at least one: see `_addressed`)."""
+        assert self._staging is not None
+        area, plan = self._staging.area, addressed.plan
+        parts = len(self.layout.parts)
+        per_layer = plan.gather_block(link_index) * parts  # bytes
+        step = max(1, min(len(layers), area.capacity // per_layer))
+        for start in range(layers.start, layers.stop, step):
+            some = range(start, min(start + step, layers.stop))
+            nbytes = per_layer * len(some)
+            offset = area.take(nbytes, STAGING_WAIT_S)
+            try:
+                regions = range(some.start * parts, some.stop * parts)
+                assert plan.gather_pages is not None
+                self._staging.copies.gather(
+                    area.view(offset, nbytes), regions, plan.links[link_index].link,
+                    plan.gather_pages,
+                )  # fmt: skip
+                src, dst, lengths = addressed.columns(some)
+                src = src + plan.gather_shift(link_index, some, area.base + offset)
+                self._engine.write(session, Writes.trusted(src, dst, lengths))
+            finally:
+                # a failed batch may still read the blocks: it failed its request, whose
+                # destination pages stay quarantined, so reused blocks reach no live page
+                area.give_back(offset)
 
     def _addressed(self, dest: Destination, chunk: Chunk) -> AddressedPlan:
         """The chunk's plan into `dest` over every layer, made on its first layer group."""
         addressed = dest.plans.get(chunk.index)
         if addressed is None:
             request = dest.request
-            plan = plan_transfer(
-                self.layout, dest.links, chunk.src_pages.array(), request.dst_pages, chunk.tokens
-            )
+            receive = self._receive(dest)
+            plan = self._plan(dest, chunk, Relayout(self._staging is not None, receive is not None))
+            if not self._gather_fits(plan):
+                plan = self._plan(dest, chunk, Relayout(False, receive is not None))
             dst_table = RegionTable.for_layout(self.layout, request.decoder.kv_regions)
+            tables = {i: plan.link_tables(i, self.pool.kv, dst_table, receive) for i in dest.mine}
             addressed = AddressedPlan(
-                plan, dest.mine, self.pool.kv, dst_table, self.layer_group_size
+                plan,
+                dest.mine,
+                {i: src for i, (src, _) in tables.items()},
+                {i: dst for i, (_, dst) in tables.items()},
+                self.layer_group_size,
             )
             dest.plans[chunk.index] = addressed
         return addressed
+
+    def _plan(self, dest: Destination, chunk: Chunk, relayout: Relayout) -> TransferPlan:
+        return plan_transfer(
+            self.layout,
+            dest.links,
+            chunk.src_pages.array(),
+            dest.request.dst_pages,
+            chunk.tokens,
+            relayout=relayout,
+        )
+
+    def _gather_fits(self, plan: TransferPlan) -> bool:
+        """Every gathering link's blocks of one layer fit the staging area."""
+        parts = len(self.layout.parts)
+        return all(
+            self._staging is not None and self._staging.area.fits(plan.gather_block(i) * parts)
+            for i, lw in enumerate(plan.links)
+            if lw.staging.gathers
+        )
+
+    def _receive(self, dest: Destination) -> tuple[ReceivePlacement, int] | None:
+        """The decoder's receive staging for the request, if it granted some."""
+        request = dest.request
+        if request.staging_base is None:
+            return None
+        placement = receive_placement(self.layout, dest.links, len(request.dst_pages))
+        area = request.decoder.staging
+        assert area is not None  # TransferRequest checks the grant against it
+        if request.staging_base + placement.total > area.base + area.length:
+            raise SglPdError(
+                f"request {request.request_id}: the decoder's staging grant ends past its area"
+            )
+        return placement, request.staging_base
 
     def write_metadata(self, dest: Destination, aux_index: int | None, room: Room) -> Sent:
         """D9: the metadata row if this rank writes it, then the last chunk's notice."""

@@ -1,0 +1,153 @@
+"""Re-layout of head slices that are strided in memory (NHD pools under mismatched TP).
+
+In an NHD region a token slot holds all of the shard's heads side by side, so a link that
+carries only some of a side's heads finds its bytes strided on that side: one
+`nh * row`-byte piece every `local_heads * row` bytes. Written as they are, that is one
+write per token slot. Staging turns the strided side contiguous:
+
+- *gather* (source strided: the decoder holds fewer heads than the prefill rank): the
+  prefill rank copies the link's heads of the chunk's pages into a staging block laid out
+  as the destination's pages expect, `(chunk pages * page_size, nh, row)`, then writes
+  one block per run of destination pages;
+- *receive* (destination strided: the decoder holds more heads than one source sends):
+  sources write contiguous blocks into the decoder's receive staging,
+  `(request pages * page_size, nh, row)` per link and region, and the decoder scatters
+  them into its pool once the request is complete, before SGLang schedules it.
+
+A block's pages are in the order of their destination page ids (`block_positions`): then
+a run of consecutive destination pages is a run of consecutive block pages, whatever the
+order the request holds them in, and a staged link never needs more writes than the
+same pages would under identical TP.
+
+Where a side's slice is contiguous (identical TP, MLA replicas, HND) nothing is staged.
+This module only says where staged bytes sit (byte offsets, region tables); the copies
+run at the edge (`sgl_pd.backend.staging_copies`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from sgl_pd.core.errors import PlanError
+from sgl_pd.core.layout import KvLayout, PageLayout
+from sgl_pd.core.regions import Region, RegionTable
+from sgl_pd.core.sharding import ShardLink
+
+I64 = npt.NDArray[np.int64]
+
+
+def strided_on_source(layout: KvLayout, link: ShardLink) -> bool:
+    """The link's heads are a strided slice of the source's NHD token slots."""
+    return layout.page_layout is PageLayout.NHD and link.num_heads < link.src_local_heads
+
+
+def strided_on_destination(layout: KvLayout, link: ShardLink) -> bool:
+    """The link's heads are a strided slice of the destination's NHD token slots."""
+    return layout.page_layout is PageLayout.NHD and link.num_heads < link.dst_local_heads
+
+
+@dataclass(frozen=True)
+class Relayout:
+    """What staging one request's plan may use (each side decides what it offers)."""
+
+    gather: bool  # the source rank stages strided source slices
+    receive: bool  # the destination granted receive staging for this request
+
+
+NO_RELAYOUT = Relayout(gather=False, receive=False)
+
+
+@dataclass(frozen=True)
+class StagedLink:
+    """How one link's writes are laid out under a `Relayout`."""
+
+    gathers: bool  # sources read from a gather block, not the pool
+    receives: bool  # writes land in the decoder's receive staging, not its pool
+
+    @property
+    def staged(self) -> bool:
+        return self.gathers or self.receives
+
+
+UNSTAGED = StagedLink(gathers=False, receives=False)
+
+
+def staged_link(layout: KvLayout, link: ShardLink, relayout: Relayout) -> StagedLink:
+    """Staging for `link`: each strided side is staged if that side offers it; a link
+    whose strided side cannot be staged keeps per-slot writes on both (staging only the
+    other side would not make its writes contiguous)."""
+    src, dst = strided_on_source(layout, link), strided_on_destination(layout, link)
+    if (src and not relayout.gather) or (dst and not relayout.receive):
+        return UNSTAGED
+    return StagedLink(src, dst)
+
+
+def block_bytes(layout: KvLayout, link: ShardLink, num_pages: int) -> int:
+    """Bytes of one staged block: `num_pages` pages of the link's heads, one region."""
+    return num_pages * layout.page_size * link.num_heads * layout.row_bytes
+
+
+def block_table(
+    layout: KvLayout, base: int, first_region: int, block: int, num_blocks: int
+) -> RegionTable:
+    """A region table whose regions `first_region ...` are consecutive staged blocks from
+    `base` (the planner's addressing takes a table; earlier regions are unused)."""
+    regions = [Region(0, 0)] * layout.num_regions
+    for i in range(num_blocks):
+        regions[first_region + i] = Region(base + i * block, block)
+    return RegionTable(tuple(regions))
+
+
+@dataclass(frozen=True)
+class ReceivePlacement:
+    """Where one request's receive staging puts each link's blocks on a decode rank:
+    link after link (links in counting order), each link's regions back to back."""
+
+    offsets: dict[int, int]  # link index (into the links given) -> byte offset of block 0
+    block: dict[int, int]  # link index -> bytes per block
+    total: int  # bytes of the request's receive staging
+
+    def table(self, layout: KvLayout, link_index: int, base: int) -> RegionTable:
+        """The staged blocks of one link when the request's staging starts at `base`."""
+        return block_table(
+            layout,
+            base + self.offsets[link_index],
+            0,
+            self.block[link_index],
+            layout.num_regions,
+        )
+
+
+def receive_placement(
+    layout: KvLayout, links: tuple[ShardLink, ...], num_pages: int
+) -> ReceivePlacement:
+    """Receive staging of a request of `num_pages` pages for the links into one decode
+    rank: the blocks of every link strided on the destination. Both sides compute it
+    from the same links, so only the base address travels."""
+    offsets: dict[int, int] = {}
+    blocks: dict[int, int] = {}
+    total = 0
+    for i, link in enumerate(links):
+        if strided_on_destination(layout, link):
+            offsets[i], blocks[i] = total, block_bytes(layout, link, num_pages)
+            total += blocks[i] * layout.num_regions
+    return ReceivePlacement(offsets, blocks, total)
+
+
+def block_positions(dst_pages: I64) -> I64:
+    """(n,) the block page each of `dst_pages` sits at: their rank in ascending order."""
+    positions = np.empty(dst_pages.shape[0], dtype=np.int64)
+    positions[np.argsort(dst_pages, kind="stable")] = np.arange(dst_pages.shape[0])
+    return positions
+
+
+def page_slots(pages: I64, page_size: int) -> I64:
+    """(len(pages) * page_size,) every token slot of `pages`, page after page: the rows a
+    gather reads from (or a scatter writes to) for a block of those pages."""
+    if pages.ndim != 1:
+        raise PlanError(f"page ids must be one-dimensional, got shape {pages.shape}")
+    slots = np.arange(page_size, dtype=np.int64)
+    return (pages.astype(np.int64)[:, None] * page_size + slots[None, :]).ravel()
