@@ -69,6 +69,7 @@ def test_names_and_labels_follow_prometheus_conventions() -> None:
         "sgl_pd_request_kv_bytes": "histogram",
         "sgl_pd_rooms": "gauge",
         "sgl_pd_writes_in_flight": "gauge",
+        "sgl_pd_staging_bytes": "gauge",
     }
     for name, kind in types.items():
         if kind == "histogram":  # a unit as the suffix
