@@ -10,16 +10,27 @@ runs layer-wise at one page size and after the forward at the other. The TP1 dec
 the page-1 mesh also takes requests itself (direct mode, D3) and sends their prefills to
 the TP2 prefill server. The page-16 mesh's TP2 prefill server writes slowly on purpose;
 the module ends by SIGKILLing it mid-transfer and restarting it.
+
+Mismatched pairings re-lay heads out (`core.relayout`): the TP1 prefill server gathers
+each decode rank's head into staging blocks, the TP1 decoder receives both halves in
+staging and scatters them. At 16 tokens a page that shows in the write counts.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import requests
 
-from sgl_pd.cluster.campaign import first_success, kill_mid_transfer
+from sgl_pd.cluster.campaign import (
+    abort_at_decoder,
+    first_success,
+    kill_mid_transfer,
+    post_generate,
+)
 from sgl_pd.cluster.client import generate_ids
 from sgl_pd.cluster.local import Patience, Server
 from sgl_pd.cluster.logs import pools_idle, timing_lines, wait_pools_idle
@@ -110,6 +121,24 @@ def _assert_pairing_serves(
     finished = _modes(prefill)
     assert set(finished) == {mode}, finished
     assert finished[mode] - before == ranks * len(PROMPTS)
+    # writes per token of this pairing's requests, for the re-layout check
+    lines = timing_lines(prefill.process.log_path)[before:]
+    WRITES_PER_TOKEN[(page, route)] = sum(line["writes"] for line in lines) / sum(
+        line["tokens"] for line in lines
+    )
+
+
+# (page size, route) -> writes per prompt token on the prefill ranks (see above)
+WRITES_PER_TOKEN: dict[tuple[int, tuple[str, str]], float] = {}
+
+
+def _assert_bulk_writes(page: int, route: tuple[str, str]) -> None:
+    """Re-laid out, a mismatched pairing writes about as often as identical TP (a page
+    run at a time), not once per token slot: 16 times as often at 16 tokens a page."""
+    identical = WRITES_PER_TOKEN.get((page, ("p_tp2", "d_tp2")))
+    if identical is None or route == ("p_tp2", "d_tp2"):
+        return  # run alone: nothing to compare with
+    assert WRITES_PER_TOKEN[(page, route)] <= 2 * identical, WRITES_PER_TOKEN
 
 
 def _assert_all_idle(mesh: PdMesh, patience: Patience) -> None:
@@ -155,6 +184,32 @@ class TestPageOfSixteenTokens:
         self, mesh: PdMesh, reference: list[list[int]], route: tuple[str, str]
     ) -> None:
         _assert_pairing_serves(mesh, self.PAGE, route, reference)
+        _assert_bulk_writes(self.PAGE, route)
+
+    def test_an_abort_mid_relayout_then_a_request_on_the_same_pages(
+        self, mesh: PdMesh, mono: Server
+    ) -> None:
+        """A long prompt streaming from the slowed TP2 prefill server into the TP1
+        decoder's receive staging is aborted there; the next long prompt takes the pages
+        and the staging the aborted one held, and gets monolithic tokens (the idle check
+        that follows finds no page and no staging byte held)."""
+        url = mesh.router("p_tp2", "d_tp1")
+        first, second = long_prompt_ids(1024, start=3), long_prompt_ids(1024, start=6000)
+        want = generate_ids(mono.url, second, NEW_TOKENS)
+        answer: list[requests.Response] = []
+        sender = threading.Thread(
+            target=lambda: answer.append(post_generate(url, first, "relayout-abort", 4))
+        )
+        sender.start()
+        # mid-prefill: its chunks are written after each chunk's forward, slowly
+        sender.join(1.0)
+        abort_at_decoder(mesh.servers["d_tp1"].url, "relayout-abort")
+        sender.join(120)
+        assert answer and (
+            answer[0].status_code != 200
+            or answer[0].json()["meta_info"]["finish_reason"]["type"] == "abort"
+        ), "the aborted request came back as if complete"
+        assert generate_ids(url, second, NEW_TOKENS) == want
 
     def test_every_rank_of_every_server_is_idle(self, mesh: PdMesh, patience: Patience) -> None:
         _assert_all_idle(mesh, patience)
