@@ -77,6 +77,7 @@ MAX_EARLY_NOTICES = 4096  # last-chunk notices kept for requests not tracked yet
 # Seconds the receive staging of a request forgotten before its pages were safe is held:
 # SGLang's deferred release frees the pages themselves after this long at the latest
 ORPHAN_STAGING_HOLD_S = 120.0
+SCATTER_LINE_PREFIX = "sgl_pd scatter done:"  # one line per re-laid-out request
 
 
 def _refused(room: int, sender: int | None, what: str) -> None:
@@ -385,11 +386,19 @@ class DecodeMessenger:
         if track is not None and staged is not None:
             assert self._staging is not None and track.placement is not None
             area = self._staging.area
+            started = self._now()
             self._staging.copies.scatter(
                 area.view(staged, track.placement.total),
                 track.placement,
                 track.links,
                 track.dst_pages,
+            )
+            logger.info(
+                "%s room=%d bytes=%d ms=%.3f",
+                SCATTER_LINE_PREFIX,
+                room,
+                track.placement.total,
+                (self._now() - started) * 1e3,
             )
             with self._lock:
                 self._drop_staging(track)
