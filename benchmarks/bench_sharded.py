@@ -1,5 +1,6 @@
 """Sharded pairings side by side: exposed KV transfer, bytes and writes per request per
-rank for TP1 -> TP1, TP2 -> TP2, TP2 -> TP1 and TP1 -> TP2 on the bundled tiny Llama.
+rank for TP1 -> TP1, TP2 -> TP2, TP2 -> TP1 and TP1 -> TP2 on the bundled tiny Llama, the
+mismatched pairings with re-layout (the default) and without (--pd-staging-mb 0).
 
 A monolithic TP1 server answers a set of prompts first (the greedy reference); then one
 mesh holds a TP1 and a TP2 prefill server (both streaming layer by layer) and a TP1 and a
@@ -12,12 +13,15 @@ timing lines (time.monotonic, shared by all processes of this machine):
     exposed transfer = last rank's transfer done - last rank's forward end
 
 the part of the transfer the forward did not hide, as bench_layerwise.py and
-bench_vs_upstream.py take it; bytes and writes are per prefill rank and request (the
-busiest rank; KV plus the metadata row, completion words not counted).
+bench_vs_upstream.py take it, plus, re-laid out into a TP1 decoder, the decoder's
+scatter before the request decodes (its own log line); bytes and writes are per prefill
+rank and request (the busiest rank; KV plus the metadata row, completion words not
+counted). The mesh also holds a TP1 prefill and a TP1 decode server without staging, so
+the mismatched pairings run both ways in the same rotation.
 
     python benchmarks/bench_sharded.py [--quick] [--out benchmarks/out]
 
-Prints a table, writes a PNG plot, and ends with one JSON line. Seven scheduler processes
+Prints a table, writes a PNG plot, and ends with one JSON line. Nine scheduler processes
 share this machine's cores: the prefill servers one block, the decoders the other.
 """
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -33,6 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from sgl_pd.backend.decode.messenger import SCATTER_LINE_PREFIX
 from sgl_pd.cluster.client import generate_ids
 from sgl_pd.cluster.load import plot_grouped_bars
 from sgl_pd.cluster.local import Patience, Server, local_patience, monolithic_server
@@ -53,8 +59,18 @@ PAIRINGS = {  # name -> (prefill server, decode server)
     "tp2_tp2": ("p_tp2", "d_tp2"),
     "tp2_tp1": ("p_tp2", "d_tp1"),
     "tp1_tp2": ("p_tp1", "d_tp2"),
+    # the same mismatched pairings one token slot a write: the side that would stage has
+    # no staging area (TP2 -> TP1: the decoder receives, TP1 -> TP2: the prefill gathers)
+    "tp2_tp1_per_slot": ("p_tp2", "d_tp1_off"),
+    "tp1_tp2_per_slot": ("p_tp1_off", "d_tp2"),
 }
-LABELS = {name: name.replace("_", " -> ").upper() for name in PAIRINGS}
+# pairings whose decoder scatters received blocks before the request decodes
+SCATTERS = {"tp2_tp1"}
+LABELS = {
+    name: name.replace("_per_slot", "").replace("_", " -> ").upper()
+    + (" per slot" if name.endswith("per_slot") else "")
+    for name in PAIRINGS
+}
 REFERENCE_PROMPTS = varied_prompts(8, seed=47)
 NEW_TOKENS = 8
 
@@ -75,6 +91,8 @@ def mesh_servers() -> list[MeshServer]:
         MeshServer("p_tp2", "prefill", (*layerwise, "--tp", "2")),
         MeshServer("d_tp1", "decode", (*SERVER_ARGS, "--tp", "1")),
         MeshServer("d_tp2", "decode", (*SERVER_ARGS, "--tp", "2")),
+        MeshServer("p_tp1_off", "prefill", (*layerwise, "--tp", "1", "--pd-staging-mb", "0")),
+        MeshServer("d_tp1_off", "decode", (*SERVER_ARGS, "--tp", "1", "--pd-staging-mb", "0")),
     ]
 
 
@@ -105,13 +123,31 @@ def sample_once(mesh: PdMesh, pairing: str, tokens: int, start: int, patience: P
         raise RuntimeError(f"{pairing}: timing lines of other requests in {log}: {mine}")
     done = max(float(line["done"]) for line in mine)
     forward_end = max(float(line["forward_end"]) for line in mine)
+    room = int(mine[0]["room"])
     return Sample(
         pairing,
         tokens,
-        (done - forward_end) * 1e3,
+        (done - forward_end) * 1e3
+        + (_scatter_ms(mesh.servers[decode_name], room, patience) if pairing in SCATTERS else 0),
         max(int(line["bytes"]) for line in mine),
         max(int(line["writes"]) for line in mine),
     )
+
+
+def _scatter_ms(decoder: Server, room: int, patience: Patience) -> float:
+    """The TP1 decoder's scatter of one re-laid-out request (its own log line)."""
+    deadline = time.monotonic() + patience.seconds(10.0)
+    while time.monotonic() < deadline:
+        times = [
+            float(ms)
+            for line in decoder.process.log_path.read_text(errors="replace").splitlines()
+            if SCATTER_LINE_PREFIX in line and f"room={room} " in line
+            for ms in re.findall(r"ms=(\S+)", line)
+        ]
+        if times:
+            return max(times)
+        time.sleep(0.05)
+    raise RuntimeError(f"no scatter line for request {room} in {decoder.process.log_path}")
 
 
 def run(mesh: PdMesh, sizes: list[int], reps: int, patience: Patience) -> list[Sample]:
@@ -150,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print("[bench] monolithic TP1 reference ...", flush=True)
     reference = reference_tokens(log_dir / "mono", patience)
-    print("[bench] starting the mesh (2 prefill + 2 decode servers, 4 routers) ...", flush=True)
+    print("[bench] starting the mesh (3 prefill + 3 decode servers, 6 routers) ...", flush=True)
     with pd_mesh(
         log_dir / "mesh", mesh_servers(), list(PAIRINGS.values()), patience=patience
     ) as mesh:
@@ -200,8 +236,27 @@ def main(argv: list[str] | None = None) -> int:
                     f"exposed_ms_{name}": round(rows[(name, largest)]["exposed_ms"], 2)
                     for name in ("tp1_tp1", "tp2_tp2", "tp2_tp1", "tp1_tp2")
                 },
+                **{
+                    f"exposed_ms_{name}_per_slot": round(
+                        rows[(f"{name}_per_slot", largest)]["exposed_ms"], 2
+                    )
+                    for name in ("tp2_tp1", "tp1_tp2")
+                },
                 "writes_per_request_tp2_tp1": rows[("tp2_tp1", largest)]["writes"],
+                "writes_per_request_tp2_tp1_per_slot": rows[("tp2_tp1_per_slot", largest)][
+                    "writes"
+                ],
                 "writes_per_request_tp1_tp1": rows[("tp1_tp1", largest)]["writes"],
+                "relayout_exposed_speedup_tp2_tp1": round(
+                    rows[("tp2_tp1_per_slot", largest)]["exposed_ms"]
+                    / rows[("tp2_tp1", largest)]["exposed_ms"],
+                    1,
+                ),
+                "relayout_exposed_speedup_tp1_tp2": round(
+                    rows[("tp1_tp2_per_slot", largest)]["exposed_ms"]
+                    / rows[("tp1_tp2", largest)]["exposed_ms"],
+                    1,
+                ),
             }
         )
     )

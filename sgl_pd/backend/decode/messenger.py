@@ -419,8 +419,8 @@ class DecodeMessenger:
         `required_acks`: the prefill ranks SGLang expects to hear from."""
         with self._lock:
             track = self._tracks.get(room)
-            if track is None or track.done_s is not None:
-                return True
+            if track is None or track.done_s is not None or track.unsent is not None:
+                return True  # (unsent: no prefill rank ever learnt where to write)
             safe = len(track.drained) >= min(required_acks, len(track.prefills))
             if safe:
                 self._drop_staging(track)

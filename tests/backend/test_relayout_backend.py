@@ -1,0 +1,129 @@
+"""A decode rank's receive staging: granted per request while it lasts (later requests
+wait unsent, then go with their grant), never for a request larger than the area (sent
+to be written one token slot at a time), and given back only when nothing can land."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sgl_pd.backend.decode.messenger import DecodeMessenger
+from sgl_pd.backend.metrics import TransferMetrics
+from sgl_pd.backend.relayout_copies import PoolCopies
+from sgl_pd.backend.staging_area import Staging, StagingArea
+from sgl_pd.core.clock import ManualClock
+from sgl_pd.core.regions import Region
+from sgl_pd.core.sharding import ShardingScheme
+from sgl_pd.core.wire import (
+    AbortAck,
+    Message,
+    MetadataBuffers,
+    Role,
+    ShardRegistration,
+    TransferRequest,
+)
+from sgl_pd.transfer.fake import FakeFabric, FakeTransferEngine
+
+from .pd_fakes import AUX_ITEM, AUX_ROWS, LAYOUT, NUM_PAGES, Memory
+
+# receive staging of a 4-page request from two TP2 ranks (one head each) into this TP1
+# rank (both heads): 2 links x 8 regions x 4 pages x 8 bytes = 512 bytes
+AREA_BYTES = 1024
+
+
+class Decoder:
+    def __init__(self) -> None:
+        fabric = FakeFabric()
+        self.engine = FakeTransferEngine(fabric)
+        memory = Memory.make(self.engine, fill=None)
+        pool = memory.pool()
+        self.area = StagingArea(AREA_BYTES, "cpu", self.engine)
+        self.sent: list[tuple[str, Message]] = []
+        self.messenger = DecodeMessenger(
+            rank=0,
+            instance=7,
+            scheme=ShardingScheme(1),
+            pool=pool,
+            engine=self.engine,
+            send_to_prefill=lambda inbox, m: self.sent.append((inbox, m)) or True,
+            transfer_timeout_s=30.0,
+            metrics=TransferMetrics(False, "decode"),
+            clock=ManualClock(),
+            staging=Staging(self.area, PoolCopies(pool, "cpu")),
+        )
+        metadata = MetadataBuffers(regions=pool.aux, row_bytes=(AUX_ITEM,), rows=AUX_ROWS)
+        self.registration = ShardRegistration(
+            role=Role.DECODE, rank=0, scheme=ShardingScheme(1), session=self.engine.session_id,
+            inbox="decode-0", instance=7, layout=LAYOUT, num_pages=NUM_PAGES,
+            kv_regions=pool.kv.regions, layer_group_size=1, metadata=metadata,
+            completion=self.messenger.completion_area,
+            staging=Region(self.area.base, self.area.capacity),
+        )  # fmt: skip
+        self.prefills = [
+            ShardRegistration(
+                role=Role.PREFILL,
+                rank=r,
+                scheme=ShardingScheme(2),
+                session=f"127.0.0.1:{9000 + r}",
+                inbox=f"prefill-{r}",
+                instance=100 + r,
+                layout=LAYOUT,
+                num_pages=NUM_PAGES,
+                kv_regions=pool.kv.regions,
+                layer_group_size=LAYOUT.num_layers,
+            )
+            for r in range(2)
+        ]
+
+    def request(self, room: int, pages: int, slot: int) -> None:
+        dst = np.arange(slot * 10, slot * 10 + pages)
+        self.messenger.request(room, self.prefills, self.registration, dst, slot)
+
+    def requests_sent(self, room: int) -> list[TransferRequest]:
+        return [m for _, m in self.sent if isinstance(m, TransferRequest) and m.request_id == room]
+
+
+def test_requests_wait_for_receive_staging_and_go_with_their_grant() -> None:
+    d = Decoder()
+    d.request(1, pages=4, slot=1)
+    d.request(2, pages=4, slot=2)
+    d.request(3, pages=4, slot=3)  # the area holds two such requests
+    grants = {room: {m.staging_base for m in d.requests_sent(room)} for room in (1, 2, 3)}
+    assert len(d.requests_sent(1)) == len(d.requests_sent(2)) == 2  # one per prefill rank
+    assert d.requests_sent(3) == [] and d.area.used == AREA_BYTES
+    assert grants[1] != grants[2] and None not in grants[1] | grants[2]
+    d.messenger.poll(3)
+    assert d.requests_sent(3) == []  # still full: back-pressure, not a failure
+
+    # request 1 ends early: its staging stays held until both prefill ranks drained
+    d.messenger.fail(1, "aborted by the client")
+    assert not d.messenger.is_release_safe(1, 2)
+    d.messenger.poll(3)
+    assert d.requests_sent(3) == []
+    for rank in range(2):
+        d.messenger.on_abort_ack(
+            AbortAck(request_id=1, prefill_rank=rank, prefill_instance=100 + rank)
+        )
+    assert d.messenger.is_release_safe(1, 2)
+    d.messenger.forget(1)
+    d.messenger.poll(3)
+    (granted,) = {m.staging_base for m in d.requests_sent(3)}
+    assert granted in grants[1]  # the space request 1 gave back
+
+
+def test_a_request_larger_than_the_area_is_sent_without_a_grant() -> None:
+    d = Decoder()
+    d.request(4, pages=12, slot=1)  # 1,536 bytes of blocks
+    assert {m.staging_base for m in d.requests_sent(4)} == {None}
+    assert d.area.used == 0
+
+
+def test_a_request_never_sent_is_safe_to_release_at_once() -> None:
+    d = Decoder()
+    d.request(1, pages=4, slot=1)
+    d.request(2, pages=4, slot=2)
+    d.request(3, pages=4, slot=3)
+    d.messenger.fail(3, "aborted by the client")  # no prefill rank knows where to write
+    assert d.messenger.is_release_safe(3, 2)
+    d.messenger.forget(3)
+    d.messenger.forget(1)  # never completed, never drained: held back, not reused yet
+    assert d.area.used == AREA_BYTES
