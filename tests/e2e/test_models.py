@@ -47,12 +47,12 @@ NEXTN_ARGS = [
 ]  # fmt: skip
 PROMPTS = ["Count: 41 42 43", "Days: Friday", "3 + 4 =", "Months: March"]
 MAX_NEW_TOKENS = 24
-# 50 prompts for the PD comparisons: one and two tokens (the first goes the upstream way,
+# 38 prompts for the PD comparisons: one and two tokens (the first goes the upstream way,
 # the second prefills a single token), then 10 to ~450 tokens (up to 4 chunks of 128)
 PD_PROMPTS: list[str | list[int]] = [
     long_prompt_ids(1),
     long_prompt_ids(2),
-    *varied_prompts(48, seed=23),
+    *varied_prompts(36, seed=23),
 ]
 PD_NEW_TOKENS = 12
 CHUNK_ARGS = ["--chunked-prefill-size", "128"]
@@ -263,11 +263,6 @@ def deepseek_nextn_pd_page64(
 
 
 @pytest.fixture(scope="module")
-def qwen3_moe_pd(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterator[PdRun]:
-    yield serve_pd(tmp_path_factory.mktemp("qwen3-moe-pd"), TINY_QWEN3_MOE_PATH, [], patience)
-
-
-@pytest.fixture(scope="module")
 def qwen3_moe_pd_page16(
     tmp_path_factory: pytest.TempPathFactory, patience: Patience
 ) -> Iterator[PdRun]:
@@ -289,7 +284,7 @@ def _assert_same_tokens(reference: Run, pd: PdRun) -> None:
 
 
 def _assert_served_well(pd: PdRun) -> None:
-    # both send modes carried requests (one request, one mode: 49 PD prompts in all,
+    # both send modes carried requests (one request, one mode: 37 PD prompts in all,
     # the one-token prompt included; SGLang's warm-up is not ours)
     assert set(pd.modes) == {"layerwise", "after_forward"}, pd.modes
     assert all(count >= 10 for count in pd.modes.values()), pd.modes
@@ -348,11 +343,12 @@ def test_the_prefill_seeds_the_decoders_first_draft(
     assert len(still) >= 0.9 * len(perfect), [(i, pd.answers[i].meta) for i in perfect]
 
 
-@pytest.mark.parametrize("page", [1, 16])
 def test_qwen3_moe_through_pd_gives_monolithic_tokens(
-    request: pytest.FixtureRequest, qwen3_moe: Run, page: int
+    qwen3_moe: Run, qwen3_moe_pd_page16: PdRun
 ) -> None:
-    pd: PdRun = request.getfixturevalue("qwen3_moe_pd" if page == 1 else "qwen3_moe_pd_page16")
+    """At 16 tokens a page (a page of 1 is the Llama modules' and DeepSeek's here: the
+    MoE layers change nothing the transfer sees)."""
+    pd = qwen3_moe_pd_page16
     _assert_same_tokens(qwen3_moe, pd)
     _assert_served_well(pd)
 
