@@ -249,10 +249,21 @@ def test_a_real_prometheus_scrapes_the_pair_and_every_expression_returns_data(
     )  # fmt: skip
     stop = threading.Event()
 
-    def load() -> None:  # several output tokens per request: ITL has samples too
+    def load() -> None:  # streamed, several tokens each: SGLang observes ITL per chunk
         i = 0
         while not stop.is_set():
-            generate_ids(pd.router_url, PROMPTS[i % len(PROMPTS)], 6)
+            with requests.post(
+                f"{pd.router_url}/generate",
+                json={
+                    "text": PROMPTS[i % len(PROMPTS)],
+                    "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+                    "stream": True,
+                },
+                stream=True,
+                timeout=120,
+            ) as response:
+                for _ in response.iter_lines():
+                    pass
             i += 1
 
     sender = threading.Thread(target=load, daemon=True)

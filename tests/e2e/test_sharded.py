@@ -18,12 +18,11 @@ staging and scatters them. At 16 tokens a page that shows in the write counts.
 
 from __future__ import annotations
 
-import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import requests
 
 from sgl_pd.cluster.campaign import (
     abort_at_decoder,
@@ -194,21 +193,25 @@ class TestPageOfSixteenTokens:
         and the staging the aborted one held, and gets monolithic tokens (the idle check
         that follows finds no page and no staging byte held)."""
         url = mesh.router("p_tp2", "d_tp1")
-        first, second = long_prompt_ids(1024, start=3), long_prompt_ids(1024, start=6000)
+        second = long_prompt_ids(1024, start=6000)
         want = generate_ids(mono.url, second, NEW_TOKENS)
-        answer: list[requests.Response] = []
-        sender = threading.Thread(
-            target=lambda: answer.append(post_generate(url, first, "relayout-abort", 4))
-        )
-        sender.start()
-        # mid-prefill: its chunks are written after each chunk's forward, slowly
-        sender.join(1.0)
-        abort_at_decoder(mesh.servers["d_tp1"].url, "relayout-abort")
-        sender.join(120)
-        assert answer and (
-            answer[0].status_code != 200
-            or answer[0].json()["meta_info"]["finish_reason"]["type"] == "abort"
-        ), "the aborted request came back as if complete"
+        # the abort must land while the KV streams: a few tries, sooner each time
+        aborted = False
+        for attempt, wait_s in enumerate((1.0, 0.6, 0.3, 0.1)):
+            rid = f"relayout-abort-{attempt}"
+            first = long_prompt_ids(1536, start=3 + 1000 * attempt)
+            with ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(post_generate, url, first, rid, 4)
+                time.sleep(wait_s)  # mid-prefill: chunks are written after each forward
+                abort_at_decoder(mesh.servers["d_tp1"].url, rid)
+                response = pending.result(timeout=120)
+            aborted = (
+                response.status_code != 200
+                or response.json()["meta_info"]["finish_reason"]["type"] == "abort"
+            )
+            if aborted:
+                break
+        assert aborted, "every request completed before its abort arrived"
         assert generate_ids(url, second, NEW_TOKENS) == want
 
     def test_every_rank_of_every_server_is_idle(self, mesh: PdMesh, patience: Patience) -> None:
