@@ -28,6 +28,7 @@ from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription, describe_pool
 from sgl_pd.backend.relayout_copies import PoolCopies
 from sgl_pd.backend.staging_area import MIB, Staging, StagingArea, staging_bytes
+from sgl_pd.backend.tracing import RequestTracing
 from sgl_pd.config import SglPdConfig
 from sgl_pd.core.clock import Clock, SystemClock
 from sgl_pd.core.liveness import FreezeWatch
@@ -191,6 +192,8 @@ class SglPdKVManager(BaseKVManager):
         self.outbox = Outbox(self.links, name=f"{self.role.value}-{self.rank}")
         self.closing = threading.Event()
         self.metrics = TransferMetrics(bool(server_args.enable_metrics), self.role.value)
+        # spans only under SGLang's --enable-trace, whose scheduler set up the exporter
+        self.tracing = RequestTracing(bool(getattr(server_args, "enable_trace", False)))
         self.inbox = Inbox(
             hosts.bind,
             self.codec,

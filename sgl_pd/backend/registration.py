@@ -117,6 +117,14 @@ def register_backend() -> None:
         first_token.before_prefill_bootstrap_add,
         HookType.BEFORE,
     )
+    from sgl_pd.backend import tracing
+
+    # SGLang's trace context of each request, where our spans of it attach (--enable-trace)
+    for queue_add in (
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.add",
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue.add",
+    ):
+        HookRegistry.register(queue_add, tracing.remember_request, HookType.BEFORE)
     from sgl_pd.backend.prefill import page_pins
 
     HookRegistry.register(

@@ -13,6 +13,7 @@ from sgl_pd.backend.decode.messenger import DecodeMessenger
 from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.prefill.messenger import PrefillMessenger
+from sgl_pd.backend.tracing import RequestTracing
 from sgl_pd.core.clock import ManualClock
 from sgl_pd.core.layout import KvLayout, PageLayout
 from sgl_pd.core.page_ids import PageIds
@@ -127,6 +128,7 @@ class Rig:
     # metered: real metrics, each rank's in its own registry (role -> registry)
     metered: bool = False
     registries: dict[str, Any] = field(default_factory=dict)
+    tracing: RequestTracing = field(default_factory=lambda: RequestTracing(False))
 
     def _metrics(self, role: str) -> TransferMetrics:
         if not self.metered:
@@ -151,6 +153,7 @@ class Rig:
             metrics=self._metrics("prefill"),
             timeout_s=30.0,
             clock=self.clock,
+            tracing=self.tracing,
         )
         self.prefill_registration = ShardRegistration(
             role=Role.PREFILL, rank=0, scheme=ShardingScheme(1),
@@ -175,6 +178,7 @@ class Rig:
             transfer_timeout_s=30.0,
             metrics=self._metrics("decode"),
             clock=self.clock,
+            tracing=self.tracing,
         )
         registration = ShardRegistration(
             role=Role.DECODE, rank=0, scheme=ShardingScheme(1), session=engine.session_id,
@@ -188,8 +192,17 @@ class Rig:
         return decoder
 
     def request(self, decoder: Decoder, room: int, dst_pages: list[int], slot: int) -> None:
+        """The decode rank's side: its receiver made and the prefiller found (the
+        bootstrap, stamped as the receiver does), then its pages asked for."""
+        seen_s = self.clock.monotonic()
+        bootstrap = (seen_s, self.clock.monotonic())
         decoder.messenger.request(
-            room, [self.prefill_registration], decoder.registration, np.asarray(dst_pages), slot
+            room,
+            [self.prefill_registration],
+            decoder.registration,
+            np.asarray(dst_pages),
+            slot,
+            bootstrap=bootstrap,
         )
 
     def prefill_all(self, room: int, src_pages: list[int], chunk: int = 4) -> None:

@@ -36,6 +36,7 @@ class DecodeKVManager(SglPdKVManager):
             metrics=self.metrics,
             clock=clock,
             staging=self.staging,
+            tracing=self.tracing,
         )
         self.registration = self.registration_for(
             layer_group_size=1, completion=self.decode.completion_area

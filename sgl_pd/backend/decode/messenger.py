@@ -39,6 +39,7 @@ from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.pool_report import note_live
 from sgl_pd.backend.staging_area import MIB, Staging
+from sgl_pd.backend.tracing import RequestTracing
 from sgl_pd.core.clock import Clock
 from sgl_pd.core.counting import (
     METADATA_WORD,
@@ -57,6 +58,7 @@ from sgl_pd.core.regions import Region
 from sgl_pd.core.relayout import ReceivePlacement, receive_placement
 from sgl_pd.core.sharding import ShardingScheme, ShardLink, link_shards
 from sgl_pd.core.states import DECODE_TABLE, DecodeState, RequestTracker
+from sgl_pd.core.timeline import decode_timeline
 from sgl_pd.core.wire import (
     Abort,
     AbortAck,
@@ -120,6 +122,11 @@ class _Track:
     abort_sent: bool = False
     drained: set[int] = field(default_factory=set)  # prefill ranks that stopped writing
     done_s: float | None = None
+    # bootstrap: the receiver made, the prefiller's ranks known (monotonic s; None when
+    # the caller did not stamp them)
+    seen_s: float | None = None
+    found_s: float | None = None
+    traced: bool = False  # its timeline went out (once per request)
 
 
 class DecodeMessenger:
@@ -136,8 +143,10 @@ class DecodeMessenger:
         metrics: TransferMetrics,
         clock: Clock,
         staging: Staging | None = None,
+        tracing: RequestTracing | None = None,
     ) -> None:
         self.rank = rank
+        self._tracing = tracing if tracing is not None else RequestTracing(False)
         self.instance = instance  # this rank's, named in its aborts
         self._staging = staging
         self.scheme = scheme
@@ -224,8 +233,11 @@ class DecodeMessenger:
         my_registration: ShardRegistration,
         dst_pages: np.ndarray,
         slot: int,
+        bootstrap: tuple[float, float] | None = None,
     ) -> None:
         """Sends one request's destination pages to every prefill rank of its prefiller.
+        `bootstrap`: when its receiver was made and when the prefiller's ranks were known
+        (monotonic s), for its timeline.
 
         Every rank gets the request, also those that send nothing to this rank: a prefill
         rank only starts once every decoder rank has asked, so none waits forever. The
@@ -254,6 +266,8 @@ class DecodeMessenger:
             dst_pages,
             placement=self._placement(room, prefill, links, len(dst_pages)),
         )
+        if bootstrap is not None:
+            track.seen_s, track.found_s = bootstrap
         message = TransferRequest(
             request_id=room,
             decoder=my_registration,
@@ -383,7 +397,9 @@ class DecodeMessenger:
                 return
             self._states.transition(room, _D.HANDED_OFF)
             staged = None if track is None else track.staging_offset
-        if track is not None and staged is not None:
+        if track is None:
+            return
+        if staged is not None:
             assert self._staging is not None and track.placement is not None
             area = self._staging.area
             started = self._now()
@@ -402,6 +418,7 @@ class DecodeMessenger:
             )
             with self._lock:
                 self._drop_staging(track)
+        self._trace(track, self._now())
 
     def is_release_safe(self, room: int, required_acks: int) -> bool:
         """The decode side's one answer to "may this request's pages go back to the
@@ -433,6 +450,29 @@ class DecodeMessenger:
                 self._states.forget(room)
                 self._drop_staging(track)
             self._sealed.pop(room, None)
+        if track is not None and track.error is not None:
+            self._trace(track, self._now())
+
+    def _trace(self, track: _Track, end_s: float) -> None:
+        """The request's timeline, once: at its hand-off, or when SGLang lets go of it
+        after a failure."""
+        if track.traced or not self._tracing.wanted:
+            return
+        track.traced = True
+        staged = 0 if track.placement is None else track.placement.total  # bytes
+        self._tracing.emit(
+            decode_timeline(
+                room=track.room,
+                rank=self.rank,
+                seen_s=track.seen_s,
+                found_s=track.found_s,
+                requested_s=track.started_s,
+                complete_s=track.done_s,
+                end_s=end_s,
+                attrs=(("sgl_pd.pages", track.num_pages), ("sgl_pd.staged_bytes", staged)),
+                error=track.error,
+            )
+        )
 
     # -- liveness thread ------------------------------------------------------------------
 

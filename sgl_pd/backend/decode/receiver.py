@@ -42,6 +42,7 @@ class SglPdKVReceiver(BaseKVReceiver):
         self._table: PrefillTable | None = None
         self._error: str | None = None
         self._created_s = time.monotonic()  # seconds; the bootstrap wait starts here
+        self._found_s: float | None = None  # the prefiller's ranks known
 
     def init(self, prefill_dp_rank: int) -> None:
         if prefill_dp_rank != 0:
@@ -56,7 +57,8 @@ class SglPdKVReceiver(BaseKVReceiver):
             if self._table is None:
                 self._table = self.kv_mgr.peers.lookup(self.bootstrap_addr)
                 if self._table is not None:
-                    self.kv_mgr.metrics.bootstrap_waited(time.monotonic() - self._created_s)
+                    self._found_s = time.monotonic()
+                    self.kv_mgr.metrics.bootstrap_waited(self._found_s - self._created_s)
             if self._table is not None:
                 return KVPoll.WaitingForInput
             failure = self.kv_mgr.peers.failure(self.bootstrap_addr)
@@ -106,6 +108,7 @@ class SglPdKVReceiver(BaseKVReceiver):
                 self.kv_mgr.registration,
                 np.asarray(kv_indices, dtype=np.int64),
                 int(aux_index),
+                bootstrap=(self._created_s, self._found_s or self._created_s),
             )
         except SglPdError as e:
             self._fail(str(e), cause=cause_of(e))

@@ -42,6 +42,7 @@ class PrefillKVManager(SglPdKVManager):
             clock=clock,
             freeze=self.freeze,
             staging=self.staging,
+            tracing=self.tracing,
         )
         self.streamer: LayerStreamer | None = attach_messenger(self.prefill, layerwise)
         self.registration = self.registration_for(

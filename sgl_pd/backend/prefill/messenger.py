@@ -35,12 +35,14 @@ from sgl_pd.backend.pool_report import note_live
 from sgl_pd.backend.prefill.rooms import Chunk, Destination, PrefillRooms, Room
 from sgl_pd.backend.prefill.writer import DestinationWriters, KvWriter, LayersJob, MetadataJob
 from sgl_pd.backend.staging_area import Staging
+from sgl_pd.backend.tracing import RequestTracing
 from sgl_pd.core.clock import Clock
 from sgl_pd.core.failures import FailureCause
 from sgl_pd.core.liveness import FreezeWatch
 from sgl_pd.core.page_ids import PageIds
 from sgl_pd.core.sharding import ShardingScheme
 from sgl_pd.core.states import PrefillState
+from sgl_pd.core.timeline import prefill_timeline
 from sgl_pd.core.wire import (
     Abort,
     AbortAck,
@@ -79,8 +81,10 @@ class PrefillMessenger:
         clock: Clock,
         freeze: FreezeWatch | None = None,
         staging: Staging | None = None,
+        tracing: RequestTracing | None = None,
     ) -> None:
         self.rank = rank
+        self._tracing = tracing if tracing is not None else RequestTracing(False)
         self.instance = instance
         self.layout = pool.layout
         self.staging = staging
@@ -181,6 +185,8 @@ class PrefillMessenger:
     def forget(self, room_id: int) -> tuple[int, float | None]:
         """Drops a concluded request; returns (bytes sent, seconds from first write to done)."""
         room = self.rooms.forget(room_id)
+        if room is not None and room.error is not None:
+            self._trace(room)
         if room is None or room.first_write_s is None or room.done_s is None:
             return (0 if room is None else room.bytes_sent), None
         return room.bytes_sent, room.done_s - room.first_write_s
@@ -295,6 +301,7 @@ class PrefillMessenger:
     def _done(self, room: Room) -> None:
         assert room.done_s is not None
         self._log_timing(room)
+        self._trace(room)
         self._metrics.add_request(room.num_pages or 0, room.done_s - (room.first_write_s or 0))
         # after-forward mode has no forward-end stamp: SGLang's last send follows the forward
         forward_end_s = room.forward_end_s if room.forward_end_s is not None else room.last_send_s
@@ -302,6 +309,39 @@ class PrefillMessenger:
             None if forward_end_s is None else room.done_s - forward_end_s,
             None if room.ready_s is None else room.ready_s - room.created_s,
             room.bytes_sent,
+        )
+
+    def _trace(self, room: Room) -> None:
+        """The request's timeline, once: when it is done, or when SGLang lets go of it
+        after a failure."""
+        if room.traced or not self._tracing.wanted:
+            return
+        room.traced = True
+        ends = (room.done_s, room.ended_s, room.created_s)
+        end_s = next(t for t in ends if t is not None)
+        chunks = [(i, s[0], s[1]) for i, s in sorted(room.chunk_writes.items())]
+        attrs: list[tuple[str, int | float | str | bool]] = [
+            ("sgl_pd.mode", "layerwise" if self.layerwise else "after_forward"),
+            ("sgl_pd.tokens", room.tokens_planned),
+            ("sgl_pd.bytes", room.bytes_sent),
+            ("sgl_pd.writes", room.writes_posted),
+        ]
+        forward_end_s = room.forward_end_s if room.forward_end_s is not None else room.last_send_s
+        if room.done_s is not None and forward_end_s is not None:
+            # seconds of transfer the prefill forward did not hide (as the histogram's)
+            attrs.append(("sgl_pd.exposed_s", room.done_s - forward_end_s))
+        self._tracing.emit(
+            prefill_timeline(
+                room=room.room,
+                rank=self.rank,
+                seen_s=room.created_s,
+                ready_s=room.ready_s,
+                first_write_s=room.first_write_s,
+                end_s=end_s,
+                chunks=chunks,
+                attrs=tuple(attrs),
+                error=room.error,
+            )
         )
 
     def _log_timing(self, room: Room) -> None:

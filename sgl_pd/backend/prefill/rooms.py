@@ -55,6 +55,9 @@ FAILED_BATCH_QUARANTINE_S = 60.0
 # Requests decoders asked for that SGLang has not seen (yet): in the router flow both sides
 # get a request at about the same time, so a few; more is a peer flooding this rank.
 MAX_UNOWNED_ROOMS = 4096
+# Chunks of one request whose write stamps are kept for its timeline: a 128k-token prompt
+# in 8k-token chunks has 16; past this many the rest go unstamped (memory stays bounded)
+MAX_STAMPED_CHUNKS = 256
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,9 @@ class Room:
     ready_s: float | None = None  # every decode rank's pages known (bootstrap over)
     last_send_s: float | None = None
     done_s: float | None = None
+    # chunk index -> [its first write's start, its last write's end] (monotonic s)
+    chunk_writes: dict[int, list[float]] = field(default_factory=dict)
+    traced: bool = False  # its timeline went out (once per request)
 
 
 @dataclass(frozen=True)
@@ -349,6 +355,8 @@ class PrefillRooms:
                 room.first_write_s = now
             if chunk is not None and chunk.is_last and room.last_chunk_first_write_s is None:
                 room.last_chunk_first_write_s = now
+            if chunk is not None and len(room.chunk_writes) < MAX_STAMPED_CHUNKS:
+                room.chunk_writes.setdefault(chunk.index, [now, now])
             return room
 
     def end_write(
@@ -358,10 +366,11 @@ class PrefillRooms:
         writes: int = 0,
         metadata_done: bool = False,
         batch_failed: bool = False,
+        chunk_index: int | None = None,
     ) -> WriteEnd:
         """A write job ended (either way): the drain acks now owed, and whether this job
         completed the request. `batch_failed`: the engine reported a failed batch, some
-        of whose writes may still be posted."""
+        of whose writes may still be posted; `chunk_index`: the chunk it wrote, if any."""
         with self._lock:
             room = self._rooms.get(room_id)
             if room is None:
@@ -370,6 +379,9 @@ class PrefillRooms:
             room.bytes_sent += bytes_sent
             room.writes_posted += writes
             now = self._clock.monotonic()
+            stamps = None if chunk_index is None else room.chunk_writes.get(chunk_index)
+            if stamps is not None:
+                stamps[1] = now
             if batch_failed:
                 room.quarantine_until_s = now + FAILED_BATCH_QUARANTINE_S
             elif bytes_sent and room.error is None:

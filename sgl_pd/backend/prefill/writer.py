@@ -320,7 +320,12 @@ class DestinationWriters:
             self._on_failure(room_id, f"internal error: {e!r}", cause_of(e))
         finally:
             end = self._rooms.end_write(
-                room_id, sent.bytes, sent.writes, metadata_done=done, batch_failed=landing
+                room_id,
+                sent.bytes,
+                sent.writes,
+                metadata_done=done,
+                batch_failed=landing,
+                chunk_index=job.chunk.index if isinstance(job, LayersJob) else None,
             )
             self._on_bytes(sent.bytes)
             if end.acks:
