@@ -32,7 +32,7 @@ from sgl_pd.cluster.campaign import (
 )
 from sgl_pd.cluster.client import generate_ids
 from sgl_pd.cluster.local import Patience, Server
-from sgl_pd.cluster.logs import pools_idle, timing_lines, wait_pools_idle
+from sgl_pd.cluster.logs import decode_failures, pools_idle, timing_lines, wait_pools_idle
 from sgl_pd.cluster.mesh import MeshServer, PdMesh, pd_mesh
 from sgl_pd.cluster.prompts import long_prompt_ids, varied_prompts
 
@@ -195,7 +195,9 @@ class TestPageOfSixteenTokens:
         url = mesh.router("p_tp2", "d_tp1")
         second = long_prompt_ids(1024, start=6000)
         want = generate_ids(mono.url, second, NEW_TOKENS)
-        # the abort must land while the KV streams: a few tries, sooner each time
+        # the abort must land while the KV streams: a few tries, sooner each time. The
+        # router retries what failed, so the decoder's log says whether it did
+        decoder = mesh.servers["d_tp1"]
         aborted = False
         for attempt, wait_s in enumerate((1.0, 0.6, 0.3, 0.1)):
             rid = f"relayout-abort-{attempt}"
@@ -203,12 +205,10 @@ class TestPageOfSixteenTokens:
             with ThreadPoolExecutor(1) as pool:
                 pending = pool.submit(post_generate, url, first, rid, 4)
                 time.sleep(wait_s)  # mid-prefill: chunks are written after each forward
-                abort_at_decoder(mesh.servers["d_tp1"].url, rid)
-                response = pending.result(timeout=120)
-            aborted = (
-                response.status_code != 200
-                or response.json()["meta_info"]["finish_reason"]["type"] == "abort"
-            )
+                abort_at_decoder(decoder.url, rid)
+                pending.result(timeout=120)
+            failed = decode_failures([decoder.process.log_path])
+            aborted = "aborted" in failed.get(rid, "")
             if aborted:
                 break
         assert aborted, "every request completed before its abort arrived"
