@@ -31,8 +31,12 @@ class ServerStartError(SglPdError):
 # Servers started here listen on ports from below the kernel's ephemeral range. A port
 # the kernel may hand out in the minute a server takes to start - to any outgoing
 # connection, even a readiness probe that connects to itself, or to a bind on port 0 -
-# would make the server's own bind fail. Mooncake picks its ports in 12000-17000.
-SERVER_PORTS = range(20000, 32768)
+# would make the server's own bind fail. Mooncake picks its ports in 12000-17000, and
+# SGLang its torch.distributed port in 22000-29999 (checked free when the server starts,
+# bound a minute later): a port handed out here in that range could be taken by a
+# server starting beside it (seen: EADDRINUSE on a decoder's dist port, which a prefill
+# server's registry had just bound).
+SERVER_PORTS = range(17000, 22000)
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
