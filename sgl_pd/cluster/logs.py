@@ -14,14 +14,20 @@ from sgl_pd.cluster.local import Server, scheduler_ranks
 TimingLine = dict[str, str | float]
 
 
+def _number(text: str) -> float:
+    """An int stays exact (room ids are 64-bit: a float would round them)."""
+    return int(text) if text.isdigit() else float(text)
+
+
 def timing_lines(log: Path) -> list[TimingLine]:
     """The prefill messenger's per-request lines, oldest first: `mode` is a string, every
-    other field a number (times are time.monotonic() seconds, shared by all processes)."""
+    other field a number, exact for integers (times are time.monotonic() seconds, shared
+    by all processes)."""
     out: list[TimingLine] = []
     for line in log.read_text(errors="replace").splitlines():
         if TIMING_LINE_PREFIX in line:
             fields = re.findall(r"(\w+)=(\S+)", line.split(TIMING_LINE_PREFIX, 1)[1])
-            out.append({k: (v if k == "mode" else float(v)) for k, v in fields})
+            out.append({k: (v if k == "mode" else _number(v)) for k, v in fields})
     return out
 
 
