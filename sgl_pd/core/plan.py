@@ -391,6 +391,15 @@ class _Chunk:
     def link_writes(self, link: ShardLink, staging: StagedLink) -> LinkWrites:
         size, row, lo, hi = self.size, self.row, self.lo, self.hi
         nh, hs, hd = link.num_heads, link.src_local_heads, link.dst_local_heads
+        if staging.receives and not staging.gathers and nh < hs:
+            # a strided source that cannot gather, into receive blocks: one span per token
+            # slot (as without staging), landing where the decoder's scatter reads it
+            src_slots, _ = self._token_slots()
+            t = np.arange(self.tokens.start, self.tokens.stop, dtype=np.int64)
+            block_page = self.request_positions()[t // size]
+            s = (src_slots * hs + link.src_head_offset) * row
+            d = (block_page * size + t % size) * nh * row
+            return _written(link, (s, d, np.full(s.shape, nh * row, np.int64)), staging)
         if staging.staged:
             # NHD with a staged strided side: one span per page. Gather blocks hold the
             # chunk's pages in order, receive blocks the request's (logical page p at

@@ -76,13 +76,15 @@ UNSTAGED = StagedLink(gathers=False, receives=False)
 
 
 def staged_link(layout: KvLayout, link: ShardLink, relayout: Relayout) -> StagedLink:
-    """Staging for `link`: each strided side is staged if that side offers it; a link
-    whose strided side cannot be staged keeps per-slot writes on both (staging only the
-    other side would not make its writes contiguous)."""
+    """Staging for `link`. A destination-strided link receives whenever the destination
+    granted receive staging, whatever the source can do (the decoder scatters every such
+    link's blocks): a strided source that cannot gather then writes its token slots one
+    by one into the blocks. Without a grant the link keeps per-slot writes into the pool
+    (gathering alone would not make its writes contiguous)."""
     src, dst = strided_on_source(layout, link), strided_on_destination(layout, link)
-    if (src and not relayout.gather) or (dst and not relayout.receive):
+    if dst and not relayout.receive:
         return UNSTAGED
-    return StagedLink(src, dst)
+    return StagedLink(gathers=src and relayout.gather, receives=dst)
 
 
 def block_bytes(layout: KvLayout, link: ShardLink, num_pages: int) -> int:

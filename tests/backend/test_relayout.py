@@ -209,3 +209,18 @@ def test_without_staging_the_same_bytes_arrive_one_slot_at_a_time(tp_p: int, tp_
     staged_same, staged = _serve(sc, Relayout(gather=True, receive=True), 1)
     assert same and staged_same
     assert staged < per_slot
+
+
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 3), (3, 2)])
+def test_links_strided_on_both_sides_land_where_the_decoder_scatters(
+    tp_p: int, tp_d: int, gather: bool
+) -> None:
+    """Six heads at TP2 and TP3: some links carry a slice strided on both sides. With a
+    receive grant they write into the receive blocks even when the source cannot gather
+    (the decoder scatters every destination-strided link's blocks)."""
+    sc = Scenario(6, 2, 16, 2, tp_p, tp_d, (3, 0, 2), (1, 4, 2), 5, ((0, 20), (20, 40)), 1, 9)
+    same, staged = _serve(sc, Relayout(gather=gather, receive=True), 2)
+    assert same
+    same_per_slot, per_slot = _serve(sc, NO_RELAYOUT, 2)
+    assert same_per_slot and staged <= per_slot
