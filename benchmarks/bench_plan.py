@@ -158,13 +158,8 @@ def _served_ms(
                     continue
                 plan = plan_transfer(layout, into, src_pages, dst_pages, tokens, relayout=relayout)
                 receive = (receive_placement(layout, into, len(dst_pages)), 1 << 50)
-                tables = {i: plan.link_tables(i, src_table, dst_table, receive) for i in mine}
-                addressed = AddressedPlan(
-                    plan,
-                    mine,
-                    {i: t[0] for i, t in tables.items()},
-                    {i: t[1] for i, t in tables.items()},
-                    layer_group_size,
+                addressed = AddressedPlan.for_sender(
+                    plan, mine, src_table, dst_table, layer_group_size, receive
                 )
                 gathering = [i for i in mine if plan.links[i].staging.gathers]
                 for layers in groups:

@@ -115,7 +115,8 @@ class TransferPlan:
     layers: range
     links: tuple[LinkWrites, ...]
     first_page: int = 0  # logical page of the chunk's first token (gather blocks start there)
-    # (chunk pages,) source page ids in gather-block order (what a gather reads)
+    # (chunk pages,) source page ids in gather-block order (what a gather reads); None
+    # when no link gathers
     gather_pages: I64 | None = None
 
     @property
@@ -263,6 +264,28 @@ class AddressedPlan:
                 whole.lengths.reshape(-1, n),
             )
 
+    @classmethod
+    def for_sender(
+        cls,
+        plan: TransferPlan,
+        links: Iterable[int],
+        src_pool: RegionTable,
+        dst_pool: RegionTable,
+        layer_group_size: int,
+        receive: tuple[ReceivePlacement, int] | None = None,
+    ) -> AddressedPlan:
+        """One sender's links addressed against the pools, or each staged side against
+        its blocks (`TransferPlan.link_tables`; `receive` as there)."""
+        mine = tuple(links)
+        tables = {i: plan.link_tables(i, src_pool, dst_pool, receive) for i in mine}
+        return cls(
+            plan,
+            mine,
+            {i: src for i, (src, _) in tables.items()},
+            {i: dst for i, (_, dst) in tables.items()},
+            layer_group_size,
+        )
+
     def group_count(self, layers: range) -> int:
         """Completion groups this sender finishes with `layers` (whole layer groups)."""
         whole = layers.start in self._group_starts and (
@@ -360,7 +383,8 @@ def plan_transfer(
         raise PlanError(f"layers {layers} not a non-empty range inside [0, {layout.num_layers})")
     chunk = _Chunk(layout, src_pages, dst_pages, tokens)
     writes = tuple(chunk.link_writes(lk, staged_link(layout, lk, relayout)) for lk in links)
-    gather_pages = chunk.sp[np.argsort(chunk.dp, kind="stable")]
+    gathering = any(lw.staging.gathers for lw in writes)
+    gather_pages = chunk.sp[np.argsort(chunk.dp, kind="stable")] if gathering else None
     return TransferPlan(layout, tokens, layers, writes, chunk.first, gather_pages)
 
 
@@ -396,7 +420,7 @@ class _Chunk:
             # slot (as without staging), landing where the decoder's scatter reads it
             src_slots, _ = self._token_slots()
             t = np.arange(self.tokens.start, self.tokens.stop, dtype=np.int64)
-            block_page = self.request_positions()[t // size]
+            block_page = self.request_positions[t // size]
             s = (src_slots * hs + link.src_head_offset) * row
             d = (block_page * size + t % size) * nh * row
             return _written(link, (s, d, np.full(s.shape, nh * row, np.int64)), staging)
@@ -409,7 +433,7 @@ class _Chunk:
             else:
                 s = (self.sp * size + lo) * hs * row
             if staging.receives:  # the request's block page of each chunk page
-                p = self.request_positions()[self.first : self.first + self.dp.shape[0]]
+                p = self.request_positions[self.first : self.first + self.dp.shape[0]]
                 d = (p * size + lo) * nh * row
             else:
                 d = (self.dp * size + lo) * hd * row
@@ -440,6 +464,7 @@ class _Chunk:
             self._shared(("len", nh, 0), lambda: np.full(src_slots.shape, nh * row, np.int64)),
         )
 
+    @cached_property
     def request_positions(self) -> I64:
         """(request pages,) block page of each of the request's destination pages."""
         return block_positions(self.dp_all)

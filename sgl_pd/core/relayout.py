@@ -21,7 +21,7 @@ same pages would under identical TP.
 
 Where a side's slice is contiguous (identical TP, MLA replicas, HND) nothing is staged.
 This module only says where staged bytes sit (byte offsets, region tables); the copies
-run at the edge (`sgl_pd.backend.staging_copies`).
+run at the edge (`sgl_pd.backend.relayout_copies`).
 """
 
 from __future__ import annotations

@@ -156,8 +156,9 @@ def _serve(sc: Scenario, relayout: Relayout, data_seed: int) -> tuple[bool, int]
             )
             for i, lw in enumerate(plan.links):
                 src_pool = src_pools[lw.link.src_rank]
-                src_t, dst_t = plan.link_tables(i, src_pool.kv, pool.kv, (placement, receive_at))
-                addressed = AddressedPlan(plan, [i], src_t, dst_t, sc.group_size)
+                addressed = AddressedPlan.for_sender(
+                    plan, [i], src_pool.kv, pool.kv, sc.group_size, (placement, receive_at)
+                )
                 for layers in lay.layer_groups(sc.group_size):
                     src, dst, lengths = addressed.columns(layers)
                     if lw.staging.gathers:

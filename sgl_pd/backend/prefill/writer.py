@@ -119,8 +119,7 @@ class KvWriter:
         dest.groups_done += groups
         word = (self._slot_base(dest) + source_word_offset(self.rank),
                 count_word(request.request_id, dest.groups_done))  # fmt: skip
-        gathering = [i for i in addressed.sending if addressed.plan.links[i].staging.gathers]
-        if gathering:
+        if any(addressed.plan.links[i].staging.gathers for i in addressed.sending):
             # one link per (source, destination) rank pair: it is the job's only one
             (link_index,) = addressed.sending
             self._write_gathered(decoder.session, addressed, link_index, layers)
@@ -168,13 +167,8 @@ class KvWriter:
             if not self._gather_fits(plan):
                 plan = self._plan(dest, chunk, Relayout(False, receive is not None))
             dst_table = RegionTable.for_layout(self.layout, request.decoder.kv_regions)
-            tables = {i: plan.link_tables(i, self.pool.kv, dst_table, receive) for i in dest.mine}
-            addressed = AddressedPlan(
-                plan,
-                dest.mine,
-                {i: src for i, (src, _) in tables.items()},
-                {i: dst for i, (_, dst) in tables.items()},
-                self.layer_group_size,
+            addressed = AddressedPlan.for_sender(
+                plan, dest.mine, self.pool.kv, dst_table, self.layer_group_size, receive
             )
             dest.plans[chunk.index] = addressed
         return addressed
