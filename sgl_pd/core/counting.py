@@ -149,7 +149,12 @@ class CompletionCounter:
     count is known (`seal`) any count is accepted; sealing checks none exceeds its total.
     """
 
-    def __init__(self, expectation: Expectation, *, expect_metadata: bool = True) -> None:
+    def __init__(
+        self, expectation: Expectation, *, expect_metadata: bool = True, expect_kv: bool = True
+    ) -> None:
+        """`expect_kv`: the request has KV to receive; False when the destination holds
+        every token the prefiller computes (its prefix cache): then exactly zero chunks
+        come, and only the metadata (or nothing)."""
         for src, _ in expectation.per_chunk:
             source_word_index(src)  # raises for a rank a slot cannot count
         self._per_chunk: Mapping[int, int] = dict(expectation.per_chunk)
@@ -157,6 +162,7 @@ class CompletionCounter:
         self._metadata_source = expectation.metadata_source
         self._num_chunks: int | None = None  # set by `seal`
         self._metadata_pending = expect_metadata
+        self._expect_kv = expect_kv
 
     @property
     def received(self) -> int:
@@ -176,8 +182,12 @@ class CompletionCounter:
 
     def seal(self, num_chunks: int) -> None:
         """The request has exactly `num_chunks` chunks (from the last chunk notice)."""
-        if num_chunks < 1:
-            raise CountingError(f"a request has at least one chunk, got {num_chunks}")
+        if self._expect_kv and num_chunks < 1:
+            raise CountingError(f"a request with KV to receive has a chunk, got {num_chunks}")
+        if not self._expect_kv and num_chunks != 0:
+            raise CountingError(
+                f"the destination holds every token, yet {num_chunks} chunk(s) were announced"
+            )
         if self._num_chunks is not None and num_chunks != self._num_chunks:
             raise CountingError(f"sealed twice: {self._num_chunks} then {num_chunks} chunks")
         for src, count in self._counts.items():

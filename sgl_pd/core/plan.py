@@ -371,17 +371,23 @@ def plan_transfer(
     tokens: TokenRange,
     layers: range | None = None,
     relayout: Relayout = NO_RELAYOUT,
+    *,
+    src_first_page: int = 0,
+    held_pages: int = 0,
 ) -> TransferPlan:
     """Plan the writes of tokens `tokens` for `layers` (default all).
 
-    Page list entry i holds tokens [i * page_size, (i + 1) * page_size) of the request on
-    that side; only the pages the chunk touches are read (and must be distinct, >= 0).
+    Page list entry i holds logical page `first + i` of the request on that side, tokens
+    [(first + i) * page_size, (first + i + 1) * page_size); only the pages the chunk
+    touches are read (and must be distinct, >= 0). The destination holds the request's
+    first `held_pages` pages already (its prefix cache): its list starts after them, so
+    no write can name a held page, and a chunk starting inside them is refused.
     `relayout` says which strided sides may be staged (`core.relayout`).
     """
     layers = range(layout.num_layers) if layers is None else layers
     if layers.step != 1 or not layers or layers.start < 0 or layers.stop > layout.num_layers:
         raise PlanError(f"layers {layers} not a non-empty range inside [0, {layout.num_layers})")
-    chunk = _Chunk(layout, src_pages, dst_pages, tokens)
+    chunk = _Chunk(layout, src_pages, dst_pages, tokens, src_first_page, held_pages)
     writes = tuple(chunk.link_writes(lk, staged_link(layout, lk, relayout)) for lk in links)
     gathering = any(lw.staging.gathers for lw in writes)
     gather_pages = chunk.sp[np.argsort(chunk.dp, kind="stable")] if gathering else None
@@ -397,15 +403,31 @@ class _Chunk:
         src_pages: Sequence[int] | I64,
         dst_pages: Sequence[int] | I64,
         tokens: TokenRange,
+        src_first_page: int,
+        held_pages: int,
     ) -> None:
         self.hnd = layout.page_layout is PageLayout.HND
         self.size, self.row = layout.page_size, layout.row_bytes  # tokens, bytes
         self.tokens = tokens
-        self.first = tokens.start // self.size
+        self.first = tokens.start // self.size  # logical pages of the request
         last = (tokens.stop - 1) // self.size
-        self.sp = _pages(src_pages, "source", self.first, last)  # (n_pages,) page ids
-        self.dp = _pages(dst_pages, "destination", self.first, last)
-        self.dp_all = np.asarray(dst_pages, dtype=np.int64)  # (request pages,)
+        if src_first_page < 0 or held_pages < 0:
+            raise PlanError("page lists start at a logical page >= 0")
+        if tokens.start < held_pages * self.size:
+            raise PlanError(
+                f"tokens [{tokens.start}, {tokens.stop}) start inside the destination's held"
+                f" prefix ({held_pages * self.size} tokens): a held page is never written"
+            )
+        if tokens.start < src_first_page * self.size:
+            raise PlanError(
+                f"tokens [{tokens.start}, {tokens.stop}) start before the source page list"
+                f" (logical page {src_first_page})"
+            )
+        # (n_pages,) page ids of the chunk's pages on each side
+        self.sp = _pages(src_pages, "source", self.first - src_first_page, last - src_first_page)
+        self.dp = _pages(dst_pages, "destination", self.first - held_pages, last - held_pages)
+        self.held = held_pages
+        self.dp_all = np.asarray(dst_pages, dtype=np.int64)  # (request pages past held,)
         starts = np.arange(self.first, last + 1, dtype=np.int64) * self.size  # first tokens
         self.lo = np.maximum(tokens.start - starts, 0)  # (n_pages,) slots [lo, hi) of a page
         self.hi = np.minimum(tokens.stop - starts, self.size)
@@ -420,7 +442,7 @@ class _Chunk:
             # slot (as without staging), landing where the decoder's scatter reads it
             src_slots, _ = self._token_slots()
             t = np.arange(self.tokens.start, self.tokens.stop, dtype=np.int64)
-            block_page = self.request_positions[t // size]
+            block_page = self.request_positions[t // size - self.held]
             s = (src_slots * hs + link.src_head_offset) * row
             d = (block_page * size + t % size) * nh * row
             return _written(link, (s, d, np.full(s.shape, nh * row, np.int64)), staging)
@@ -433,7 +455,8 @@ class _Chunk:
             else:
                 s = (self.sp * size + lo) * hs * row
             if staging.receives:  # the request's block page of each chunk page
-                p = self.request_positions[self.first : self.first + self.dp.shape[0]]
+                n, first = self.dp.shape[0], self.first - self.held
+                p = self.request_positions[first : first + n]
                 d = (p * size + lo) * nh * row
             else:
                 d = (self.dp * size + lo) * hd * row
@@ -466,7 +489,8 @@ class _Chunk:
 
     @cached_property
     def request_positions(self) -> I64:
-        """(request pages,) block page of each of the request's destination pages."""
+        """(request pages past held,) block page of each of the request's destination
+        pages (receive staging holds only the pages that are written)."""
         return block_positions(self.dp_all)
 
     def _token_slots(self) -> tuple[I64, I64]:

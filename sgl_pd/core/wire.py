@@ -42,7 +42,8 @@ from sgl_pd.errors import SglPdError
 # 4: decoders submit prefills to a prefill server's registry (direct mode)
 # 5: registry replies carry the asker's submissions the prefill server refused
 # 6: decoders register a receive staging area and grant requests part of it (re-layout)
-PROTOCOL_VERSION = 6
+# 7: decoders name the prefix they hold (held_tokens); last notices carry the chunk count
+PROTOCOL_VERSION = 7
 MAGIC = b"SGPD"
 MAX_BODY_BYTES = 64 << 20  # a 1M-token prompt with its page table stays far below this
 _HEADER = struct.Struct("<4sHHQII")
@@ -196,7 +197,9 @@ class PrefillRequest(_Message, tag="prefill", frozen=True):
 
 
 class ChunkNotice(_Message, tag="chunk", frozen=True):
-    """Prefiller -> decoder: chunk `chunk_index` covers tokens [token_start, token_stop)."""
+    """Prefiller -> decoder: chunk `chunk_index` covers tokens [token_start, token_stop).
+    The last notice also says how many chunks carried KV (`num_chunks`): zero when the
+    decoder held every token the prefiller computed, and only the metadata moved."""
 
     request_id: U64
     chunk_index: U32
@@ -205,6 +208,7 @@ class ChunkNotice(_Message, tag="chunk", frozen=True):
     page_ids: tuple[U32, ...]  # destination pages the chunk touches
     is_last: bool
     prefill_instance: U64  # the sending prefill rank: only a rank that was asked counts
+    num_chunks: U32 = 0  # read from the last notice only
 
     def __post_init__(self) -> None:
         if self.token_start >= self.token_stop:
@@ -339,15 +343,25 @@ class TransferRequest(_Message, tag="transfer", frozen=True):
 
     request_id: U64
     decoder: ShardRegistration  # the asking rank, whole: no separate greeting to lose
-    dst_pages: tuple[U32, ...]  # decoder page per logical page of the whole prompt
+    # decoder page per logical page of the prompt from `held_tokens` on: the pages of
+    # the prefix it holds are not named, so no write can reach them
+    dst_pages: tuple[U32, ...]
     metadata_slot: U32
     completion_slot: U32
     # where the request's receive staging starts in the decoder's staging area (absolute
     # address); None: strided destination slices are written one token slot at a time
     staging_base: U64 | None = None
+    # the prompt's first tokens whose KV the decoder holds already (its prefix cache,
+    # whole pages): only the KV after them is written
+    held_tokens: U32 = 0
 
     def __post_init__(self) -> None:
         decoder = self.decoder
+        if self.held_tokens % decoder.layout.page_size:
+            raise InvalidMessage(
+                f"held prefix of {self.held_tokens} tokens is not whole pages of"
+                f" {decoder.layout.page_size}"
+            )
         if self.staging_base is not None:
             area = decoder.staging
             if area is None or not area.base <= self.staging_base < area.base + area.length:

@@ -117,6 +117,7 @@ class _Track:
     placement: ReceivePlacement | None = None
     staging_offset: int | None = None
     unsent: TransferRequest | None = None  # waiting for receive staging to come free
+    held_tokens: int = 0  # the prompt's first tokens this rank's prefix cache holds
     error: str | None = None
     metadata_seen: bool = False
     abort_sent: bool = False
@@ -187,13 +188,13 @@ class DecodeMessenger:
             track = self._tracks.get(notice.request_id)
             if track is None:
                 if len(self._sealed) < MAX_EARLY_NOTICES:
-                    early = (notice.chunk_index + 1, self._now(), notice.prefill_instance)
+                    early = (notice.num_chunks, self._now(), notice.prefill_instance)
                     self._sealed[notice.request_id] = early
                 return
             if notice.prefill_instance not in track.instances.values():
                 _refused(notice.request_id, notice.prefill_instance, "chunk notice")
                 return
-            self._seal(track, notice.chunk_index + 1)
+            self._seal(track, notice.num_chunks)
 
     def on_error(self, error: ErrorMsg) -> None:
         if error.request_id is None:
@@ -234,10 +235,13 @@ class DecodeMessenger:
         dst_pages: np.ndarray,
         slot: int,
         bootstrap: tuple[float, float] | None = None,
+        held_tokens: int = 0,
     ) -> None:
         """Sends one request's destination pages to every prefill rank of its prefiller.
         `bootstrap`: when its receiver was made and when the prefiller's ranks were known
-        (monotonic s), for its timeline.
+        (monotonic s), for its timeline. `held_tokens`: the prompt's first tokens this
+        rank's prefix cache holds (whole pages); `dst_pages` are the pages after them,
+        and none at all when the cache holds every token the prefiller computes.
 
         Every rank gets the request, also those that send nothing to this rank: a prefill
         rank only starts once every decoder rank has asked, so none waits forever. The
@@ -254,7 +258,7 @@ class DecodeMessenger:
             room,
             slot,
             tuple(src for src, _ in expectation.per_chunk),
-            CompletionCounter(expectation),
+            CompletionCounter(expectation, expect_kv=len(dst_pages) > 0),
             expectation.metadata_source,
             {peer.rank: peer.inbox for peer in prefills},
             {peer.inbox: peer.session for peer in prefills},
@@ -265,6 +269,7 @@ class DecodeMessenger:
             links,
             dst_pages,
             placement=self._placement(room, prefill, links, len(dst_pages)),
+            held_tokens=held_tokens,
         )
         if bootstrap is not None:
             track.seen_s, track.found_s = bootstrap
@@ -274,6 +279,7 @@ class DecodeMessenger:
             dst_pages=tuple(int(p) for p in dst_pages),
             metadata_slot=slot,
             completion_slot=slot,
+            held_tokens=held_tokens,
         )
         with self._lock:
             old = self._tracks.get(room)

@@ -85,8 +85,10 @@ class SglPdKVReceiver(BaseKVReceiver):
         if state_indices and any(s is not None for s in state_indices):
             self._fail("sgl_pd does not transfer extra model state (Mamba, SWA)")
             return
-        if decode_prefix_len:
-            self._fail("sgl_pd does not resume from a decode-side prefix cache")
+        held = int(decode_prefix_len or 0)
+        page_size = self.kv_mgr.layout.page_size
+        if held % page_size:
+            self._fail(f"the held prefix ({held} tokens) is not whole pages of {page_size}")
             return
         table = self._table
         if table is None or aux_index is None:
@@ -109,6 +111,7 @@ class SglPdKVReceiver(BaseKVReceiver):
                 np.asarray(kv_indices, dtype=np.int64),
                 int(aux_index),
                 bootstrap=(self._created_s, self._found_s or self._created_s),
+                held_tokens=held,
             )
         except SglPdError as e:
             self._fail(str(e), cause=cause_of(e))

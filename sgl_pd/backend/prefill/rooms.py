@@ -68,10 +68,12 @@ class Chunk:
     room: int
     index: int  # chunk number of the request, from 0
     tokens: TokenRange
-    # (pages,) this rank's page per logical page, up to the chunk's end; layer-wise, the
-    # ids may still be on their way from the device (read them with `.array()`)
+    # (pages,) this rank's page per logical page from `src_first_page`, up to the
+    # chunk's end; layer-wise, the ids may still be on their way from the device (read
+    # them with `.array()`)
     src_pages: PageIds
     is_last: bool
+    src_first_page: int = 0  # after-forward: SGLang sends no page of a held prefix
 
 
 @dataclass
@@ -100,6 +102,9 @@ class Room:
     destinations: dict[int, Destination] = field(default_factory=dict)  # ranks we write to
     decoder_tp: int | None = None
     aux_index: int | None = None  # this rank's metadata row
+    # the prompt's first tokens every decode rank holds already (their prefix caches):
+    # no chunk covers them, and SGLang's sends start after them
+    held_tokens: int = 0
     num_pages: int | None = None  # pages SGLang will send in all
     pages_sent: int = 0  # pages SGLang has handed to `send` so far
     tokens_planned: int = 0  # tokens covered by chunks so far
@@ -200,6 +205,14 @@ class PrefillRooms:
                 return (
                     f"decode ranks disagree on TP ({room.decoder_tp} vs {decoder.scheme.tp_size})"
                 )
+            others = {q.held_tokens for r, q in room.requests.items() if r != decoder.rank}
+            if others and others != {request.held_tokens}:
+                return (
+                    f"decode ranks disagree on the prefix they hold ({sorted(others)} vs"
+                    f" {request.held_tokens} tokens)"
+                )
+            if room.chunks and request.held_tokens != room.held_tokens:
+                return "the held prefix changed after the first chunk was planned"
             links = links_into(
                 link_shards(self.layout, self.scheme, decoder.scheme, request.request_id),
                 decoder.rank,
@@ -208,6 +221,8 @@ class PrefillRooms:
             first = min(links, key=lambda link: (link.head_lo, link.src_rank))
             room.requests[decoder.rank] = request
             room.decoder_tp = decoder.scheme.tp_size
+            room.held_tokens = request.held_tokens
+            room.tokens_planned = max(room.tokens_planned, request.held_tokens)
             if mine:
                 room.destinations[decoder.rank] = Destination(
                     request, links, mine, first.src_rank == self.rank
@@ -219,9 +234,21 @@ class PrefillRooms:
             return None
 
     def expect(self, room_id: int, num_pages: int, aux_index: int | None) -> None:
+        """SGLang will send `num_pages` pages (those after the held prefix)."""
         with self._lock:
             room = self._room(room_id)
             room.num_pages, room.aux_index = num_pages, aux_index
+            if num_pages == 0:
+                # the decoder holds every token computed here: no chunk will carry KV,
+                # so the metadata waits for SGLang's last send only
+                room.metadata &= ~(MetadataWait.TARGET_LAYERS | MetadataWait.DRAFT_LAYERS)
+
+    def held_tokens(self, room_id: int) -> int:
+        """The prefix the decoder holds (SGLang's `pop_decode_prefix_len`): asked once
+        every decode rank's request arrived, before the first forward."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+            return 0 if room is None else room.held_tokens
 
     # -- chunks -----------------------------------------------------------------------------
 
@@ -268,8 +295,10 @@ class PrefillRooms:
                 self._states.progressed(room_id)
             is_last = room.num_pages is not None and room.pages_sent >= room.num_pages
             due: list[tuple[Chunk, range]] = []
-            if not self.layerwise:
-                start = len(room.src_pages) * self.layout.page_size
+            page_size = self.layout.page_size
+            if not self.layerwise and num_tokens > 0:
+                # SGLang's sends start at the held prefix (whole pages)
+                start = room.held_tokens + len(room.src_pages) * page_size
                 room.src_pages.extend(int(p) for p in pages)
                 chunk = Chunk(
                     room_id,
@@ -277,14 +306,15 @@ class PrefillRooms:
                     TokenRange(start, start + num_tokens),
                     PageIds.ready(room.src_pages),
                     is_last,
+                    src_first_page=room.held_tokens // page_size,
                 )
                 room.chunks += 1
                 room.tokens_planned = start + num_tokens
                 self._sending(room)
                 due.append((chunk, range(self.layout.num_layers)))
-            else:
+            elif self.layerwise:
                 # a chunk's draft KV exists once SGLang sends the pages that chunk filled
-                sent_tokens = room.pages_sent * self.layout.page_size
+                sent_tokens = room.held_tokens + room.pages_sent * page_size
                 forwarded = [
                     c for c in room.awaiting_draft if is_last or c.tokens.stop <= sent_tokens
                 ]
@@ -326,6 +356,7 @@ class PrefillRooms:
                 return []
             room.metadata = MetadataWait.QUEUED
             room.metadata_pending = len(room.requests)
+            self._sending(room)  # a full prefix hit sends its metadata only
             return [self._destination_or_notice(room, rank) for rank in sorted(room.requests)]
 
     def _destination_or_notice(self, room: Room, rank: int) -> Destination:

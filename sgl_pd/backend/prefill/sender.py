@@ -50,6 +50,16 @@ class SglPdKVSender(BaseKVSender):
         # previous forward until it completes. It belongs to the next `send` only.
         self._early_send_wait_event: Any = None
 
+    def pop_decode_prefix_len(self) -> int:
+        """The prompt's first tokens the decoder holds (its prefix cache): SGLang sends
+        only the pages after them. Asked once every decode rank asked for the request."""
+        return self._messenger.rooms.held_tokens(self.bootstrap_room)
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        """The last send goes even without pages (a full prefix hit): it is what lets
+        the metadata go."""
+        return num_pages > 0 or last_chunk
+
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self._messenger.expect(self.bootstrap_room, int(num_kv_indices), aux_index)
 

@@ -174,13 +174,16 @@ class KvWriter:
         return addressed
 
     def _plan(self, dest: Destination, chunk: Chunk, relayout: Relayout) -> TransferPlan:
+        request = dest.request
         return plan_transfer(
             self.layout,
             dest.links,
             chunk.src_pages.array(),
-            dest.request.dst_pages,
+            request.dst_pages,
             chunk.tokens,
             relayout=relayout,
+            src_first_page=chunk.src_first_page,
+            held_pages=request.held_tokens // self.layout.page_size,
         )
 
     def _gather_fits(self, plan: TransferPlan) -> bool:
@@ -229,12 +232,13 @@ class KvWriter:
             decoder.inbox,
             ChunkNotice(
                 request_id=request.request_id,
-                chunk_index=room.chunks - 1,
+                chunk_index=max(0, room.chunks - 1),
                 token_start=0,
                 token_stop=max(1, room.tokens_planned),
                 page_ids=(),
                 is_last=True,
                 prefill_instance=self.instance,
+                num_chunks=room.chunks,
             ),
         )
         return sent
