@@ -119,6 +119,19 @@ class TransferMetrics:
             "Prefill: KV and metadata bytes one rank wrote for one request",
             _BYTES,
         )
+        self._held_tokens = counter(
+            "sgl_pd_decode_prefix_tokens",
+            "Decode: prompt tokens of completed requests whose KV the decoder held in its "
+            "prefix cache (--disaggregation-decode-enable-radix-cache): not transferred",
+        )
+        self._received_tokens = counter(
+            "sgl_pd_decode_received_tokens",
+            "Decode: prompt tokens of completed requests whose KV was transferred",
+        )
+        self._bytes_not_sent = counter(
+            "sgl_pd_kv_bytes_not_sent",
+            "Decode: KV bytes of held prefix tokens this rank did not have to receive",
+        )
         self._rooms = gauge(
             "sgl_pd_rooms",
             "Requests this server's ranks hold transfer state for (live, or draining)",
@@ -154,6 +167,13 @@ class TransferMetrics:
         if bootstrap_s is not None:
             self._bootstrap.observe(max(bootstrap_s, 0.0))
         self._request_bytes.observe(nbytes)
+
+    def decode_prefix(self, held_tokens: int, received_tokens: int, bytes_not_sent: int) -> None:
+        """A completed request's prompt on a decode rank: tokens held vs transferred."""
+        if self._enabled:
+            self._held_tokens.inc(held_tokens)
+            self._received_tokens.inc(received_tokens)
+            self._bytes_not_sent.inc(bytes_not_sent)
 
     def decode_done(self, kv_wait_s: float) -> None:
         if self._enabled:

@@ -118,6 +118,7 @@ class _Track:
     staging_offset: int | None = None
     unsent: TransferRequest | None = None  # waiting for receive staging to come free
     held_tokens: int = 0  # the prompt's first tokens this rank's prefix cache holds
+    prompt_tokens: int = 0  # tokens whose KV the prefiller computed, from its last notice
     error: str | None = None
     metadata_seen: bool = False
     abort_sent: bool = False
@@ -164,10 +165,11 @@ class DecodeMessenger:
         self._tracks: dict[int, _Track] = {}
         deadlines = {_D.REQUESTED: transfer_timeout_s, _D.TRANSFERRING: transfer_timeout_s}
         self._states: RequestTracker[DecodeState] = RequestTracker(DECODE_TABLE, deadlines, clock)
-        # room -> (chunks, seen at, sender instance): a last-chunk notice that came before
+        # room -> (chunks, seen at, sender instance, tokens the prefiller computed): a
+        # last-chunk notice that came before
         # the request was tracked here; at most MAX_EARLY_NOTICES, each dropped after the
         # transfer timeout, so that strangers cannot grow it
-        self._sealed: dict[int, tuple[int, float, int]] = {}
+        self._sealed: dict[int, tuple[int, float, int, int]] = {}
         # receive staging of requests forgotten before their pages were safe: (until, offset)
         self._orphans: list[tuple[float, int]] = []
 
@@ -188,13 +190,18 @@ class DecodeMessenger:
             track = self._tracks.get(notice.request_id)
             if track is None:
                 if len(self._sealed) < MAX_EARLY_NOTICES:
-                    early = (notice.num_chunks, self._now(), notice.prefill_instance)
+                    early = (
+                        notice.num_chunks,
+                        self._now(),
+                        notice.prefill_instance,
+                        notice.token_stop,
+                    )
                     self._sealed[notice.request_id] = early
                 return
             if notice.prefill_instance not in track.instances.values():
                 _refused(notice.request_id, notice.prefill_instance, "chunk notice")
                 return
-            self._seal(track, notice.num_chunks)
+            self._seal(track, notice.num_chunks, notice.token_stop)
 
     def on_error(self, error: ErrorMsg) -> None:
         if error.request_id is None:
@@ -292,7 +299,7 @@ class DecodeMessenger:
             self._states.transition(room, _D.REQUESTED)
             early = self._sealed.pop(room, None)
             if early is not None and early[2] in track.instances.values():
-                self._seal(track, early[0])
+                self._seal(track, early[0], early[3])
             track.unsent = message
             granted = self._grant(track)
         if granted is not None:
@@ -475,7 +482,11 @@ class DecodeMessenger:
                 requested_s=track.started_s,
                 complete_s=track.done_s,
                 end_s=end_s,
-                attrs=(("sgl_pd.pages", track.num_pages), ("sgl_pd.staged_bytes", staged)),
+                attrs=(
+                    ("sgl_pd.pages", track.num_pages),
+                    ("sgl_pd.staged_bytes", staged),
+                    ("sgl_pd.held_tokens", track.held_tokens),
+                ),
                 error=track.error,
             )
         )
@@ -545,7 +556,7 @@ class DecodeMessenger:
                         "--pd-transfer-timeout or check the prefill server's log"
                     )
             now = self._now()
-            for room in [r for r, (_, t, _) in self._sealed.items() if now - t > self._timeout_s]:
+            for room in [r for r, (_, t, *_) in self._sealed.items() if now - t > self._timeout_s]:
                 del self._sealed[room]
             rooms = len(self._tracks)
             arriving = sum(t.done_s is None and t.error is None for t in self._tracks.values())
@@ -591,7 +602,9 @@ class DecodeMessenger:
                 self._states.transition(track.room, state)
             self._metrics.add_failure(cause)
 
-    def _seal(self, track: _Track, num_chunks: int) -> None:
+    def _seal(self, track: _Track, num_chunks: int, prompt_tokens: int) -> None:
+        """`prompt_tokens`: the tokens whose KV the prefiller computed (held ones too)."""
+        track.prompt_tokens = prompt_tokens
         try:
             track.counter.seal(num_chunks)
         except CountingError as e:
@@ -628,4 +641,11 @@ class DecodeMessenger:
                 self._states.transition(track.room, _D.TRANSFERRING)
             self._states.transition(track.room, _D.COMPLETE)
             self._metrics.add_request(track.num_pages, track.done_s - track.started_s)
+            pool = self.pool
+            token_bytes = pool.layout.num_regions * pool.local_heads * pool.layout.row_bytes
+            self._metrics.decode_prefix(
+                track.held_tokens,
+                max(0, track.prompt_tokens - track.held_tokens),
+                track.held_tokens * token_bytes,
+            )
             self._metrics.decode_done(track.done_s - track.started_s)

@@ -323,6 +323,7 @@ class PrefillMessenger:
         attrs: list[tuple[str, int | float | str | bool]] = [
             ("sgl_pd.mode", "layerwise" if self.layerwise else "after_forward"),
             ("sgl_pd.tokens", room.tokens_planned),
+            ("sgl_pd.held_tokens", room.held_tokens),
             ("sgl_pd.bytes", room.bytes_sent),
             ("sgl_pd.writes", room.writes_posted),
         ]
@@ -349,13 +350,14 @@ class PrefillMessenger:
         exposed = "" if room.forward_end_s is None else f" forward_end={room.forward_end_s:.6f}"
         exposed += f" last_send={room.last_send_s or 0.0:.6f}"
         logger.info(
-            "%s room=%d rank=%d mode=%s tokens=%d chunks=%d bytes=%d writes=%d first_write=%.6f "
-            "last_chunk_first_write=%.6f%s done=%.6f",
+            "%s room=%d rank=%d mode=%s tokens=%d held=%d chunks=%d bytes=%d writes=%d "
+            "first_write=%.6f last_chunk_first_write=%.6f%s done=%.6f",
             TIMING_LINE_PREFIX,
             room.room,
             self.rank,
             "layerwise" if self.layerwise else "after_forward",
             room.tokens_planned,
+            room.held_tokens,
             room.chunks,
             room.bytes_sent,
             room.writes_posted,
