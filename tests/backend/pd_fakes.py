@@ -82,6 +82,12 @@ class Memory:
         page_bytes = self.kv[0].nbytes // NUM_PAGES
         return b"".join(bytes(b[page * page_bytes : (page + 1) * page_bytes]) for b in self.kv)
 
+    def set_page(self, page: int, value: int) -> None:
+        """Every byte of `page`, in every (layer, part) region, set to `value`."""
+        page_bytes = self.kv[0].nbytes // NUM_PAGES
+        for b in self.kv:
+            b[page * page_bytes : (page + 1) * page_bytes] = value
+
 
 class GatedEngine(FakeTransferEngine):
     """Data batches wait for `gate` (set = open), so a test can hold writes in flight;
@@ -191,51 +197,69 @@ class Rig:
         self.decoders[inbox] = decoder
         return decoder
 
-    def request(self, decoder: Decoder, room: int, dst_pages: list[int], slot: int) -> None:
+    def request(
+        self, decoder: Decoder, room: int, dst_pages: list[int], slot: int, held_tokens: int = 0
+    ) -> None:
         """The decode rank's side: its receiver made and the prefiller found (the
-        bootstrap, stamped as the receiver does), then its pages asked for."""
+        bootstrap, stamped as the receiver does), then its pages asked for. `held_tokens`:
+        the prefix its cache holds (`dst_pages` are the pages after it)."""
         seen_s = self.clock.monotonic()
         bootstrap = (seen_s, self.clock.monotonic())
         decoder.messenger.request(
             room,
             [self.prefill_registration],
             decoder.registration,
-            np.asarray(dst_pages),
+            np.asarray(dst_pages, dtype=np.int64),
             slot,
             bootstrap=bootstrap,
+            held_tokens=held_tokens,
         )
 
-    def prefill_all(self, room: int, src_pages: list[int], chunk: int = 4) -> None:
-        """SGLang's side of a request on the prefill rank, after-forward mode."""
+    def prefill_all(
+        self, room: int, src_pages: list[int], chunk: int = 4, held_pages: int = 0
+    ) -> None:
+        """SGLang's side of a request on the prefill rank, after-forward mode: it chunks
+        the prompt from its start, and sends only the pages after the decoder's held
+        prefix (`held_pages`, what `pop_decode_prefix_len` said); a last send without
+        pages when the decoder holds them all."""
         self.prefill.track(room)
-        self.prefill.expect(room, len(src_pages), aux_index=room % AUX_ROWS)
+        self.prefill.expect(room, len(src_pages) - held_pages, aux_index=room % AUX_ROWS)
         for start in range(0, len(src_pages), chunk):
-            part = np.asarray(src_pages[start : start + chunk])
-            self.prefill.submit_chunk(room, part, len(part))
+            end = min(start + chunk, len(src_pages))
+            part = np.asarray(src_pages[max(start, held_pages) : end], dtype=np.int64)
+            if len(part) or end == len(src_pages):
+                self.prefill.submit_chunk(room, part, len(part))
 
     def prefill_layerwise(
-        self, room: int, src_pages: list[int], chunk: int = 4, streamer_lags: bool = False
+        self,
+        room: int,
+        src_pages: list[int],
+        chunk: int = 4,
+        streamer_lags: bool = False,
+        held_pages: int = 0,
     ) -> None:
         """SGLang's side of a request on the prefill rank, layer-wise mode: per chunk, its
         notice, the target's layers as the streamer reports them, SGLang's send after the
         draft ran. `streamer_lags`: the streamer reports the forward done after the send
         (as it may on a GPU); else before it."""
         self.prefill.track(room)
-        self.prefill.expect(room, len(src_pages), aux_index=room % AUX_ROWS)
+        self.prefill.expect(room, len(src_pages) - held_pages, aux_index=room % AUX_ROWS)
         target_layers = range(LAYOUT.num_layers - self.draft_layers)
         for start in range(0, len(src_pages), chunk):
-            part = np.asarray(src_pages[start : start + chunk])
-            end = start + len(part)
+            end = min(start + chunk, len(src_pages))
+            part = np.asarray(src_pages[max(start, held_pages) : end], dtype=np.int64)
             noticed = self.prefill.notice_chunk(
                 room, PageIds.ready(src_pages[:end]), end, end == len(src_pages)
             )
-            assert noticed is not None
-            self.prefill.write_layers([noticed], target_layers)
+            assert (noticed is not None) == (end > held_pages)  # held chunks send nothing
+            chunks = [] if noticed is None else [noticed]
+            self.prefill.write_layers(chunks, target_layers)
             if not streamer_lags:
-                self.prefill.forward_done([noticed])
-            self.prefill.submit_chunk(room, part, len(part))
+                self.prefill.forward_done(chunks)
+            if len(part) or end == len(src_pages):
+                self.prefill.submit_chunk(room, part, len(part))
             if streamer_lags:
-                self.prefill.forward_done([noticed])
+                self.prefill.forward_done(chunks)
 
     # -- message delivery (what the inboxes would do) ------------------------------------
 

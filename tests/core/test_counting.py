@@ -149,6 +149,19 @@ def test_counter_counts_and_completes() -> None:
     assert c.is_complete and c.received == 6
 
 
+def test_a_full_prefix_hit_counts_no_chunk_and_completes_on_the_metadata() -> None:
+    """A decoder that holds every token the prefiller computes named no page: zero
+    chunks are announced, and only the metadata word completes the request."""
+    held_all = CompletionCounter(EXP, expect_kv=False)
+    held_all.seal(0)
+    assert held_all.expected == 0 and not held_all.is_complete
+    assert held_all.record_metadata(3)
+    with pytest.raises(CountingError, match="holds every token"):
+        CompletionCounter(EXP, expect_kv=False).seal(1)
+    with pytest.raises(CountingError, match="has a chunk"):
+        CompletionCounter(EXP).seal(0)
+
+
 def test_counter_is_complete_only_once_sealed() -> None:
     c = CompletionCounter(EXP, expect_metadata=False)
     c.observe(0, 2)

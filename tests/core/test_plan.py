@@ -34,6 +34,10 @@ class Scenario:
     chunks: tuple[tuple[int, int], ...]  # token ranges, consecutive
     group_size: int
     seed: int
+    # the destination holds the first `held_pages` pages (its prefix cache): its list
+    # starts after them; the source list starts at logical page `src_first_page`
+    held_pages: int = 0
+    src_first_page: int = 0
 
 
 def _page_list(draw: st.DrawFn, needed: int, pool: int) -> tuple[int, ...]:
@@ -90,6 +94,8 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         tuple(itertools.pairwise(bounds)),
         draw(st.integers(1, layers)),
         draw(st.integers(0, 2**63)),
+        held_pages=draw(st.sampled_from([0, start // page_size])),
+        src_first_page=draw(st.sampled_from([0, start // page_size])),
     )
 
 
@@ -148,7 +154,16 @@ def test_plan_reproduces_destination_bytes(sc: Scenario, data_seed: int) -> None
     issued_groups: list[WriteGroup] = []
     for c, (t0, t1) in enumerate(sc.chunks):
         for layers in lay.layer_groups(sc.group_size):
-            plan = plan_transfer(lay, links, sc.src_pages, sc.dst_pages, TokenRange(t0, t1), layers)
+            plan = plan_transfer(
+                lay,
+                links,
+                sc.src_pages[sc.src_first_page :],
+                sc.dst_pages[sc.held_pages :],
+                TokenRange(t0, t1),
+                layers,
+                src_first_page=sc.src_first_page,
+                held_pages=sc.held_pages,
+            )
             issued_writes += plan.num_writes
             issued_groups.extend(plan.groups(c, sc.group_size))
             for batch in plan.batches(layers, src_tables, dst_tables):
@@ -161,6 +176,8 @@ def test_plan_reproduces_destination_bytes(sc: Scenario, data_seed: int) -> None
                     arena.data[d : d + n] = before[s : s + n]
                     written += n
 
+    # (with a held prefix: its pages, which hold only tokens before the first chunk, are
+    # left exactly as they were)
     assert np.array_equal(arena.data, expected)
     # No byte written twice: exactly the needed bytes moved.
     assert written == (num_tokens - first) * len(regions) * sc.tp_d * loc_d * row
@@ -379,3 +396,21 @@ def test_an_addressed_plans_columns_join_its_links_batches() -> None:
             np.array_equal(got, getattr(only, column))
             for column, got in zip(columns, one.columns(layers), strict=True)
         )
+
+
+@pytest.mark.parametrize("page_layout", list(PageLayout))
+def test_a_chunk_cannot_start_inside_the_held_prefix(page_layout: PageLayout) -> None:
+    """The held pages are not in the destination's list, and a chunk that would reach
+    back into them is refused: no plan can write a page the decoder's cache holds."""
+    lay = KvLayout.gqa(
+        num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, elem_bytes=2,
+        page_layout=page_layout,
+    )  # fmt: skip
+    links = link_shards(lay, ShardingScheme(1), ShardingScheme(1), 0)
+    src, dst = list(range(10)), [20, 21]  # decoder holds pages 0-2 (12 tokens)
+    plan = plan_transfer(lay, links, src, dst, TokenRange(12, 20), held_pages=3)
+    assert plan.num_writes > 0
+    with pytest.raises(PlanError, match="held"):
+        plan_transfer(lay, links, src, dst, TokenRange(11, 20), held_pages=3)
+    with pytest.raises(PlanError, match="source page list"):
+        plan_transfer(lay, links, src[3:], dst, TokenRange(8, 20), src_first_page=3)
