@@ -43,19 +43,25 @@ def mono(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterat
         yield server
 
 
+# the decoder keeps a prefix cache: a prompt's held prefix is not transferred
+DECODE_PREFIX_CACHE = ("--disaggregation-decode-enable-radix-cache",)
+
+
 def start_pd(
     tmp_path_factory: pytest.TempPathFactory,
     kv_send: str,
     patience: Patience | None = None,
     extra: tuple[str, ...] = (),
+    decode_extra: tuple[str, ...] = (),
 ) -> Iterator[PdCluster]:
     """A PD cluster whose prefiller sends KV as `kv_send` says; `extra`: more flags for
-    both servers; `patience`: the waits, `local_patience()` when None."""
+    both servers, `decode_extra` for the decoder only; `patience`: the waits,
+    `local_patience()` when None."""
     args = [*COMMON_ARGS, "--enable-metrics", *extra]
     with pd_cluster(
         tmp_path_factory.mktemp(f"pd-{kv_send}"),
         prefill_extra=[*args, "--pd-kv-send", kv_send],
-        decode_extra=args,
+        decode_extra=[*args, *decode_extra],
         patience=patience,
     ) as cluster:
         yield cluster

@@ -14,18 +14,19 @@ import pytest
 import requests
 
 from sgl_pd.cluster.client import chat, generate_ids, stream_chat
+from sgl_pd.cluster.conversations import replay, script, wrong_turns
 from sgl_pd.cluster.local import PdCluster, Server
 from sgl_pd.cluster.logs import last_pool_state, timing_lines
 from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids, varied_prompts
 
-from .conftest import CHUNKED_PREFILL_SIZE, start_pd
+from .conftest import CHUNKED_PREFILL_SIZE, DECODE_PREFIX_CACHE, start_pd
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdCluster]:
-    yield from start_pd(tmp_path_factory, "layerwise")
+    yield from start_pd(tmp_path_factory, "layerwise", decode_extra=DECODE_PREFIX_CACHE)
 
 
 PROMPTS = varied_prompts(50)
@@ -286,6 +287,65 @@ def test_a_real_prometheus_scrapes_the_pair_and_every_expression_returns_data(
         sender.join(60)
         prometheus.terminate()
         prometheus.wait(30)
+
+
+# -- the decoder's prefix cache (--disaggregation-decode-enable-radix-cache) -------------
+
+
+def test_multi_turn_conversations_move_only_what_the_decoder_lacks(
+    mono: Server, pd: PdCluster
+) -> None:
+    """Each turn = the previous prompt + its answer + a new message: the decoder holds
+    all but the new message (the answer's KV only it computed), so only that crosses
+    the wire, and every turn has monolithic's tokens."""
+    from .metrics_reading import sample
+
+    openers = [prompt_ids(p) for p in varied_prompts(6, seed=41)]
+    conversations = script(mono.url, openers, turns=3, max_new_tokens=8)
+    lines_before = len(timing_lines(pd.prefill.process.log_path))
+    held_before = sample(pd.decode.url, "sgl_pd_decode_prefix_tokens_total", role="decode")
+    verdicts = replay(pd.router_url, conversations)
+    assert not wrong_turns(verdicts), verdicts
+    lines = timing_lines(pd.prefill.process.log_path)[lines_before:]
+    assert len(lines) == 6 * 3
+    later = [line for line in lines if line["held"] > 0]
+    # every later turn holds at least its previous prompt (the first turns may share one
+    # conversation opener's start with another's)
+    assert len(later) >= 6 * 2, [(line["tokens"], line["held"]) for line in lines]
+    held = sum(int(line["held"]) for line in lines)
+    moved = sum(int(line["tokens"]) - int(line["held"]) for line in lines)
+    assert held > moved  # later turns are mostly held prefix
+    time.sleep(1.0)  # SGLang's metrics of a scheduler process reach /metrics through files
+    counted = sample(pd.decode.url, "sgl_pd_decode_prefix_tokens_total", role="decode")
+    assert counted - held_before == held
+
+
+def test_the_same_prompt_twice_moves_only_the_metadata(mono: Server, pd: PdCluster) -> None:
+    """A full hit: the decoder holds every token the prefiller computes (all but the
+    last, which its first decode step computes), so no KV moves, only the metadata row."""
+    ids = long_prompt_ids(300, start=900)
+    want = generate_ids(mono.url, ids, 6)
+    assert generate_ids(pd.router_url, ids, 6) == want
+    first = timing_lines(pd.prefill.process.log_path)[-1]
+    assert generate_ids(pd.router_url, ids, 6) == want
+    again = timing_lines(pd.prefill.process.log_path)[-1]
+    assert again["room"] != first["room"]
+    assert again["held"] == again["tokens"] == len(ids) - 1 and again["chunks"] == 0
+    assert 0 < again["bytes"] < first["bytes"] / 10  # the metadata row alone
+
+
+def test_a_prompt_inside_a_cached_one_holds_all_but_its_last_token(
+    mono: Server, pd: PdCluster
+) -> None:
+    """The decoder's cache holds more than the prompt (an earlier, longer prompt began
+    with it): it holds the prompt's tokens up to the one its first step computes."""
+    longer = long_prompt_ids(200, start=4200)
+    generate_ids(pd.router_url, longer, 2)
+    for n in (2, 3, 64, 199, 200):
+        ids = longer[:n]
+        assert generate_ids(pd.router_url, ids, 6) == generate_ids(mono.url, ids, 6), n
+        line = timing_lines(pd.prefill.process.log_path)[-1]
+        assert line["held"] == line["tokens"] == n - 1, (n, line)
 
 
 def test_every_page_is_free_again(pd: PdCluster) -> None:

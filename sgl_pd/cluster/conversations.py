@@ -1,0 +1,84 @@
+"""Multi-turn conversations, the traffic a decoder's prefix cache is for: each turn's
+prompt is the previous turn's prompt, its answer and a new message, so a decoder that
+served the previous turn already holds most of the next one's KV - the answer's part
+only it ever computed.
+
+A conversation is scripted once on a reference (monolithic) server, turn by turn from
+that server's own greedy answers (`script`), then replayed on the server under test,
+turn after turn (`replay`): every turn is judged against the reference's tokens, a first
+departure at a near tie of the reference's top two tokens counting as `near_tie`
+(`campaign.Expected`). Shared by the end-to-end tests and `benchmarks/bench_multiturn.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from sgl_pd.cluster.campaign import Expected, expected_tokens
+from sgl_pd.cluster.client import generate_ids
+from sgl_pd.cluster.prompts import prompt_ids
+
+
+@dataclass(frozen=True)
+class Turn:
+    prompt: tuple[int, ...]  # token ids
+    expected: Expected  # the reference server's greedy answer, with its margins
+
+
+Conversation = list[Turn]
+
+
+def follow_up(conversation: int, turn: int) -> list[int]:
+    """The new message of a turn after the first (token ids), different for every turn."""
+    return prompt_ids(f" Then {conversation * 7 + turn + 2} and")
+
+
+def script(
+    url: str,
+    openers: Sequence[Sequence[int]],
+    turns: int,
+    max_new_tokens: int,
+    *,
+    concurrency: int = 8,
+) -> list[Conversation]:
+    """One conversation per opener (its first prompt), `turns` turns each, answered by
+    the reference server at `url`; conversations run side by side, turns in order."""
+
+    def one(index: int) -> Conversation:
+        prompt, out = list(openers[index]), []
+        for turn in range(turns):
+            expected = expected_tokens(url, prompt, max_new_tokens)
+            out.append(Turn(tuple(prompt), expected))
+            prompt = prompt + list(expected.tokens) + follow_up(index, turn)
+        return out
+
+    with ThreadPoolExecutor(max(1, concurrency)) as pool:
+        return list(pool.map(one, range(len(openers))))
+
+
+def replay(
+    url: str, conversations: Sequence[Conversation], *, concurrency: int = 8
+) -> list[list[str]]:
+    """Each conversation's turns asked of the server under test in order (conversations
+    side by side): per turn "ok", "near_tie" or "wrong_tokens" against the reference."""
+
+    def one(conversation: Conversation) -> list[str]:
+        return [
+            turn.expected.judge(generate_ids(url, list(turn.prompt), len(turn.expected.tokens)))
+            for turn in conversation
+        ]
+
+    with ThreadPoolExecutor(max(1, concurrency)) as pool:
+        return list(pool.map(one, conversations))
+
+
+def wrong_turns(verdicts: Sequence[Sequence[str]]) -> list[tuple[int, int, str]]:
+    """(conversation, turn, verdict) of every turn that is neither ok nor a near tie."""
+    return [
+        (c, t, v)
+        for c, turns in enumerate(verdicts)
+        for t, v in enumerate(turns)
+        if v not in ("ok", "near_tie")
+    ]
