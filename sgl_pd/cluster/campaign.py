@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import requests
 
@@ -54,6 +55,13 @@ class Expected:
 
 def expected_tokens(url: str, ids: Sequence[int], max_new_tokens: int) -> Expected:
     """Greedy tokens of a (monolithic) server with each step's top-1 / top-2 margin."""
+    return expected_answer(url, ids, max_new_tokens)[0]
+
+
+def expected_answer(
+    url: str, ids: Sequence[int], max_new_tokens: int
+) -> tuple[Expected, dict[str, Any]]:
+    """`expected_tokens`, and SGLang's meta_info of the answer (speculative counts...)."""
     response = requests.post(
         f"{url}/generate",
         json={
@@ -68,7 +76,7 @@ def expected_tokens(url: str, ids: Sequence[int], max_new_tokens: int) -> Expect
     body = response.json()
     tops = body["meta_info"]["output_top_logprobs"]
     margins = tuple(float(t[0][0] - t[1][0]) if len(t) > 1 else float("inf") for t in tops)
-    return Expected(tuple(int(t) for t in body["output_ids"]), margins)
+    return Expected(tuple(int(t) for t in body["output_ids"]), margins), body["meta_info"]
 
 
 @dataclass(frozen=True)

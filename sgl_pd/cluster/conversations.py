@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from sgl_pd.cluster.campaign import Expected, expected_tokens
-from sgl_pd.cluster.client import generate_ids
+import requests
+
+from sgl_pd.cluster.campaign import REQUEST_TIMEOUT_S, Expected, expected_answer
 from sgl_pd.cluster.prompts import prompt_ids
 
 
@@ -25,6 +27,16 @@ from sgl_pd.cluster.prompts import prompt_ids
 class Turn:
     prompt: tuple[int, ...]  # token ids
     expected: Expected  # the reference server's greedy answer, with its margins
+    meta: dict[str, Any] = field(default_factory=dict)  # the reference's meta_info
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One turn as the server under test answered it."""
+
+    verdict: str  # "ok", "near_tie" or "wrong_tokens" against the reference
+    tokens: tuple[int, ...]
+    meta: dict[str, Any]  # SGLang's meta_info (speculative counts, ...)
 
 
 Conversation = list[Turn]
@@ -49,8 +61,8 @@ def script(
     def one(index: int) -> Conversation:
         prompt, out = list(openers[index]), []
         for turn in range(turns):
-            expected = expected_tokens(url, prompt, max_new_tokens)
-            out.append(Turn(tuple(prompt), expected))
+            expected, meta = expected_answer(url, prompt, max_new_tokens)
+            out.append(Turn(tuple(prompt), expected, meta))
             prompt = prompt + list(expected.tokens) + follow_up(index, turn)
         return out
 
@@ -60,25 +72,39 @@ def script(
 
 def replay(
     url: str, conversations: Sequence[Conversation], *, concurrency: int = 8
-) -> list[list[str]]:
+) -> list[list[Reply]]:
     """Each conversation's turns asked of the server under test in order (conversations
-    side by side): per turn "ok", "near_tie" or "wrong_tokens" against the reference."""
+    side by side), greedy, each judged against the reference."""
 
-    def one(conversation: Conversation) -> list[str]:
-        return [
-            turn.expected.judge(generate_ids(url, list(turn.prompt), len(turn.expected.tokens)))
-            for turn in conversation
-        ]
+    def ask(turn: Turn) -> Reply:
+        response = requests.post(
+            f"{url}/generate",
+            json={
+                "input_ids": list(turn.prompt),
+                "sampling_params": {
+                    "temperature": 0,
+                    "max_new_tokens": len(turn.expected.tokens),
+                },
+            },
+            timeout=REQUEST_TIMEOUT_S,
+        )
+        response.raise_for_status()
+        body = response.json()
+        tokens = tuple(int(t) for t in body["output_ids"])
+        return Reply(turn.expected.judge(tokens), tokens, body["meta_info"])
+
+    def one(conversation: Conversation) -> list[Reply]:
+        return [ask(turn) for turn in conversation]
 
     with ThreadPoolExecutor(max(1, concurrency)) as pool:
         return list(pool.map(one, conversations))
 
 
-def wrong_turns(verdicts: Sequence[Sequence[str]]) -> list[tuple[int, int, str]]:
+def wrong_turns(replies: Sequence[Sequence[Reply]]) -> list[tuple[int, int, str]]:
     """(conversation, turn, verdict) of every turn that is neither ok nor a near tie."""
     return [
-        (c, t, v)
-        for c, turns in enumerate(verdicts)
-        for t, v in enumerate(turns)
-        if v not in ("ok", "near_tie")
+        (c, t, r.verdict)
+        for c, turns in enumerate(replies)
+        for t, r in enumerate(turns)
+        if r.verdict not in ("ok", "near_tie")
     ]

@@ -380,12 +380,15 @@ def router_argv(
     retries: bool = True,
     more_prefills: Sequence[tuple[str, int]] = (),
     more_decodes: Sequence[str] = (),
+    decode_policy: str = "round_robin",
 ) -> list[str]:
     """SGLang's router in PD mode over one pair; its health checks from `patience`
     (`local_patience()` when None). `retries=False`: a failed request reaches the client
     as it failed, instead of being sent again (fault campaigns count failures).
     `more_prefills`: (url, bootstrap port) of further prefill servers, taken in turn;
-    `more_decodes`: URLs of further decode servers, likewise."""
+    `more_decodes`: URLs of further decode servers, chosen by `decode_policy`
+    ("cache_aware": where the prompt's prefix went before, so a decoder's prefix cache
+    is hit)."""
     patience = patience if patience is not None else local_patience()
     prefills = [(prefill_url, bootstrap_port), *more_prefills]
     return python_module_argv(
@@ -397,6 +400,7 @@ def router_argv(
         "--port", str(port),
         "--prometheus-port", str(prometheus_port),  # its default, 29000, allows one router
         "--policy", "round_robin",
+        "--decode-policy", decode_policy,
         *patience.router_args(),
         *(() if retries else ("--disable-retries",)),
         "--log-level", "warn",
@@ -606,11 +610,13 @@ def direct_cluster(
     decoders: int = 2,
     with_router: bool = False,
     patience: Patience | None = None,
+    decode_policy: str = "round_robin",
 ) -> Iterator[DirectCluster]:
     """One prefill server feeding `decoders` decode servers in direct mode (D3): clients
     send requests to a decoder, which submits the prefill itself (--pd-prefill-bootstrap).
     `with_router`: SGLang's PD router over the same servers too, so both flows can be
-    compared on one cluster. Each server on its own cores where there are enough."""
+    compared on one cluster, choosing decoders by `decode_policy`. Each server on its own
+    cores where there are enough."""
     patience = patience if patience is not None else local_patience()
     ports = free_ports(decoders + 4)
     prefill_port, bootstrap_port, router_port, metrics_port = ports[:4]
@@ -651,6 +657,7 @@ def direct_cluster(
             decode_servers[0].url,
             patience=patience,
             more_decodes=[d.url for d in decode_servers[1:]],
+            decode_policy=decode_policy,
         )
         router = ManagedProcess("router", router_cmd, log_dir / "router.log")
     router_url = f"http://{HOST}:{router_port}" if with_router else None

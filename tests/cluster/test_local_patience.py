@@ -97,6 +97,12 @@ def test_router_argv_parses_with_the_routers_parser_and_carries_the_settings() -
     assert args.health_check_interval_secs == 1 and args.health_success_threshold == 1
     assert args.disable_circuit_breaker
     assert not args.disable_retries
+    assert args.decode_policy == "round_robin"
+    cache_aware = router_argv(
+        8000, 29001, "http://127.0.0.1:30000", 8998, "http://127.0.0.1:30001",
+        decode_policy="cache_aware",
+    )  # fmt: skip
+    assert launch_router.parse_router_args(cache_aware[3:]).decode_policy == "cache_aware"
     no_retries = router_argv(
         8000, 29001, "http://127.0.0.1:30000", 8998, "http://127.0.0.1:30001", retries=False
     )

@@ -2,7 +2,10 @@
 decoders, which submit the prefills themselves. The same servers also sit behind SGLang's
 router, whose flow keeps working. The prefill server's KV writes are slowed on purpose,
 so a decoder that scheduled a request before its transfer was complete by counting would
-decode from pages not yet written: every request must still give monolithic's tokens."""
+decode from pages not yet written: every request must still give monolithic's tokens.
+Both decoders keep a prefix cache: a client that sends a conversation's turns to one
+decoder has its earlier turns held there, and the router's cache-aware decode policy
+sends a conversation's next turn where its prefix lives."""
 
 from __future__ import annotations
 
@@ -15,11 +18,12 @@ import requests
 
 from sgl_pd.cluster.campaign import first_success, kill_mid_transfer
 from sgl_pd.cluster.client import chat, generate_ids, stream_chat
+from sgl_pd.cluster.conversations import replay, script, wrong_turns
 from sgl_pd.cluster.local import DirectCluster, Server, direct_cluster
-from sgl_pd.cluster.logs import last_pool_state
+from sgl_pd.cluster.logs import last_pool_state, timing_lines
 from sgl_pd.cluster.prompts import long_prompt_ids, varied_prompts
 
-from .conftest import CHUNKED_PREFILL_SIZE, COMMON_ARGS
+from .conftest import CHUNKED_PREFILL_SIZE, COMMON_ARGS, DECODE_PREFIX_CACHE
 
 pytestmark = pytest.mark.e2e
 
@@ -34,9 +38,10 @@ def direct(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DirectCluster]:
     with direct_cluster(
         tmp_path_factory.mktemp("direct"),
         prefill_extra=[*args, "--pd-inject-write-delay-ms", str(WRITE_DELAY_MS)],
-        decode_extra=args,
+        decode_extra=[*args, *DECODE_PREFIX_CACHE],
         decoders=2,
         with_router=True,
+        decode_policy="cache_aware",
     ) as cluster:
         yield cluster
 
@@ -81,6 +86,57 @@ def test_the_router_flow_works_on_the_same_servers(mono: Server, direct: DirectC
     assert direct.router_url is not None
     for prompt in PROMPTS[:4]:
         assert generate_ids(direct.router_url, prompt, 6) == generate_ids(mono.url, prompt, 6)
+
+
+SYSTEM_PROMPT = long_prompt_ids(150, start=777)  # shared by every conversation below
+CONVERSATIONS, TURNS = 4, 3
+
+
+def _openers(first: int) -> list[list[int]]:
+    """Each conversation's first prompt: the system prompt, then a message of its own."""
+    return [
+        SYSTEM_PROMPT + long_prompt_ids(20 + 9 * i, start=first + 50 * i)[1:]
+        for i in range(CONVERSATIONS)
+    ]
+
+
+def _held_since(direct: DirectCluster, before: int) -> list[int]:
+    """Held tokens of the requests the prefill server finished since its line `before`."""
+    return [int(line["held"]) for line in timing_lines(direct.prefill.process.log_path)[before:]]
+
+
+def _turns_holding_their_conversation(held: list[int]) -> int:
+    """Requests that held more than the shared system prompt: an earlier turn of their
+    own conversation was on that decoder."""
+    return sum(h > len(SYSTEM_PROMPT) + 10 for h in held)
+
+
+def test_a_client_keeps_its_conversation_on_one_decoder(
+    mono: Server, direct: DirectCluster
+) -> None:
+    """Direct mode: each conversation's turns go to one decoder (the client's choice), so
+    every turn after the first holds its conversation so far there."""
+    conversations = script(mono.url, _openers(9000), turns=TURNS, max_new_tokens=6)
+    before = len(timing_lines(direct.prefill.process.log_path))
+    replies = [replay(direct.decoders[i % 2].url, [c])[0] for i, c in enumerate(conversations)]
+    assert not wrong_turns(replies), replies
+    held = _held_since(direct, before)
+    assert _turns_holding_their_conversation(held) >= CONVERSATIONS * (TURNS - 1), held
+
+
+def test_the_cache_aware_router_sends_a_turn_where_its_prefix_lives(
+    mono: Server, direct: DirectCluster
+) -> None:
+    """Conversations sharing a system prompt through the router (cache-aware decode
+    policy) over two decoders: every turn has monolithic's tokens, and later turns land
+    on the decoder that holds their conversation so far."""
+    assert direct.router_url is not None
+    conversations = script(mono.url, _openers(12000), turns=TURNS, max_new_tokens=6)
+    before = len(timing_lines(direct.prefill.process.log_path))
+    replies = replay(direct.router_url, conversations, concurrency=CONVERSATIONS)
+    assert not wrong_turns(replies), replies
+    held = _held_since(direct, before)
+    assert _turns_holding_their_conversation(held) >= CONVERSATIONS * (TURNS - 1), held
 
 
 def test_a_batch_is_refused_with_the_reason(direct: DirectCluster) -> None:

@@ -23,6 +23,7 @@ import pytest
 import requests
 
 from sgl_pd.cluster.client import REQUEST_TIMEOUT_S
+from sgl_pd.cluster.conversations import Conversation, Reply, replay, script, wrong_turns
 from sgl_pd.cluster.local import (
     Patience,
     PdCluster,
@@ -35,6 +36,8 @@ from sgl_pd.cluster.logs import TimingLine, last_pool_state, timing_lines, wait_
 from sgl_pd.cluster.mesh import MeshServer, pd_mesh
 from sgl_pd.cluster.prompts import long_prompt_ids, varied_prompts
 from sgl_pd.models import TINY_DEEPSEEK_V3_PATH, TINY_QWEN3_MOE_PATH
+
+from .conftest import DECODE_PREFIX_CACHE
 
 pytestmark = pytest.mark.e2e
 
@@ -68,13 +71,20 @@ class Answer:
 
 @dataclass(frozen=True)
 class Run:
-    """What one server answered: per prompt, the greedy text and SGLang's meta_info, and
-    per PD prompt the greedy answer."""
+    """What one server answered: per prompt, the greedy text and SGLang's meta_info, per
+    PD prompt the greedy answer, and multi-turn conversations scripted from its answers."""
 
     texts: list[str]
     meta: list[dict[str, Any]]
     log: str
     answers: list[Answer]
+    conversations: list[Conversation]
+
+
+# openers of the multi-turn conversations: each longer than a 64-token page, so that
+# later turns hold whole pages at every page size used here
+CONVERSATION_OPENERS = [long_prompt_ids(90 + 50 * i, start=500 * i + 3) for i in range(3)]
+CONVERSATION_TURNS = 3
 
 
 def ask_one(url: str, prompt: str | list[int]) -> Answer:
@@ -119,8 +129,11 @@ def serve_and_ask(log_dir: Path, model: Path, extra: list[str], patience: Patien
         singles = [generate(server, [p])[0][0] for p in PROMPTS]
         assert singles == texts, (singles, texts)
         answers = ask_all(server.url)
+        conversations = script(
+            server.url, CONVERSATION_OPENERS, CONVERSATION_TURNS, max_new_tokens=PD_NEW_TOKENS
+        )
         log = server.process.log_path.read_text(errors="replace")
-    return Run(texts, meta, log, answers)
+    return Run(texts, meta, log, answers, conversations)
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +212,8 @@ class PdRun:
     modes: dict[str, int]  # send mode -> requests the prefill servers finished in it
     pools: dict[str, tuple[int, bool] | None]  # server -> (tokens used, no leak), idle
     parallel_sampling: requests.Response  # the answer to a request with n = 2
+    replies: list[list[Reply]]  # the reference's conversations, replayed turn by turn
+    held: list[int]  # per replayed turn: prompt tokens the decoder held (prefill lines)
 
 
 def _idle_pools(cluster: PdCluster, patience: Patience) -> dict[str, tuple[int, bool] | None]:
@@ -213,9 +228,16 @@ def _idle_pools(cluster: PdCluster, patience: Patience) -> dict[str, tuple[int, 
         time.sleep(1)
 
 
-def serve_pd(log_dir: Path, model: Path, extra: list[str], patience: Patience) -> PdRun:
-    """A decode server and two prefill servers (layer-wise, after-forward) behind the
-    router, all with `extra`; asks the PD prompts, then waits for idle pools."""
+def serve_pd(
+    log_dir: Path,
+    model: Path,
+    extra: list[str],
+    patience: Patience,
+    conversations: list[Conversation],
+) -> PdRun:
+    """A decode server (with a prefix cache) and two prefill servers (layer-wise,
+    after-forward) behind the router, all with `extra`; asks the PD prompts, replays the
+    conversations, then waits for idle pools."""
     # Three MoE servers on two cores answer heartbeats late while they compute; these
     # tests are about tokens, not liveness (which test_pd_faults checks).
     args = [*COMMON_ARGS, *CHUNK_ARGS, *extra]
@@ -224,10 +246,13 @@ def serve_pd(log_dir: Path, model: Path, extra: list[str], patience: Patience) -
         model=model,
         prefill_extra=[*args, "--pd-kv-send", "layerwise"],
         more_prefills=[[*args, "--pd-kv-send", "after-forward"]],
-        decode_extra=args,
+        decode_extra=[*args, *DECODE_PREFIX_CACHE],
         patience=patience,
     ) as cluster:
         answers = ask_all(cluster.router_url)
+        before = _prefill_lines(cluster)
+        replies = replay(cluster.router_url, conversations, concurrency=3)
+        held = [int(line["held"]) for line in _prefill_lines(cluster)[len(before) :]]
         parallel = requests.post(
             f"{cluster.router_url}/generate",
             json={"text": "Days: Friday", "sampling_params": {"max_new_tokens": 4, "n": 2}},
@@ -235,33 +260,44 @@ def serve_pd(log_dir: Path, model: Path, extra: list[str], patience: Patience) -
         )
         pools = _idle_pools(cluster, patience)
         modes: dict[str, int] = {}
-        for server in (cluster.prefill, *cluster.more_prefills):
-            for line in timing_lines(server.process.log_path):
-                modes[str(line["mode"])] = modes.get(str(line["mode"]), 0) + 1
-    return PdRun(answers, modes, pools, parallel)
+        for line in _prefill_lines(cluster):
+            modes[str(line["mode"])] = modes.get(str(line["mode"]), 0) + 1
+    return PdRun(answers, modes, pools, parallel, replies, held)
+
+
+def _prefill_lines(cluster: PdCluster) -> list[TimingLine]:
+    """Every prefill server's timing lines, in the order the requests finished."""
+    lines = [
+        line
+        for server in (cluster.prefill, *cluster.more_prefills)
+        for line in timing_lines(server.process.log_path)
+    ]
+    return sorted(lines, key=lambda line: float(line["done"]))
 
 
 @pytest.fixture(scope="module")
 def deepseek_nextn_pd_page64(
-    tmp_path_factory: pytest.TempPathFactory, patience: Patience
+    tmp_path_factory: pytest.TempPathFactory, patience: Patience, deepseek_nextn: Run
 ) -> Iterator[PdRun]:
     yield serve_pd(
         tmp_path_factory.mktemp("deepseek-nextn-pd-64"),
         TINY_DEEPSEEK_V3_PATH,
         [*NEXTN_ARGS, "--page-size", "64"],
         patience,
+        deepseek_nextn.conversations,
     )
 
 
 @pytest.fixture(scope="module")
 def qwen3_moe_pd_page16(
-    tmp_path_factory: pytest.TempPathFactory, patience: Patience
+    tmp_path_factory: pytest.TempPathFactory, patience: Patience, qwen3_moe: Run
 ) -> Iterator[PdRun]:
     yield serve_pd(
         tmp_path_factory.mktemp("qwen3-moe-pd-16"),
         TINY_QWEN3_MOE_PATH,
         ["--page-size", "16"],
         patience,
+        qwen3_moe.conversations,
     )
 
 
@@ -329,6 +365,30 @@ def test_the_prefill_seeds_the_decoders_first_draft(
     assert len(still) >= 0.9 * len(perfect), [(i, pd.answers[i].meta) for i in perfect]
 
 
+def _assert_conversations_hold_and_match(pd: PdRun) -> None:
+    """Every replayed turn has monolithic's tokens, and every turn after the first held
+    a prefix (the previous turn's prompt and answer, in whole pages)."""
+    assert not wrong_turns(pd.replies), pd.replies
+    assert len(pd.held) == len(CONVERSATION_OPENERS) * CONVERSATION_TURNS
+    assert sum(h > 0 for h in pd.held) >= len(CONVERSATION_OPENERS) * (CONVERSATION_TURNS - 1)
+
+
+def test_deepseek_nextn_conversations_hold_prefixes_and_accept_drafts(
+    deepseek_nextn: Run, deepseek_nextn_pd_page64: PdRun
+) -> None:
+    """Later turns start from the decoder's held prefix; the draft model's KV of that
+    prefix is held too (the draft layer is one more layer of the same pages), so draft
+    acceptance on those turns stays within 0.05 of monolithic serving's."""
+    pd = deepseek_nextn_pd_page64
+    _assert_conversations_hold_and_match(pd)
+    later = [t for c in deepseek_nextn.conversations for t in c[1:]]
+    through_pd = [r for c in pd.replies for r in c[1:]]
+    mono_answers = [Answer(list(t.expected.tokens), t.meta) for t in later]
+    pd_answers = [Answer(list(r.tokens), r.meta) for r in through_pd]
+    mono_rate, pd_rate = _accept_rate(mono_answers), _accept_rate(pd_answers)
+    assert abs(pd_rate - mono_rate) <= 0.05, (mono_rate, pd_rate)
+
+
 def test_qwen3_moe_through_pd_gives_monolithic_tokens(
     qwen3_moe: Run, qwen3_moe_pd_page16: PdRun
 ) -> None:
@@ -337,6 +397,7 @@ def test_qwen3_moe_through_pd_gives_monolithic_tokens(
     pd = qwen3_moe_pd_page16
     _assert_same_tokens(qwen3_moe, pd)
     _assert_served_well(pd)
+    _assert_conversations_hold_and_match(pd)
 
 
 def test_parallel_sampling_is_refused_with_its_reason(qwen3_moe_pd_page16: PdRun) -> None:
@@ -359,6 +420,10 @@ class ShardedRun:
     pools: dict[str, dict[str, tuple[int, bool]]]  # server -> rank -> (used, no leak), idle
     ranks: dict[str, int]  # server -> its scheduler processes
     logs: dict[str, str]  # server -> its log
+    # (prefill, decode) -> the reference's conversations replayed, and per turn the
+    # prompt tokens the decoder held (one prefill rank's lines)
+    replies: dict[tuple[str, str], list[list[Reply]]]
+    held: dict[tuple[str, str], list[int]]
 
 
 def serve_sharded(
@@ -367,16 +432,22 @@ def serve_sharded(
     servers: list[MeshServer],
     routes: list[tuple[str, str]],
     patience: Patience,
+    conversations: list[Conversation],
 ) -> ShardedRun:
-    """`servers` with one router per route; the sharded prompts through each route in turn,
+    """`servers` with one router per route; the sharded prompts through each route in
+    turn, and the conversations (each route's decoder has a prefix cache of its own),
     then every rank's idle pool."""
     prompts = PD_PROMPTS[:SHARDED_PROMPTS]
     with pd_mesh(log_dir, servers, routes, model=model, patience=patience) as mesh:
-        answers = {}
+        answers, replies, held = {}, {}, {}
         for route in routes:
             with ThreadPoolExecutor(8) as pool:
                 url = mesh.router(*route)
                 answers[route] = list(pool.map(lambda p, url=url: ask_one(url, p), prompts))
+            log = mesh.servers[route[0]].process.log_path
+            before = len(timing_lines(log))
+            replies[route] = replay(url, conversations, concurrency=3)
+            held[route] = [int(line["held"]) for line in timing_lines(log)[before:]]
         ranks = {name: scheduler_ranks(s.process.argv) for name, s in mesh.servers.items()}
         pools = wait_pools_idle(mesh.servers, patience.seconds(90))
         timing = {
@@ -385,7 +456,7 @@ def serve_sharded(
             if s.process.name.startswith("p_")
         }
         logs = {n: s.process.log_path.read_text(errors="replace") for n, s in mesh.servers.items()}
-    return ShardedRun(answers, timing, pools, ranks, logs)
+    return ShardedRun(answers, timing, pools, ranks, logs, replies, held)
 
 
 def _sharded_args(extra: list[str]) -> tuple[str, ...]:
@@ -397,7 +468,7 @@ DEEPSEEK_ROUTES = [("p_tp2", "d_tp1"), ("p_tp1", "d_tp2")]
 
 @pytest.fixture(scope="module")
 def deepseek_nextn_sharded(
-    tmp_path_factory: pytest.TempPathFactory, patience: Patience
+    tmp_path_factory: pytest.TempPathFactory, patience: Patience, deepseek_nextn: Run
 ) -> ShardedRun:
     """MLA: every rank holds the whole latent, so each TP2 side is two replica sets (D14);
     TP2 -> TP1 picks one source rank per request, TP1 -> TP2 feeds both decode ranks."""
@@ -408,16 +479,19 @@ def deepseek_nextn_sharded(
         [
             MeshServer("p_tp2", "prefill", (*args, "--tp", "2", "--pd-kv-send", "layerwise")),
             MeshServer("p_tp1", "prefill", (*args, "--pd-kv-send", "after-forward")),
-            MeshServer("d_tp1", "decode", args),
-            MeshServer("d_tp2", "decode", (*args, "--tp", "2")),
+            MeshServer("d_tp1", "decode", (*args, *DECODE_PREFIX_CACHE)),
+            MeshServer("d_tp2", "decode", (*args, *DECODE_PREFIX_CACHE, "--tp", "2")),
         ],
         DEEPSEEK_ROUTES,
         patience,
+        deepseek_nextn.conversations,
     )
 
 
 @pytest.fixture(scope="module")
-def qwen3_moe_sharded(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> ShardedRun:
+def qwen3_moe_sharded(
+    tmp_path_factory: pytest.TempPathFactory, patience: Patience, qwen3_moe: Run
+) -> ShardedRun:
     """4 KV heads over TP2 on both sides (D12), the experts split over both ranks."""
     args = _sharded_args(["--tp", "2"])
     return serve_sharded(
@@ -425,10 +499,11 @@ def qwen3_moe_sharded(tmp_path_factory: pytest.TempPathFactory, patience: Patien
         TINY_QWEN3_MOE_PATH,
         [
             MeshServer("p_tp2", "prefill", (*args, "--pd-kv-send", "layerwise")),
-            MeshServer("d_tp2", "decode", args),
+            MeshServer("d_tp2", "decode", (*args, *DECODE_PREFIX_CACHE)),
         ],
         [("p_tp2", "d_tp2")],
         patience,
+        qwen3_moe.conversations,
     )
 
 
@@ -441,6 +516,14 @@ def _assert_sharded_tokens(reference: Run, by_route: dict[tuple[str, str], list[
             if w.ids != g.ids
         ]
         assert not mismatches, (route, len(mismatches), mismatches)
+
+
+def _assert_sharded_conversations(run: ShardedRun, route: tuple[str, str], ranks: int) -> None:
+    """The replayed conversations have monolithic's tokens, and later turns held
+    prefixes (`ranks`: timing lines per request, one per prefill rank)."""
+    assert not wrong_turns(run.replies[route]), (route, run.replies[route])
+    later = len(CONVERSATION_OPENERS) * (CONVERSATION_TURNS - 1)
+    assert sum(h > 0 for h in run.held[route]) >= ranks * later, (route, run.held[route])
 
 
 def _assert_every_rank_idle(run: ShardedRun) -> None:
@@ -461,6 +544,7 @@ def test_deepseek_nextn_sharded_gives_monolithic_tokens_and_acceptance(
     _assert_sharded_tokens(deepseek, {route: answers})
     mono_rate = _accept_rate(deepseek_nextn.answers[:SHARDED_PROMPTS])
     assert abs(_accept_rate(answers) - mono_rate) <= 0.05, (mono_rate, _accept_rate(answers))
+    _assert_sharded_conversations(deepseek_nextn_sharded, route, 2 if route[0] == "p_tp2" else 1)
     _assert_every_rank_idle(deepseek_nextn_sharded)
 
 
@@ -485,12 +569,13 @@ def test_qwen3_moe_tp2_to_tp2_gives_monolithic_tokens(
     qwen3_moe: Run, qwen3_moe_sharded: ShardedRun
 ) -> None:
     _assert_sharded_tokens(qwen3_moe, qwen3_moe_sharded.answers)
+    _assert_sharded_conversations(qwen3_moe_sharded, ("p_tp2", "d_tp2"), 2)
     _assert_every_rank_idle(qwen3_moe_sharded)
 
 
 @pytest.fixture(scope="module")
 def deepseek_dp_attention(
-    tmp_path_factory: pytest.TempPathFactory, patience: Patience
+    tmp_path_factory: pytest.TempPathFactory, patience: Patience, deepseek: Run
 ) -> ShardedRun:
     """The article's DP-decode deployment in small: a TP1 prefill server feeding one
     decode server with DP attention (two attention-DP ranks, each its own pool and
@@ -506,6 +591,7 @@ def deepseek_dp_attention(
                 "decode",
                 (
                     *args,
+                    *DECODE_PREFIX_CACHE,
                     "--tp",
                     "2",
                     "--dp",
@@ -518,6 +604,7 @@ def deepseek_dp_attention(
         ],
         [("p_tp1", "d_dp2")],
         patience,
+        deepseek.conversations,
     )
 
 
@@ -525,6 +612,7 @@ def test_deepseek_dp_attention_decode_gives_monolithic_tokens(
     deepseek: Run, deepseek_dp_attention: ShardedRun
 ) -> None:
     _assert_sharded_tokens(deepseek, deepseek_dp_attention.answers)
+    _assert_sharded_conversations(deepseek_dp_attention, ("p_tp1", "d_dp2"), 1)
     _assert_every_rank_idle(deepseek_dp_attention)
     # both attention-DP ranks decoded requests of their own
     log = deepseek_dp_attention.logs["d_dp2"]

@@ -6,6 +6,10 @@ server stopped (SIGSTOP) for less than the hang timeout fails nothing; one stopp
 it fails what it was part of and serves again once it runs; a killed one fails its
 requests at once, because its connections are refused.
 
+The decoder keeps a prefix cache in a small pool, so cached prefixes are evicted all
+the time while transfers run; a request that holds a prefix may be aborted like any
+other, and the held pages it locked go back to the cache, unwritten.
+
 The tests share one cluster and run in file order; the last ones kill and restart each
 server, so they come last.
 """
@@ -31,10 +35,10 @@ from sgl_pd.cluster.campaign import (
 )
 from sgl_pd.cluster.client import generate_ids
 from sgl_pd.cluster.local import PdCluster, Server, pd_cluster
-from sgl_pd.cluster.logs import decode_failures, last_pool_state
+from sgl_pd.cluster.logs import decode_failures, last_pool_state, timing_lines
 from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids, varied_prompts
 
-from .conftest import COMMON_ARGS
+from .conftest import COMMON_ARGS, DECODE_PREFIX_CACHE
 
 pytestmark = pytest.mark.e2e
 
@@ -60,7 +64,7 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdCluster]:
             "--pd-inject-write-delay-ms", str(WRITE_DELAY_MS),
             "--pd-inject-write-failure-rate", str(FAILURE_RATE),
         ],
-        decode_extra=[*args, "--max-total-tokens", str(DECODE_POOL_TOKENS)],
+        decode_extra=[*args, *DECODE_PREFIX_CACHE, "--max-total-tokens", str(DECODE_POOL_TOKENS)],
         router_retries=False,
     ) as cluster:  # fmt: skip
         yield cluster
@@ -108,6 +112,34 @@ def test_abort_mid_transfer_then_reuse_the_pages(mono: Server, faulty: PdCluster
         "the aborted request came back as if complete"
     )
     assert _until_ok(faulty.router_url, second, "a2") == expected
+    _pools_idle(faulty)
+
+
+def test_abort_of_a_request_holding_a_prefix_then_the_prefix_is_reused(
+    mono: Server, faulty: PdCluster
+) -> None:
+    """A request whose first 300 tokens the decoder holds is aborted while the rest
+    streams; its lock on the held prefix goes with it, the prefix stays cached and
+    unwritten, and the same request again - holding the prefix once more - has
+    monolithic's tokens."""
+    prefix = long_prompt_ids(300, start=20000)
+    whole = prefix + long_prompt_ids(LONG, start=30000)[1:]
+    expected = generate_ids(mono.url, whole, 4)
+    assert _until_ok(faulty.router_url, prefix, "held-0") == generate_ids(mono.url, prefix, 4)
+    answer: list[requests.Response] = []
+    sender = threading.Thread(
+        target=lambda: answer.append(post_generate(faulty.router_url, whole, "held-a", 4))
+    )
+    sender.start()
+    time.sleep(1.0)  # the prefill forward is done in well under this; the writes are not
+    abort_at_decoder(faulty.decode.url, "held-a")
+    sender.join(60)
+    assert answer and (answer[0].status_code != 200 or _finish(answer[0]) == "abort"), (
+        "the aborted request came back as if complete"
+    )
+    assert _until_ok(faulty.router_url, whole, "held-b") == expected
+    held = [line["held"] for line in timing_lines(faulty.prefill.process.log_path)[-2:]]
+    assert max(held) >= 299, held
     _pools_idle(faulty)
 
 

@@ -14,6 +14,11 @@ the module ends by SIGKILLing it mid-transfer and restarting it.
 Mismatched pairings re-lay heads out (`core.relayout`): the TP1 prefill server gathers
 each decode rank's head into staging blocks, the TP1 decoder receives both halves in
 staging and scatters them. At 16 tokens a page that shows in the write counts.
+
+Both decoders keep a prefix cache (--disaggregation-decode-enable-radix-cache): each
+pairing asks prompts of its own (no prefix shared with another pairing's, so every one
+is transferred whole the first time), then multi-turn conversations whose later turns
+move only the pages after the held prefix - re-laid out where the pairing is mismatched.
 """
 
 from __future__ import annotations
@@ -31,12 +36,13 @@ from sgl_pd.cluster.campaign import (
     post_generate,
 )
 from sgl_pd.cluster.client import generate_ids
+from sgl_pd.cluster.conversations import replay, script, wrong_turns
 from sgl_pd.cluster.local import Patience, Server
 from sgl_pd.cluster.logs import decode_failures, pools_idle, timing_lines, wait_pools_idle
 from sgl_pd.cluster.mesh import MeshServer, PdMesh, pd_mesh
 from sgl_pd.cluster.prompts import long_prompt_ids, varied_prompts
 
-from .conftest import COMMON_ARGS
+from .conftest import COMMON_ARGS, DECODE_PREFIX_CACHE
 
 pytestmark = pytest.mark.e2e
 
@@ -64,9 +70,12 @@ def _mesh_servers(page: int) -> list[MeshServer]:
         MeshServer(
             "p_tp1", "prefill", (*common, "--tp", "1", "--pd-kv-send", MODES[page]["p_tp1"])
         ),
-        MeshServer("d_tp2", "decode", (*common, "--tp", "2")),
+        MeshServer("d_tp2", "decode", (*common, *DECODE_PREFIX_CACHE, "--tp", "2")),
         MeshServer(
-            "d_tp1", "decode", (*common, "--tp", "1"), direct_from=("p_tp2",) if page == 1 else ()
+            "d_tp1",
+            "decode",
+            (*common, *DECODE_PREFIX_CACHE, "--tp", "1"),
+            direct_from=("p_tp2",) if page == 1 else (),
         ),
     ]
 
@@ -88,9 +97,22 @@ def reference(mono: Server) -> list[list[int]]:
     return _ask_all(mono.url)
 
 
-def _ask_all(url: str) -> list[list[int]]:
+def _route_prompts(route: tuple[str, str]) -> list[str | list[int]]:
+    """The pairing's own prompts: a prefix cache of a decoder two pairings share holds
+    nothing of the other pairing's."""
+    mark = f"R{ROUTES.index(route)} "
+    return [p if isinstance(p, list) else mark + p for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def route_references(mono: Server) -> dict[tuple[str, str], list[list[int]]]:
+    return {route: _ask_all(mono.url, _route_prompts(route)) for route in ROUTES}
+
+
+def _ask_all(url: str, prompts: list[str | list[int]] | None = None) -> list[list[int]]:
+    asked = PROMPTS if prompts is None else prompts
     with ThreadPoolExecutor(8) as pool:  # batches mix lengths and chunked prefills
-        return list(pool.map(lambda p: generate_ids(url, p, NEW_TOKENS), PROMPTS))
+        return list(pool.map(lambda p: generate_ids(url, p, NEW_TOKENS), asked))
 
 
 def _mismatches(
@@ -112,7 +134,7 @@ def _assert_pairing_serves(
 ) -> None:
     prefill = mesh.servers[route[0]]
     before = sum(_modes(prefill).values())
-    got = _ask_all(mesh.router(*route))
+    got = _ask_all(mesh.router(*route), _route_prompts(route))
     assert not _mismatches(want, got), _mismatches(want, got)
     # every request went through the pairing's prefill server, in its mode, on each rank
     mode = MODES[page][route[0]].replace("-", "_")
@@ -123,7 +145,7 @@ def _assert_pairing_serves(
     # writes per token of this pairing's requests, for the re-layout check
     lines = timing_lines(prefill.process.log_path)[before:]
     WRITES_PER_TOKEN[(page, route)] = sum(line["writes"] for line in lines) / sum(
-        line["tokens"] for line in lines
+        line["tokens"] - line["held"] for line in lines
     )
 
 
@@ -138,6 +160,22 @@ def _assert_bulk_writes(page: int, route: tuple[str, str]) -> None:
     if identical is None or route == ("p_tp2", "d_tp2"):
         return  # run alone: nothing to compare with
     assert WRITES_PER_TOKEN[(page, route)] <= 2 * identical, WRITES_PER_TOKEN
+
+
+def _assert_conversations_serve(mesh: PdMesh, mono: Server, route: tuple[str, str]) -> None:
+    """Multi-turn conversations through the pairing: every turn has monolithic's tokens,
+    and the later turns' KV moves only past the decoder's held prefix."""
+    mark = ROUTES.index(route)
+    openers = [long_prompt_ids(40 + 60 * i, start=1000 * mark + 97 * i + 5) for i in range(2)]
+    conversations = script(mono.url, openers, turns=3, max_new_tokens=6)
+    prefill = mesh.servers[route[0]]
+    before = len(timing_lines(prefill.process.log_path))
+    verdicts = replay(mesh.router(*route), conversations, concurrency=2)
+    assert not wrong_turns(verdicts), (route, verdicts)
+    lines = timing_lines(prefill.process.log_path)[before:]
+    assert sum(line["held"] > 0 for line in lines) >= 2 * 2, [
+        (line["tokens"], line["held"]) for line in lines
+    ]
 
 
 def _assert_all_idle(mesh: PdMesh, patience: Patience) -> None:
@@ -155,9 +193,18 @@ class TestPageOfOneToken:
 
     @pytest.mark.parametrize("route", ROUTES, ids=ROUTE_IDS)
     def test_each_pairing_gives_monolithic_tokens(
-        self, mesh: PdMesh, reference: list[list[int]], route: tuple[str, str]
+        self,
+        mesh: PdMesh,
+        route_references: dict[tuple[str, str], list[list[int]]],
+        route: tuple[str, str],
     ) -> None:
-        _assert_pairing_serves(mesh, self.PAGE, route, reference)
+        _assert_pairing_serves(mesh, self.PAGE, route, route_references[route])
+
+    @pytest.mark.parametrize("route", ROUTES, ids=ROUTE_IDS)
+    def test_each_pairing_serves_conversations_from_held_prefixes(
+        self, mesh: PdMesh, mono: Server, route: tuple[str, str]
+    ) -> None:
+        _assert_conversations_serve(mesh, mono, route)
 
     def test_direct_mode_from_a_tp1_decoder_to_a_tp2_prefill_server(
         self, mesh: PdMesh, reference: list[list[int]]
@@ -180,10 +227,19 @@ class TestPageOfSixteenTokens:
 
     @pytest.mark.parametrize("route", ROUTES, ids=ROUTE_IDS)
     def test_each_pairing_gives_monolithic_tokens(
-        self, mesh: PdMesh, reference: list[list[int]], route: tuple[str, str]
+        self,
+        mesh: PdMesh,
+        route_references: dict[tuple[str, str], list[list[int]]],
+        route: tuple[str, str],
     ) -> None:
-        _assert_pairing_serves(mesh, self.PAGE, route, reference)
+        _assert_pairing_serves(mesh, self.PAGE, route, route_references[route])
         _assert_bulk_writes(self.PAGE, route)
+
+    @pytest.mark.parametrize("route", ROUTES, ids=ROUTE_IDS)
+    def test_each_pairing_serves_conversations_from_held_prefixes(
+        self, mesh: PdMesh, mono: Server, route: tuple[str, str]
+    ) -> None:
+        _assert_conversations_serve(mesh, mono, route)
 
     def test_an_abort_mid_relayout_then_a_request_on_the_same_pages(
         self, mesh: PdMesh, mono: Server
