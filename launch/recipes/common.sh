@@ -53,15 +53,24 @@ tp8_prefill_args() {
     pd_common_args
 }
 
+# a decoder keeps a prefix cache: a conversation's next turn, or a prompt sharing a
+# system prompt, moves only the KV after the prefix it holds
+decode_cache_args() {
+    printf '%s\n' --disaggregation-decode-enable-radix-cache
+}
+
 tp8_decode_args() {
     printf '%s\n' --model-path "$MODEL" --tp-size 8 \
         --disaggregation-mode decode --disaggregation-ib-device "$(nic_per_rank 0 8)" \
         --host "${DECODES[$1]}" --max-running-requests 128 --mem-fraction-static 0.85
+    decode_cache_args
     pd_common_args
 }
 
+# the router sends a request to the decoder whose cache holds most of its prompt
 router_common_args() {
-    local args=(--pd-disaggregation --host 0.0.0.0 --port "${ROUTER_PORT:-8000}") h
+    local args=(--pd-disaggregation --host 0.0.0.0 --port "${ROUTER_PORT:-8000}"
+        --decode-policy cache_aware) h
     for h in "${PREFILLS[@]}"; do args+=(--prefill "http://$h:$SERVER_PORT" "$BOOTSTRAP_PORT"); done
     for h in "${DECODES[@]}"; do args+=(--decode "http://$h:$SERVER_PORT"); done
     printf '%s\n' "${args[@]}"

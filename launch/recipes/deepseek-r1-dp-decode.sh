@@ -34,6 +34,7 @@ decode_args() {
         --nnodes "${#DECODES[@]}" --node-rank "$1" --dist-init-addr "${DECODES[0]}:5757" \
         --disaggregation-mode decode --disaggregation-ib-device "$(nic_per_rank 0 "$DECODE_RANKS")" \
         --host "${DECODES[$1]}" --max-running-requests 2048 --mem-fraction-static 0.85
+    decode_cache_args
     pd_common_args
 }
 

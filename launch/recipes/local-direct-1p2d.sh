@@ -33,6 +33,7 @@ prefill_args() {
 decode_args() {
     printf '%s\n' --port "$((BASE + 1 + $1))" --disaggregation-mode decode \
         --pd-prefill-bootstrap "127.0.0.1:$BOOTSTRAP_PORT"
+    decode_cache_args
     _local_args
 }
 

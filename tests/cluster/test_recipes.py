@@ -92,6 +92,8 @@ def test_every_server_command_parses(
                     assert transport.devices_for(rank)
             if config.prefill_bootstrap:  # direct mode: only decoders submit prefills
                 assert role == "decode"
+            # every decoder keeps a prefix cache (only the KV it lacks is transferred)
+            assert args.disaggregation_decode_enable_radix_cache == (role == "decode")
 
 
 def _has_router(recipe: Path) -> bool:
@@ -112,6 +114,7 @@ def test_the_router_command_parses(recipe: Path) -> None:
     prefills, _ = _nodes(recipe)
     assert len(args.prefill_urls) == prefills
     assert args.decode_urls
+    assert args.decode_policy == "cache_aware"  # a turn goes where its prefix is held
 
 
 def test_hosts_come_from_the_environment() -> None:

@@ -232,9 +232,12 @@ def test_every_container_command_parses(
             assert int(port) == args.disaggregation_bootstrap_port
         if serves_http:
             servers.setdefault(args.disaggregation_mode, []).append((args, template))
+        decodes = args.disaggregation_mode == "decode"
+        assert args.disaggregation_decode_enable_radix_cache == decodes  # a prefix cache
     assert router is not None
     rargs, rtemplate = router
     assert rargs.pd_disaggregation and rargs.service_discovery
+    assert rargs.decode_policy == "cache_aware"
     assert rtemplate["spec"]["serviceAccountName"]
     for role, selector in (("prefill", rargs.prefill_selector), ("decode", rargs.decode_selector)):
         assert servers[role], role

@@ -1,0 +1,817 @@
+"""Multi-turn conversations through PD with the decoder's prefix cache on and off, against a
+monolithic server: KV bytes moved, TTFT, request throughput, writes per request, tokens.
+
+Workload, in token ids of the bundled tiny Llama (greedy, EOS ignored: exact lengths):
+
+- conversations: a shared system prompt; turn t's prompt is turn t-1's prompt, its answer
+  (the token ids the monolithic server returned) and a new user message. `--concurrency`
+  conversations are in flight, each sending its next turn once the last one is answered.
+  Message lengths are drawn so that no two prompts share a length: the prefill's timing
+  line (`tokens` = prompt length - 1) then names its request, hence its turn.
+- a trace in Mooncake's public format (`--trace`, JSONL: timestamp ms, input_length,
+  output_length, hash_ids of 512-token blocks), lengths and block size scaled by
+  `--trace-scale`, sent at its timestamps (divided by `--trace-speedup`); a block id maps
+  to the same token ids wherever it appears. Without `--trace`, a small synthetic trace of
+  that format (written under --out) is replayed.
+
+One server set at a time: a monolithic SGLang server (radix cache on) first, whose answers
+make the conversations and are the reference (top-2 logprobs: a first divergence where its
+top two were within 0.05 nat counts as a tie, not a mismatch); then router PD (one prefill
++ one decode server, `--enable-metrics`) with the decoder's prefix cache on
+(`--disaggregation-decode-enable-radix-cache`), then off; both decoders get a pool of
+`--decode-pool-tokens`. TTFT is timed on streamed /generate: the arrival of the first
+chunk that carries a token.
+
+Per mode and workload: KV bytes moved per request (the prefill's timing lines: KV plus
+the metadata row), the KV of the tokens the decoder did not hold (unheld tokens x KV bytes
+per token, the slope of bytes over tokens of requests with nothing held), writes per
+request, hit rate (the decoder's counters), TTFT p50/p99, requests/s.
+
+Fragmentation (cache-on cluster): probe prompts go one at a time right after it starts
+(a fresh pool); after the conversations and the trace, the conversations run again under
+new cache namespaces (SGLang's `extra_key`: the same tokens, nothing held) until about
+1.25 pools have been allocated, so that free pages lie between the pages the cache holds;
+then the same probes under a namespace of their own. Writes per probe, fragmented / fresh.
+
+    python benchmarks/bench_multiturn.py [--quick] [--out benchmarks/out] [--trace FILE]
+
+Prints tables, writes two PNGs and a JSON file under --out, and ends with one JSON line.
+SGL_PD_LOCAL_PATIENCE=3 makes every wait three times longer on a loaded machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
+
+from sgl_pd.cluster.load import plot_grouped_bars
+from sgl_pd.cluster.local import Patience, local_patience, monolithic_server, pd_cluster
+from sgl_pd.cluster.logs import TimingLine, timing_lines
+from sgl_pd.cluster.prompts import long_prompt_ids
+from sgl_pd.models import TINY_LLAMA_PATH
+
+TIE_NATS = 0.05  # BRIEF, facts of 2026-12-03: near-tied greedy steps flip between runs
+TRACE_BLOCK_TOKENS = 512  # Mooncake's trace hashes prompts in blocks of this many tokens
+MODES = ("monolithic", "pd_cache_on", "pd_cache_off")
+PREFILL_ARGS = ("--log-level", "info", "--enable-metrics")  # info: the timing lines
+CACHE_ON = "--disaggregation-decode-enable-radix-cache"
+DECODE_COUNTERS = (  # the decoder's, summed over its ranks
+    "sgl_pd_decode_prefix_tokens_total",
+    "sgl_pd_decode_received_tokens_total",
+    "sgl_pd_kv_bytes_not_sent_total",
+)
+CHURN_POOLS = 1.25  # decoder pools allocated before the fragmented probes
+SGLANG_DECODE_RESERVE = 512  # tokens SGLang's decoder keeps free per running request
+
+
+# -- workload -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    key: str  # "c3t1" (conversation 3, turn 1), "trace7", "probe0"
+    ids: tuple[int, ...]
+    max_new_tokens: int
+    arrival_s: float = 0.0  # trace replay: seconds after the replay's start
+
+
+def message_ids(num_tokens: int, start: int) -> tuple[int, ...]:
+    """`num_tokens` ids of a counting text from `start`, without the leading BOS."""
+    return tuple(long_prompt_ids(num_tokens + 1, start)[1:])
+
+
+@dataclass(frozen=True)
+class Conversations:
+    system: tuple[int, ...]
+    messages: tuple[tuple[tuple[int, ...], ...], ...]  # [conversation][turn] user ids
+    output_tokens: int
+
+    def turn_of(self) -> dict[int, tuple[int, int]]:
+        """Prompt length -> (conversation, turn); every length is one prompt's."""
+        out = {}
+        for c, turns in enumerate(self.messages):
+            length = len(self.system)
+            for t, message in enumerate(turns):
+                length += len(message) + (self.output_tokens if t else 0)
+                out[length] = (c, t)
+        return out
+
+    def unique_tokens(self) -> int:
+        """Tokens a decoder allocates for all of them under a new cache namespace."""
+        per_turn = sum(len(m) + self.output_tokens for turns in self.messages for m in turns)
+        return len(self.system) + per_turn
+
+
+def build_conversations(
+    count: int, turns: int, system_tokens: int, message_range: Sequence[int], output: int, seed: int
+) -> Conversations:
+    rng = random.Random(seed)
+    lo, hi = message_range
+    taken: set[int] = set()
+    messages = []
+    for c in range(count):
+        for _ in range(1000):  # redraw a conversation whose prompt lengths collide
+            sizes = [rng.randint(lo, hi) for _ in range(turns)]
+            lengths = {system_tokens + sum(sizes[: t + 1]) + t * output for t in range(turns)}
+            if not lengths & taken:
+                break
+        else:
+            raise SystemExit(f"no distinct prompt lengths left: widen --message-tokens {lo} {hi}")
+        taken |= lengths
+        messages.append(
+            tuple(message_ids(n, 10_000 + 1000 * (c * turns + t)) for t, n in enumerate(sizes))
+        )
+    return Conversations(tuple(long_prompt_ids(system_tokens, 1)), tuple(messages), output)
+
+
+def synthetic_trace(path: Path, count: int, seed: int) -> Path:
+    """A small trace in Mooncake's format: sessions that grow turn by turn over a shared
+    first block (the system prompt), Poisson arrivals ~2.5 requests/s."""
+    rng = random.Random(seed)
+    sessions: list[list[int]] = []
+    next_block, now_ms = 1, 0.0
+    with path.open("w") as f:
+        for _ in range(count):
+            if not sessions or rng.random() < 0.4:
+                sessions.append([0])  # a new session: the shared block, then its own
+            blocks = rng.choice(sessions)
+            added = rng.randint(1, 2)
+            blocks += range(next_block, next_block + added)
+            next_block += added
+            row = {
+                "timestamp": int(now_ms),
+                "input_length": len(blocks) * TRACE_BLOCK_TOKENS - rng.randrange(256),
+                "output_length": rng.choice([64, 128, 256]),
+                "hash_ids": list(blocks),
+            }
+            f.write(json.dumps(row) + "\n")
+            now_ms += rng.expovariate(1 / 400)
+    return path
+
+
+def load_trace(path: Path, scale: float, limit: int) -> list[Request]:
+    """The first `limit` requests, lengths and block size times `scale`; block id h is
+    always the same ids (a counting text from 1 + h * block)."""
+    block = max(1, round(TRACE_BLOCK_TOKENS * scale))
+    blocks: dict[int, tuple[int, ...]] = {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:limit]
+    if not rows:
+        raise SystemExit(f"{path}: no requests")
+    t0 = rows[0]["timestamp"]
+    out = []
+    for i, row in enumerate(rows):
+        ids = [0]  # BOS, as the tokenizer starts every prompt
+        for h in row["hash_ids"]:
+            ids += blocks.setdefault(h, message_ids(block, 1 + h * block))
+        length = min(len(ids), max(2, round(row["input_length"] * scale)))
+        arrival = (row["timestamp"] - t0) / 1e3
+        out.append(
+            Request(
+                f"trace{i}",
+                tuple(ids[:length]),
+                max(1, round(row["output_length"] * scale)),
+                arrival,
+            )
+        )
+    return out
+
+
+def probe_requests(sizes: Sequence[int]) -> list[Request]:
+    return [
+        Request(f"probe{i}", tuple(long_prompt_ids(n, 50_000 + 1000 * i)), 4)
+        for i, n in enumerate(sizes)
+    ]
+
+
+# -- requests -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Answer:
+    key: str
+    prompt_tokens: int
+    output_ids: tuple[int, ...] = ()
+    ttft_s: float = math.nan  # first chunk carrying a token, from the request's start
+    empty_first_chunk: bool = False  # a chunk without tokens came first
+    margins: tuple[float, ...] = ()  # top-1 minus top-2 logprob per token (nats)
+    error: str = ""
+
+
+def send(
+    url: str, request: Request, timeout_s: float, *, logprobs: bool, extra_key: str | None
+) -> Answer:
+    """Streams one greedy /generate; `extra_key`: SGLang's cache namespace (prefill and
+    decode match prefixes only inside it). `sgl_pd.cluster.client.stream_generate` takes
+    neither logprobs nor a namespace."""
+    body: dict[str, Any] = {
+        "input_ids": list(request.ids),
+        "sampling_params": {
+            "temperature": 0,
+            "max_new_tokens": request.max_new_tokens,
+            "ignore_eos": True,
+        },
+        "stream": True,
+    }
+    if logprobs:
+        body |= {"return_logprob": True, "top_logprobs_num": 2}
+    if extra_key:
+        body["extra_key"] = extra_key
+    start, ttft, empty_first, last = time.perf_counter(), math.nan, False, {}
+    try:
+        with requests.post(f"{url}/generate", json=body, stream=True, timeout=timeout_s) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                payload = line[len(b"data:") :].strip() if line.startswith(b"data:") else b""
+                if not payload or payload == b"[DONE]":
+                    continue
+                last = json.loads(payload)
+                if math.isnan(ttft):
+                    if last.get("output_ids"):
+                        ttft = time.perf_counter() - start
+                    else:
+                        empty_first = True
+    except requests.RequestException as e:
+        return Answer(request.key, len(request.ids), error=str(e))
+    tops = (last.get("meta_info") or {}).get("output_top_logprobs") or []
+    margins = tuple(float(t[0][0] - t[1][0]) if len(t) > 1 else math.inf for t in tops)
+    ids = tuple(int(t) for t in last.get("output_ids", ()))
+    error = "" if len(ids) == request.max_new_tokens else f"{len(ids)} tokens"
+    return Answer(request.key, len(request.ids), ids, ttft, empty_first, margins, error)
+
+
+def judge(expected: Answer, got: Answer) -> str:
+    """identical, tie (first divergence where monolithic's top two were < TIE_NATS
+    apart), mismatch or error."""
+    if got.error:
+        return "error"
+    if got.output_ids == expected.output_ids:
+        return "identical"
+    pairs = zip(got.output_ids, expected.output_ids, strict=False)
+    first = next((i for i, (a, b) in enumerate(pairs) if a != b), len(got.output_ids))
+    tied = first < len(expected.margins) and expected.margins[first] < TIE_NATS
+    return "tie" if tied else "mismatch"
+
+
+@dataclass(frozen=True)
+class Client:
+    url: str
+    timeout_s: float
+    logprobs: bool  # the reference asks for them
+    concurrency: int
+
+    def one(self, request: Request, extra_key: str | None = None) -> Answer:
+        return send(self.url, request, self.timeout_s, logprobs=self.logprobs, extra_key=extra_key)
+
+    def converse(
+        self,
+        convs: Conversations,
+        reference: dict[str, Answer] | None,
+        bar: tqdm,
+        extra_key: str | None = None,
+    ) -> dict[str, Answer]:
+        """Every conversation, `concurrency` at a time; a turn's prompt carries the
+        reference's answer of the turn before (its own when `reference` is None)."""
+
+        def run(c: int) -> dict[str, Answer]:
+            answers: dict[str, Answer] = {}
+            prompt = list(convs.system)
+            for t, message in enumerate(convs.messages[c]):
+                if t:
+                    previous = (reference or answers)[f"c{c}t{t - 1}"]
+                    prompt += previous.output_ids
+                prompt += message
+                answer = self.one(
+                    Request(f"c{c}t{t}", tuple(prompt), convs.output_tokens), extra_key
+                )
+                if reference is None and answer.error:
+                    raise RuntimeError(f"the reference failed c{c}t{t}: {answer.error}")
+                answers[answer.key] = answer
+                bar.update()
+            return answers
+
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            return {
+                k: a for part in pool.map(run, range(len(convs.messages))) for k, a in part.items()
+            }
+
+    def replay(self, trace: Sequence[Request], speedup: float, bar: tqdm) -> dict[str, Answer]:
+        """Each request at its arrival time (open loop, at most 64 in flight)."""
+        start = time.perf_counter()
+
+        def run(request: Request) -> Answer:
+            time.sleep(max(0.0, start + request.arrival_s / speedup - time.perf_counter()))
+            answer = self.one(request)
+            bar.update()
+            return answer
+
+        with ThreadPoolExecutor(min(64, len(trace))) as pool:
+            return {a.key: a for a in pool.map(run, trace)}
+
+    def in_turn(
+        self, probes: Sequence[Request], extra_key: str | None, bar: tqdm
+    ) -> dict[str, Answer]:
+        answers = {}
+        for probe in probes:
+            answers[probe.key] = self.one(probe, extra_key)
+            bar.update()
+        return answers
+
+
+# -- phases ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Phase:
+    mode: str
+    name: str  # conversations, trace, probes_fresh, churn, probes_fragmented
+    answers: dict[str, Answer]
+    wall_s: float
+    lines: list[TimingLine] = field(default_factory=list)  # the prefill's, this phase's
+    counters: dict[str, float] = field(default_factory=dict)  # the decoder's, this phase's
+
+
+def decode_counters(url: str) -> dict[str, float]:
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    out = dict.fromkeys(DECODE_COUNTERS, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in out:
+                out[sample.name] += sample.value
+    return out
+
+
+def run_phase(
+    mode: str,
+    name: str,
+    total: int,
+    work: Callable[[tqdm], dict[str, Answer]],
+    patience: Patience,
+    prefill_log: Path | None = None,
+    decode_url: str | None = None,
+) -> Phase:
+    """`work` under a progress bar; for PD, the prefill timing lines it caused (one per
+    answered request) and the decoder's counters' growth."""
+    seen = len(timing_lines(prefill_log)) if prefill_log else 0
+    before = decode_counters(decode_url) if decode_url else {}
+    start = time.perf_counter()
+    with tqdm(total=total, desc=f"{mode} {name}", unit="req", mininterval=2.0) as bar:
+        answers = work(bar)
+    phase = Phase(mode, name, answers, time.perf_counter() - start)
+    if prefill_log is not None:
+        want = seen + sum(not a.error for a in answers.values())
+        deadline = time.monotonic() + patience.seconds(30.0)
+        while len(lines := timing_lines(prefill_log)) < want and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if len(lines) != want:
+            print(
+                f"[bench] {mode} {name}: {len(lines) - seen} timing lines for "
+                f"{want - seen} requests ({prefill_log})",
+                flush=True,
+            )
+        phase.lines = lines[seen:]
+    if decode_url is not None:
+        time.sleep(1.0)  # a scheduler process's metrics reach /metrics through files
+        after = decode_counters(decode_url)
+        phase.counters = {k: after[k] - before[k] for k in DECODE_COUNTERS}
+    return phase
+
+
+@dataclass(frozen=True)
+class Workload:
+    convs: Conversations
+    trace: list[Request]
+    trace_speedup: float
+    probes: list[Request]
+    decode_pool_tokens: int
+
+
+def warm_up(client: Client) -> None:
+    """The first request compiles kernels and opens connections: not measured."""
+    client.one(Request("warm", tuple(long_prompt_ids(64, 90_000)), 4), extra_key="warm-up")
+
+
+def run_monolithic(w: Workload, work: Path, patience: Patience, concurrency: int) -> list[Phase]:
+    with monolithic_server(work / "mono", patience=patience) as server:
+        client = Client(server.url, patience.seconds(600), True, concurrency)
+        warm_up(client)
+        n = sum(map(len, w.convs.messages))
+        return [
+            run_phase(
+                "monolithic",
+                "conversations",
+                n,
+                lambda bar: client.converse(w.convs, None, bar),
+                patience,
+            ),
+            run_phase(
+                "monolithic",
+                "trace",
+                len(w.trace),
+                lambda bar: client.replay(w.trace, w.trace_speedup, bar),
+                patience,
+            ),
+            run_phase(
+                "monolithic",
+                "probes",
+                len(w.probes),
+                lambda bar: client.in_turn(w.probes, None, bar),
+                patience,
+            ),
+        ]
+
+
+def run_pd(
+    mode: str,
+    w: Workload,
+    reference: dict[str, Answer],
+    work: Path,
+    patience: Patience,
+    concurrency: int,
+) -> list[Phase]:
+    cache_on = mode == "pd_cache_on"
+    decode_args = ["--enable-metrics", "--max-total-tokens", str(w.decode_pool_tokens)]
+    with pd_cluster(
+        work / mode,
+        prefill_extra=PREFILL_ARGS,
+        decode_extra=[*decode_args, *([CACHE_ON] if cache_on else [])],
+        patience=patience,
+    ) as cluster:
+        client = Client(cluster.router_url, patience.seconds(600), False, concurrency)
+        warm_up(client)
+
+        def phase(name: str, total: int, fn: Callable[[tqdm], dict[str, Answer]]) -> Phase:
+            return run_phase(
+                mode,
+                name,
+                total,
+                fn,
+                patience,
+                cluster.prefill.process.log_path,
+                cluster.decode.url,
+            )
+
+        n = sum(map(len, w.convs.messages))
+        phases = []
+        if cache_on:
+            phases.append(
+                phase(
+                    "probes_fresh",
+                    len(w.probes),
+                    lambda bar: client.in_turn(w.probes, "probe-fresh", bar),
+                )
+            )
+        phases.append(
+            phase("conversations", n, lambda bar: client.converse(w.convs, reference, bar))
+        )
+        phases.append(
+            phase("trace", len(w.trace), lambda bar: client.replay(w.trace, w.trace_speedup, bar))
+        )
+        if cache_on:
+            allocated = sum(int(x["tokens"]) - int(x["held"]) for p in phases for x in p.lines)
+            allocated += sum(len(a.output_ids) for p in phases for a in p.answers.values())
+            left = CHURN_POOLS * w.decode_pool_tokens - allocated
+            rounds = max(1, math.ceil(left / w.convs.unique_tokens()))
+
+            def churn(bar: tqdm) -> dict[str, Answer]:
+                return {
+                    f"{r}:{k}": a
+                    for r in range(rounds)
+                    for k, a in client.converse(w.convs, reference, bar, f"churn{r}").items()
+                }
+
+            print(
+                f"[bench] churning the decoder's pool: {rounds} more rounds of the "
+                f"conversations under new namespaces",
+                flush=True,
+            )
+            phases.append(phase("churn", rounds * n, churn))
+            phases.append(
+                phase(
+                    "probes_fragmented",
+                    len(w.probes),
+                    lambda bar: client.in_turn(w.probes, "probe-fragmented", bar),
+                )
+            )
+        return phases
+
+
+# -- figures --------------------------------------------------------------------------------
+
+
+def kv_bytes_per_token(phases: Sequence[Phase], config_bytes: int) -> tuple[float, float, str]:
+    """(KV bytes per token, metadata bytes per request, source): the least-squares line
+    through (tokens, bytes) of requests with nothing held, or the model config's."""
+    pts = {(int(x["tokens"]), int(x["bytes"])) for p in phases for x in p.lines if not x["held"]}
+    if len({t for t, _ in pts}) < 2:
+        return float(config_bytes), 0.0, "model config"
+    tokens, nbytes = np.array(sorted(pts), dtype=float).T
+    slope, intercept = np.polyfit(tokens, nbytes, 1)
+    return float(slope), float(intercept), f"fit over {len(pts)} requests with nothing held"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    values = [v for v in values if not math.isnan(v)]
+    return float(np.percentile(values, q)) if values else math.nan
+
+
+def summarize(phase: Phase, bpt: float, reference: dict[str, Answer]) -> dict[str, Any]:
+    answers = list(phase.answers.values())
+    ttfts = [a.ttft_s * 1e3 for a in answers if not a.error]
+    row: dict[str, Any] = {
+        "requests": len(answers),
+        "errors": sum(bool(a.error) for a in answers),
+        "ttft_p50_ms": percentile(ttfts, 50),
+        "ttft_p99_ms": percentile(ttfts, 99),
+        "requests_per_s": len(answers) / phase.wall_s,
+        "wall_s": phase.wall_s,
+        "empty_first_chunks": sum(a.empty_first_chunk for a in answers),
+    }
+    if phase.mode != "monolithic":
+        verdicts = Counter(judge(reference[k.split(":")[-1]], a) for k, a in phase.answers.items())
+        row["verdicts"] = dict(verdicts)
+    lines = phase.lines
+    if lines:
+        moved = sum(int(x["bytes"]) for x in lines)
+        unheld = sum(int(x["tokens"]) - int(x["held"]) for x in lines) * bpt
+        row |= {
+            "kv_bytes_moved_per_request": moved / len(lines),
+            "unheld_kv_bytes_per_request": unheld / len(lines),
+            "moved_over_unheld": moved / unheld if unheld else math.inf,
+            "writes_per_request": statistics.mean(int(x["writes"]) for x in lines),
+            "held_share": sum(int(x["held"]) for x in lines) / sum(int(x["tokens"]) for x in lines),
+            "kv_bytes_moved": moved,
+        }
+    if phase.counters:
+        held, received, not_sent = (phase.counters[k] for k in DECODE_COUNTERS)
+        row |= {
+            "hit_rate": held / (held + received) if held + received else 0.0,
+            "decode_bytes_not_sent": not_sent,
+        }
+    return row
+
+
+def per_turn(phase: Phase, convs: Conversations, bpt: float) -> dict[str, list[float]]:
+    """Per turn: mean KV bytes moved and unheld per request, TTFT p50 (ms)."""
+    turns = len(convs.messages[0])
+    turn_of = convs.turn_of()
+    moved: list[list[float]] = [[] for _ in range(turns)]
+    unheld: list[list[float]] = [[] for _ in range(turns)]
+    for x in phase.lines:
+        found = turn_of.get(int(x["tokens"]) + 1)
+        if found is not None:
+            moved[found[1]].append(int(x["bytes"]))
+            unheld[found[1]].append((int(x["tokens"]) - int(x["held"])) * bpt)
+    ttft: list[list[float]] = [[] for _ in range(turns)]
+    for key, a in phase.answers.items():
+        ttft[int(key.split("t")[-1])].append(a.ttft_s * 1e3)
+    mean = lambda xs: statistics.mean(xs) if xs else math.nan  # noqa: E731
+    return {
+        "kv_bytes_moved": [mean(m) for m in moved],
+        "unheld_kv_bytes": [mean(u) for u in unheld],
+        "ttft_p50_ms": [percentile(t, 50) for t in ttft],
+    }
+
+
+def print_summary(rows: dict[tuple[str, str], dict[str, Any]]) -> None:
+    head = (
+        f"{'mode':<13} {'workload':<14} {'reqs':>4} {'TTFT p50':>8} {'p99':>7} {'req/s':>6} "
+        f"{'KiB moved':>9} {'KiB unheld':>10} {'moved/unh':>9} {'writes':>7} {'hit':>5} "
+        f"{'same/tie/diff/err':>17}"
+    )
+    print(head + "\n" + "-" * len(head))
+    nan = math.nan
+    for (mode, name), r in rows.items():
+        v = r.get("verdicts", {})
+        tally = "/".join(str(v.get(k, 0)) for k in ("identical", "tie", "mismatch", "error"))
+        print(
+            f"{mode:<13} {name:<14} {r['requests']:>4} {r['ttft_p50_ms']:>8.1f} "
+            f"{r['ttft_p99_ms']:>7.1f} {r['requests_per_s']:>6.2f} "
+            f"{r.get('kv_bytes_moved_per_request', nan) / 1024:>9.1f} "
+            f"{r.get('unheld_kv_bytes_per_request', nan) / 1024:>10.1f} "
+            f"{r.get('moved_over_unheld', nan):>9.3f} {r.get('writes_per_request', nan):>7.1f} "
+            f"{r.get('hit_rate', nan):>5.2f} {tally if v else '-':>17}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few short conversations")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    parser.add_argument("--conversations", type=int)
+    parser.add_argument("--turns", type=int)
+    parser.add_argument("--system-tokens", type=int)
+    parser.add_argument("--message-tokens", type=int, nargs=2, metavar=("MIN", "MAX"))
+    parser.add_argument("--output-tokens", type=int)
+    parser.add_argument("--concurrency", type=int, help="conversations in flight")
+    parser.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace to replay")
+    parser.add_argument("--trace-scale", type=float, default=1 / 16, help="lengths and block size")
+    parser.add_argument("--trace-limit", type=int, help="requests of the trace replayed")
+    parser.add_argument(
+        "--trace-speedup", type=float, default=1.0, help="arrivals this much sooner"
+    )
+    parser.add_argument("--probe-tokens", type=int, nargs="+", help="fragmentation probes")
+    parser.add_argument("--decode-pool-tokens", type=int, help="both PD decoders' KV pool")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+
+    def pick(given: Any, quick: Any, full: Any) -> Any:
+        return given if given is not None else (quick if args.quick else full)
+
+    started = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench_multiturn_"))
+    patience = local_patience()
+    concurrency = pick(args.concurrency, 2, 4)
+
+    message_range = pick(args.message_tokens, (16, 48), (32, 256))
+    convs = build_conversations(
+        pick(args.conversations, 4, 24),
+        pick(args.turns, 3, 5),
+        pick(args.system_tokens, 96, 512),
+        message_range,
+        pick(args.output_tokens, 12, 48),
+        args.seed,
+    )
+    trace_file = args.trace or synthetic_trace(
+        args.out / "synthetic_trace.jsonl", pick(None, 8, 40), args.seed
+    )
+    trace = load_trace(trace_file, args.trace_scale, pick(args.trace_limit, 8, 100))
+    probes = probe_requests(pick(args.probe_tokens, [160, 320], [512, 1024, 2048]))
+    w = Workload(
+        convs, trace, args.trace_speedup, probes, pick(args.decode_pool_tokens, 4096, 16384)
+    )
+    longest = max(
+        [
+            *(len(r.ids) + r.max_new_tokens for r in (*trace, *probes)),
+            *(n + convs.output_tokens for n in convs.turn_of()),
+        ]
+    )
+    if longest + SGLANG_DECODE_RESERVE > w.decode_pool_tokens:
+        raise SystemExit(
+            f"a {longest}-token request does not fit a decode pool of "
+            f"{w.decode_pool_tokens}: raise --decode-pool-tokens"
+        )
+    print(
+        f"[bench] {len(convs.messages)} conversations x {len(convs.messages[0])} turns, "
+        f"system prompt {len(convs.system)}, messages {message_range}, "
+        f"{convs.output_tokens} output tokens, {concurrency} in flight; trace {trace_file.name}: "
+        f"{len(trace)} requests at scale {args.trace_scale:g}; decode pool {w.decode_pool_tokens} "
+        f"tokens; logs in {work}",
+        flush=True,
+    )
+
+    phases = run_monolithic(w, work, patience, concurrency)
+    reference = {k: a for p in phases for k, a in p.answers.items()}
+    for mode in MODES[1:]:
+        phases += run_pd(mode, w, reference, work, patience, concurrency)
+
+    config = json.loads((TINY_LLAMA_PATH / "config.json").read_text())
+    # K and V, 16-bit (SGLang's dtype "auto" serves a float32 model in float16): bytes
+    config_bpt = (
+        config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 2
+    )
+    bpt, metadata, bpt_source = kv_bytes_per_token(phases, config_bpt)
+    rows = {(p.mode, p.name): summarize(p, bpt, reference) for p in phases}
+    print(
+        f"\nKV bytes per token {bpt:.1f} ({bpt_source}; model config {config_bpt}), "
+        f"metadata {metadata:.0f} B per request. TTFT: streamed, first chunk with a token, "
+        f"ms. KiB per request from the prefill's timing lines; hit: the decoder's held / "
+        f"(held + received) prompt tokens"
+    )
+    print_summary(rows)
+
+    by = {(p.mode, p.name): p for p in phases}
+    fresh, frag = by[("pd_cache_on", "probes_fresh")], by[("pd_cache_on", "probes_fragmented")]
+    print(f"\n{'probe tokens':>12} {'writes fresh':>12} {'writes fragmented':>17}")
+    for probe, a, b in zip(probes, fresh.lines, frag.lines, strict=False):
+        print(f"{len(probe.ids):>12} {int(a['writes']):>12} {int(b['writes']):>17}")
+    turns = {m: per_turn(by[(m, "conversations")], convs, bpt) for m in MODES}
+    labels = [str(t + 1) for t in range(len(convs.messages[0]))]
+    png_bytes, png_ttft = (
+        args.out / "multiturn_kv_per_turn.png",
+        args.out / "multiturn_ttft_per_turn.png",
+    )
+    plot_grouped_bars(
+        {
+            "cache off: moved": [b / 1024 for b in turns["pd_cache_off"]["kv_bytes_moved"]],
+            "cache on: moved": [b / 1024 for b in turns["pd_cache_on"]["kv_bytes_moved"]],
+            "cache on: KV not held": [b / 1024 for b in turns["pd_cache_on"]["unheld_kv_bytes"]],
+        },
+        labels,
+        png_bytes,
+        ylabel="KiB per request (mean)",
+        xlabel="turn",
+        title="KV moved per request by turn, decoder prefix cache on vs off",
+    )
+    plot_grouped_bars(
+        {m: turns[m]["ttft_p50_ms"] for m in MODES},
+        labels,
+        png_ttft,
+        ylabel="TTFT p50 (ms)",
+        xlabel="turn",
+        title="Time to first token by turn",
+    )
+
+    on, off = rows[("pd_cache_on", "conversations")], rows[("pd_cache_off", "conversations")]
+    t_on, t_off = rows[("pd_cache_on", "trace")], rows[("pd_cache_off", "trace")]
+    verdicts = Counter(
+        itertools.chain.from_iterable(
+            Counter(r.get("verdicts", {})).elements() for r in rows.values()
+        )
+    )
+    writes_fresh = statistics.mean(int(x["writes"]) for x in fresh.lines)
+    writes_frag = statistics.mean(int(x["writes"]) for x in frag.lines)
+    headline = {
+        "tokens_identical": verdicts["mismatch"] + verdicts["error"] == 0,
+        "kv_bytes_moved_over_unheld": round(on["moved_over_unheld"], 4),
+        "kv_bytes_saved_share": round(1 - on["kv_bytes_moved"] / off["kv_bytes_moved"], 4),
+        "ttft_p50_off_over_on": round(off["ttft_p50_ms"] / on["ttft_p50_ms"], 3),
+        "writes_fragmented_over_fresh": round(writes_frag / writes_fresh, 2),
+        "hit_rate": round(on["hit_rate"], 4),
+        "trace_kv_bytes_saved_share": round(
+            1 - t_on["kv_bytes_moved"] / t_off["kv_bytes_moved"], 4
+        ),
+        "trace_hit_rate": round(t_on["hit_rate"], 4),
+        **{f"ttft_p50_ms_{m}": round(rows[(m, "conversations")]["ttft_p50_ms"], 1) for m in MODES},
+        **{
+            f"requests_per_s_{m}": round(rows[(m, "conversations")]["requests_per_s"], 3)
+            for m in MODES
+        },
+        "writes_per_request_on": round(on["writes_per_request"], 1),
+        "writes_per_request_off": round(off["writes_per_request"], 1),
+        "writes_fresh": round(writes_fresh, 1),
+        "writes_fragmented": round(writes_frag, 1),
+        "requests_compared": sum(verdicts.values()),
+        "ties": verdicts["tie"],
+        "mismatches": verdicts["mismatch"],
+        "errors": verdicts["error"],
+        "kv_bytes_per_token": round(bpt, 1),
+    }
+    details = args.out / "multiturn.json"
+    details.write_text(
+        json.dumps(
+            {
+                "workload": {
+                    "conversations": len(convs.messages),
+                    "turns": len(convs.messages[0]),
+                    "system_tokens": len(convs.system),
+                    "output_tokens": convs.output_tokens,
+                    "concurrency": concurrency,
+                    "trace": str(trace_file),
+                    "trace_requests": len(trace),
+                    "trace_scale": args.trace_scale,
+                    "decode_pool_tokens": w.decode_pool_tokens,
+                    "probe_tokens": [len(p.ids) for p in probes],
+                },
+                "kv_bytes_per_token": {
+                    "value": bpt,
+                    "metadata_bytes": metadata,
+                    "source": bpt_source,
+                    "model_config": config_bpt,
+                },
+                "summary": {f"{m}/{n}": r for (m, n), r in rows.items()},
+                "per_turn": turns,
+                "probes": {"fresh": fresh.lines, "fragmented": frag.lines},
+                "requests": {
+                    p.mode + "/" + p.name: {
+                        k: {
+                            "prompt_tokens": a.prompt_tokens,
+                            "ttft_ms": a.ttft_s * 1e3,
+                            "error": a.error,
+                        }
+                        for k, a in p.answers.items()
+                    }
+                    for p in phases
+                },
+                "headline": headline,
+            },
+            indent=1,
+            default=str,
+        )
+    )
+    print(f"\nplots: {png_bytes}, {png_ttft}\ndetails: {details}")
+    print(f"[bench] took {time.perf_counter() - started:.0f} s")
+    print(json.dumps(headline))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
