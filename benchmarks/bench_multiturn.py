@@ -42,7 +42,7 @@ SGL_PD_LOCAL_PATIENCE=3 makes every wait three times longer on a loaded machine.
 from __future__ import annotations
 
 import argparse
-import itertools
+import contextlib
 import json
 import math
 import random
@@ -50,8 +50,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -209,8 +209,8 @@ class Answer:
     key: str
     prompt_tokens: int
     output_ids: tuple[int, ...] = ()
-    ttft_s: float = math.nan  # first chunk carrying a token, from the request's start
-    empty_first_chunk: bool = False  # a chunk without tokens came first
+    ttft_s: float = math.nan  # the first chunk carrying a token, from the request's start
+    empty_lead_s: float = math.nan  # how much sooner a chunk without tokens came, if one did
     margins: tuple[float, ...] = ()  # top-1 minus top-2 logprob per token (nats)
     error: str = ""
 
@@ -221,45 +221,34 @@ def send(
     """Streams one greedy /generate; `extra_key`: SGLang's cache namespace (prefill and
     decode match prefixes only inside it). `sgl_pd.cluster.client.stream_generate` takes
     neither logprobs nor a namespace."""
-    body: dict[str, Any] = {
-        "input_ids": list(request.ids),
-        "sampling_params": {
-            "temperature": 0,
-            "max_new_tokens": request.max_new_tokens,
-            "ignore_eos": True,
-        },
-        "stream": True,
-    }
+    sampling = {"temperature": 0, "max_new_tokens": request.max_new_tokens, "ignore_eos": True}
+    body: dict[str, Any] = {"input_ids": list(request.ids), "sampling_params": sampling}
+    body |= {"stream": True, **({"extra_key": extra_key} if extra_key else {})}
     if logprobs:
         body |= {"return_logprob": True, "top_logprobs_num": 2}
-    if extra_key:
-        body["extra_key"] = extra_key
-    start, ttft, empty_first, last = time.perf_counter(), math.nan, False, {}
+    start, first, ttft, last = time.perf_counter(), math.nan, math.nan, {}
     try:
         with requests.post(f"{url}/generate", json=body, stream=True, timeout=timeout_s) as r:
             r.raise_for_status()
             for line in r.iter_lines():
                 payload = line[len(b"data:") :].strip() if line.startswith(b"data:") else b""
-                if not payload or payload == b"[DONE]":
-                    continue
-                last = json.loads(payload)
-                if math.isnan(ttft):
-                    if last.get("output_ids"):
-                        ttft = time.perf_counter() - start
-                    else:
-                        empty_first = True
+                if payload and payload != b"[DONE]":
+                    last, now = json.loads(payload), time.perf_counter() - start
+                    first = now if math.isnan(first) else first
+                    ttft = now if math.isnan(ttft) and last.get("output_ids") else ttft
     except requests.RequestException as e:
         return Answer(request.key, len(request.ids), error=str(e))
     tops = (last.get("meta_info") or {}).get("output_top_logprobs") or []
     margins = tuple(float(t[0][0] - t[1][0]) if len(t) > 1 else math.inf for t in tops)
     ids = tuple(int(t) for t in last.get("output_ids", ()))
     error = "" if len(ids) == request.max_new_tokens else f"{len(ids)} tokens"
-    return Answer(request.key, len(request.ids), ids, ttft, empty_first, margins, error)
+    lead = ttft - first if ttft > first else math.nan
+    return Answer(request.key, len(request.ids), ids, ttft, lead, margins, error)
 
 
 def judge(expected: Answer, got: Answer) -> str:
-    """identical, tie (first divergence where monolithic's top two were < TIE_NATS
-    apart), mismatch or error."""
+    """identical, tie (the first divergence is where monolithic's top two were less than
+    TIE_NATS apart), mismatch or error."""
     if got.error:
         return "error"
     if got.output_ids == expected.output_ids:
@@ -275,10 +264,17 @@ class Client:
     url: str
     timeout_s: float
     logprobs: bool  # the reference asks for them
-    concurrency: int
+    concurrency: int  # conversations in flight
 
-    def one(self, request: Request, extra_key: str | None = None) -> Answer:
-        return send(self.url, request, self.timeout_s, logprobs=self.logprobs, extra_key=extra_key)
+    def one(
+        self, request: Request, bar: tqdm | None = None, extra_key: str | None = None
+    ) -> Answer:
+        answer = send(
+            self.url, request, self.timeout_s, logprobs=self.logprobs, extra_key=extra_key
+        )
+        if bar is not None:
+            bar.update()
+        return answer
 
     def converse(
         self,
@@ -288,29 +284,24 @@ class Client:
         extra_key: str | None = None,
     ) -> dict[str, Answer]:
         """Every conversation, `concurrency` at a time; a turn's prompt carries the
-        reference's answer of the turn before (its own when `reference` is None)."""
+        reference's answer to the turn before (its own when `reference` is None)."""
 
         def run(c: int) -> dict[str, Answer]:
             answers: dict[str, Answer] = {}
             prompt = list(convs.system)
             for t, message in enumerate(convs.messages[c]):
                 if t:
-                    previous = (reference or answers)[f"c{c}t{t - 1}"]
-                    prompt += previous.output_ids
+                    prompt += (reference or answers)[f"c{c}t{t - 1}"].output_ids
                 prompt += message
-                answer = self.one(
-                    Request(f"c{c}t{t}", tuple(prompt), convs.output_tokens), extra_key
-                )
+                request = Request(f"c{c}t{t}", tuple(prompt), convs.output_tokens)
+                answers[request.key] = answer = self.one(request, bar, extra_key)
                 if reference is None and answer.error:
-                    raise RuntimeError(f"the reference failed c{c}t{t}: {answer.error}")
-                answers[answer.key] = answer
-                bar.update()
+                    raise RuntimeError(f"the reference failed {request.key}: {answer.error}")
             return answers
 
         with ThreadPoolExecutor(self.concurrency) as pool:
-            return {
-                k: a for part in pool.map(run, range(len(convs.messages))) for k, a in part.items()
-            }
+            parts = list(pool.map(run, range(len(convs.messages))))
+        return {k: a for part in parts for k, a in part.items()}
 
     def replay(self, trace: Sequence[Request], speedup: float, bar: tqdm) -> dict[str, Answer]:
         """Each request at its arrival time (open loop, at most 64 in flight)."""
@@ -318,21 +309,10 @@ class Client:
 
         def run(request: Request) -> Answer:
             time.sleep(max(0.0, start + request.arrival_s / speedup - time.perf_counter()))
-            answer = self.one(request)
-            bar.update()
-            return answer
+            return self.one(request, bar)
 
         with ThreadPoolExecutor(min(64, len(trace))) as pool:
             return {a.key: a for a in pool.map(run, trace)}
-
-    def in_turn(
-        self, probes: Sequence[Request], extra_key: str | None, bar: tqdm
-    ) -> dict[str, Answer]:
-        answers = {}
-        for probe in probes:
-            answers[probe.key] = self.one(probe, extra_key)
-            bar.update()
-        return answers
 
 
 # -- phases ---------------------------------------------------------------------------------
@@ -341,57 +321,20 @@ class Client:
 @dataclass
 class Phase:
     mode: str
-    name: str  # conversations, trace, probes_fresh, churn, probes_fragmented
+    name: str  # conversations, trace, probes, probes_fresh, churn, probes_fragmented
     answers: dict[str, Answer]
     wall_s: float
     lines: list[TimingLine] = field(default_factory=list)  # the prefill's, this phase's
-    counters: dict[str, float] = field(default_factory=dict)  # the decoder's, this phase's
+    counters: dict[str, float] = field(default_factory=dict)  # the decoder's growth
 
 
 def decode_counters(url: str) -> dict[str, float]:
-    text = requests.get(f"{url}/metrics", timeout=30).text
     out = dict.fromkeys(DECODE_COUNTERS, 0.0)
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(requests.get(f"{url}/metrics", timeout=30).text):
         for sample in family.samples:
             if sample.name in out:
                 out[sample.name] += sample.value
     return out
-
-
-def run_phase(
-    mode: str,
-    name: str,
-    total: int,
-    work: Callable[[tqdm], dict[str, Answer]],
-    patience: Patience,
-    prefill_log: Path | None = None,
-    decode_url: str | None = None,
-) -> Phase:
-    """`work` under a progress bar; for PD, the prefill timing lines it caused (one per
-    answered request) and the decoder's counters' growth."""
-    seen = len(timing_lines(prefill_log)) if prefill_log else 0
-    before = decode_counters(decode_url) if decode_url else {}
-    start = time.perf_counter()
-    with tqdm(total=total, desc=f"{mode} {name}", unit="req", mininterval=2.0) as bar:
-        answers = work(bar)
-    phase = Phase(mode, name, answers, time.perf_counter() - start)
-    if prefill_log is not None:
-        want = seen + sum(not a.error for a in answers.values())
-        deadline = time.monotonic() + patience.seconds(30.0)
-        while len(lines := timing_lines(prefill_log)) < want and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if len(lines) != want:
-            print(
-                f"[bench] {mode} {name}: {len(lines) - seen} timing lines for "
-                f"{want - seen} requests ({prefill_log})",
-                flush=True,
-            )
-        phase.lines = lines[seen:]
-    if decode_url is not None:
-        time.sleep(1.0)  # a scheduler process's metrics reach /metrics through files
-        after = decode_counters(decode_url)
-        phase.counters = {k: after[k] - before[k] for k in DECODE_COUNTERS}
-    return phase
 
 
 @dataclass(frozen=True)
@@ -401,116 +344,96 @@ class Workload:
     trace_speedup: float
     probes: list[Request]
     decode_pool_tokens: int
+    concurrency: int
 
 
-def warm_up(client: Client) -> None:
-    """The first request compiles kernels and opens connections: not measured."""
-    client.one(Request("warm", tuple(long_prompt_ids(64, 90_000)), 4), extra_key="warm-up")
-
-
-def run_monolithic(w: Workload, work: Path, patience: Patience, concurrency: int) -> list[Phase]:
-    with monolithic_server(work / "mono", patience=patience) as server:
-        client = Client(server.url, patience.seconds(600), True, concurrency)
-        warm_up(client)
-        n = sum(map(len, w.convs.messages))
-        return [
-            run_phase(
-                "monolithic",
-                "conversations",
-                n,
-                lambda bar: client.converse(w.convs, None, bar),
-                patience,
-            ),
-            run_phase(
-                "monolithic",
-                "trace",
-                len(w.trace),
-                lambda bar: client.replay(w.trace, w.trace_speedup, bar),
-                patience,
-            ),
-            run_phase(
-                "monolithic",
-                "probes",
-                len(w.probes),
-                lambda bar: client.in_turn(w.probes, None, bar),
-                patience,
-            ),
-        ]
-
-
-def run_pd(
-    mode: str,
-    w: Workload,
-    reference: dict[str, Answer],
-    work: Path,
-    patience: Patience,
-    concurrency: int,
-) -> list[Phase]:
-    cache_on = mode == "pd_cache_on"
+@contextlib.contextmanager
+def serve(
+    mode: str, w: Workload, work: Path, patience: Patience
+) -> Iterator[tuple[str, Path | None, str | None]]:
+    """(URL, prefill log, decode URL) of `mode`'s servers, started and finally stopped."""
+    if mode == "monolithic":
+        with monolithic_server(work / mode, patience=patience) as server:
+            yield server.url, None, None
+        return
     decode_args = ["--enable-metrics", "--max-total-tokens", str(w.decode_pool_tokens)]
     with pd_cluster(
         work / mode,
         prefill_extra=PREFILL_ARGS,
-        decode_extra=[*decode_args, *([CACHE_ON] if cache_on else [])],
+        decode_extra=[*decode_args, *([CACHE_ON] if mode == "pd_cache_on" else [])],
         patience=patience,
     ) as cluster:
-        client = Client(cluster.router_url, patience.seconds(600), False, concurrency)
-        warm_up(client)
+        yield cluster.router_url, cluster.prefill.process.log_path, cluster.decode.url
 
-        def phase(name: str, total: int, fn: Callable[[tqdm], dict[str, Answer]]) -> Phase:
-            return run_phase(
-                mode,
-                name,
-                total,
-                fn,
-                patience,
-                cluster.prefill.process.log_path,
-                cluster.decode.url,
-            )
 
-        n = sum(map(len, w.convs.messages))
-        phases = []
-        if cache_on:
-            phases.append(
-                phase(
-                    "probes_fresh",
-                    len(w.probes),
-                    lambda bar: client.in_turn(w.probes, "probe-fresh", bar),
-                )
-            )
-        phases.append(
-            phase("conversations", n, lambda bar: client.converse(w.convs, reference, bar))
-        )
-        phases.append(
-            phase("trace", len(w.trace), lambda bar: client.replay(w.trace, w.trace_speedup, bar))
-        )
-        if cache_on:
+def run_mode(
+    mode: str, w: Workload, reference: dict[str, Answer] | None, work: Path, patience: Patience
+) -> list[Phase]:
+    """Every phase of `mode` on its own servers; `reference` None: this is the reference."""
+    phases: list[Phase] = []
+    with serve(mode, w, work, patience) as (url, log, decode_url):
+        client = Client(url, patience.seconds(600), reference is None, w.concurrency)
+        # the first request compiles kernels and opens connections: not measured
+        client.one(Request("warm", tuple(long_prompt_ids(64, 90_000)), 4), extra_key="warm")
+
+        def phase(name: str, total: int, work: Callable[[tqdm], dict[str, Answer]]) -> None:
+            """`work` under a progress bar, with the prefill's timing lines it caused (one
+            per answered request) and the decoder's counters' growth."""
+            seen = len(timing_lines(log)) if log else 0
+            before = decode_counters(decode_url) if decode_url else {}
+            start = time.perf_counter()
+            with tqdm(total=total, desc=f"{mode} {name}", unit="req", mininterval=2.0) as bar:
+                answers = work(bar)
+            done = Phase(mode, name, answers, time.perf_counter() - start)
+            if log is not None and decode_url is not None:
+                want = seen + sum(not a.error for a in answers.values())
+                deadline = time.monotonic() + patience.seconds(30.0)
+                while len(lines := timing_lines(log)) < want and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                if len(lines) != want:
+                    print(
+                        f"[bench] {mode} {name}: {len(lines) - seen} timing lines for "
+                        f"{want - seen} requests ({log})",
+                        flush=True,
+                    )
+                time.sleep(1.0)  # a scheduler process's metrics reach /metrics through files
+                after = decode_counters(decode_url)
+                done.lines = lines[seen:]
+                done.counters = {k: after[k] - before[k] for k in DECODE_COUNTERS}
+            phases.append(done)
+
+        def probes(key: str | None) -> Callable[[tqdm], dict[str, Answer]]:
+            return lambda bar: {p.key: client.one(p, bar, key) for p in w.probes}  # one by one
+
+        turns = sum(map(len, w.convs.messages))
+        if mode == "pd_cache_on":
+            phase("probes_fresh", len(w.probes), probes("probe-fresh"))
+        phase("conversations", turns, lambda bar: client.converse(w.convs, reference, bar))
+        phase("trace", len(w.trace), lambda bar: client.replay(w.trace, w.trace_speedup, bar))
+        if mode == "monolithic":
+            phase("probes", len(w.probes), probes(None))
+        if mode == "pd_cache_on":
+            # what the decoder allocated so far: KV received and tokens generated
             allocated = sum(int(x["tokens"]) - int(x["held"]) for p in phases for x in p.lines)
             allocated += sum(len(a.output_ids) for p in phases for a in p.answers.values())
             left = CHURN_POOLS * w.decode_pool_tokens - allocated
             rounds = max(1, math.ceil(left / w.convs.unique_tokens()))
-
-            def churn(bar: tqdm) -> dict[str, Answer]:
-                return {
+            print(
+                f"[bench] churning the decoder's pool: the conversations {rounds} more "
+                f"times, each under a new cache namespace",
+                flush=True,
+            )
+            phase(
+                "churn",
+                rounds * turns,
+                lambda bar: {
                     f"{r}:{k}": a
                     for r in range(rounds)
                     for k, a in client.converse(w.convs, reference, bar, f"churn{r}").items()
-                }
-
-            print(
-                f"[bench] churning the decoder's pool: {rounds} more rounds of the "
-                f"conversations under new namespaces",
-                flush=True,
+                },
             )
-            phases.append(phase("churn", rounds * n, churn))
-            phases.append(
-                phase(
-                    "probes_fragmented",
-                    len(w.probes),
-                    lambda bar: client.in_turn(w.probes, "probe-fragmented", bar),
-                )
-            )
-        return phases
+            phase("probes_fragmented", len(w.probes), probes("probe-fragmented"))
+    return phases
 
 
 # -- figures --------------------------------------------------------------------------------
@@ -534,189 +457,87 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def summarize(phase: Phase, bpt: float, reference: dict[str, Answer]) -> dict[str, Any]:
     answers = list(phase.answers.values())
-    ttfts = [a.ttft_s * 1e3 for a in answers if not a.error]
     row: dict[str, Any] = {
         "requests": len(answers),
-        "errors": sum(bool(a.error) for a in answers),
-        "ttft_p50_ms": percentile(ttfts, 50),
-        "ttft_p99_ms": percentile(ttfts, 99),
+        "ttft_p50_ms": percentile([a.ttft_s * 1e3 for a in answers], 50),
+        "ttft_p99_ms": percentile([a.ttft_s * 1e3 for a in answers], 99),
         "requests_per_s": len(answers) / phase.wall_s,
         "wall_s": phase.wall_s,
-        "empty_first_chunks": sum(a.empty_first_chunk for a in answers),
+        "empty_first_chunks": sum(not math.isnan(a.empty_lead_s) for a in answers),
+        "empty_first_chunk_lead_p50_ms": percentile([a.empty_lead_s * 1e3 for a in answers], 50),
     }
     if phase.mode != "monolithic":
         verdicts = Counter(judge(reference[k.split(":")[-1]], a) for k, a in phase.answers.items())
         row["verdicts"] = dict(verdicts)
-    lines = phase.lines
-    if lines:
+    if lines := phase.lines:
         moved = sum(int(x["bytes"]) for x in lines)
-        unheld = sum(int(x["tokens"]) - int(x["held"]) for x in lines) * bpt
+        tokens, held = (sum(int(x[k]) for x in lines) for k in ("tokens", "held"))
         row |= {
-            "kv_bytes_moved_per_request": moved / len(lines),
-            "unheld_kv_bytes_per_request": unheld / len(lines),
-            "moved_over_unheld": moved / unheld if unheld else math.inf,
-            "writes_per_request": statistics.mean(int(x["writes"]) for x in lines),
-            "held_share": sum(int(x["held"]) for x in lines) / sum(int(x["tokens"]) for x in lines),
             "kv_bytes_moved": moved,
+            "kv_bytes_moved_per_request": moved / len(lines),
+            "unheld_kv_bytes_per_request": (tokens - held) * bpt / len(lines),
+            "moved_over_unheld": moved / ((tokens - held) * bpt) if tokens > held else math.inf,
+            "writes_per_request": statistics.mean(int(x["writes"]) for x in lines),
+            "held_share_of_prefill_tokens": held / tokens,
         }
     if phase.counters:
         held, received, not_sent = (phase.counters[k] for k in DECODE_COUNTERS)
-        row |= {
-            "hit_rate": held / (held + received) if held + received else 0.0,
-            "decode_bytes_not_sent": not_sent,
-        }
+        row["hit_rate"] = held / (held + received) if held + received else 0.0
+        row["decode_kv_bytes_not_sent"] = not_sent
     return row
 
 
 def per_turn(phase: Phase, convs: Conversations, bpt: float) -> dict[str, list[float]]:
-    """Per turn: mean KV bytes moved and unheld per request, TTFT p50 (ms)."""
-    turns = len(convs.messages[0])
+    """Per turn: mean KV bytes moved and not held per request, TTFT p50 (ms)."""
     turn_of = convs.turn_of()
-    moved: list[list[float]] = [[] for _ in range(turns)]
-    unheld: list[list[float]] = [[] for _ in range(turns)]
-    for x in phase.lines:
-        found = turn_of.get(int(x["tokens"]) + 1)
-        if found is not None:
-            moved[found[1]].append(int(x["bytes"]))
-            unheld[found[1]].append((int(x["tokens"]) - int(x["held"])) * bpt)
-    ttft: list[list[float]] = [[] for _ in range(turns)]
-    for key, a in phase.answers.items():
-        ttft[int(key.split("t")[-1])].append(a.ttft_s * 1e3)
-    mean = lambda xs: statistics.mean(xs) if xs else math.nan  # noqa: E731
-    return {
-        "kv_bytes_moved": [mean(m) for m in moved],
-        "unheld_kv_bytes": [mean(u) for u in unheld],
-        "ttft_p50_ms": [percentile(t, 50) for t in ttft],
+    by_turn: dict[str, list[list[float]]] = {
+        k: [[] for _ in convs.messages[0]] for k in ("kv_bytes_moved", "unheld_kv_bytes", "ttft")
     }
+    for x in phase.lines:
+        if (found := turn_of.get(int(x["tokens"]) + 1)) is not None:
+            by_turn["kv_bytes_moved"][found[1]].append(int(x["bytes"]))
+            by_turn["unheld_kv_bytes"][found[1]].append((int(x["tokens"]) - int(x["held"])) * bpt)
+    for key, a in phase.answers.items():
+        by_turn["ttft"][int(key.split("t")[-1])].append(a.ttft_s * 1e3)
+    out = {
+        k: [statistics.mean(v) if v else math.nan for v in by_turn[k]]
+        for k in ("kv_bytes_moved", "unheld_kv_bytes")
+    }
+    return out | {"ttft_p50_ms": [percentile(v, 50) for v in by_turn["ttft"]]}
 
 
 def print_summary(rows: dict[tuple[str, str], dict[str, Any]]) -> None:
     head = (
-        f"{'mode':<13} {'workload':<14} {'reqs':>4} {'TTFT p50':>8} {'p99':>7} {'req/s':>6} "
+        f"{'mode':<13} {'workload':<17} {'reqs':>4} {'TTFT p50':>8} {'p99':>7} {'req/s':>6} "
         f"{'KiB moved':>9} {'KiB unheld':>10} {'moved/unh':>9} {'writes':>7} {'hit':>5} "
         f"{'same/tie/diff/err':>17}"
     )
     print(head + "\n" + "-" * len(head))
-    nan = math.nan
-    for (mode, name), r in rows.items():
-        v = r.get("verdicts", {})
+    for (mode, name), row in rows.items():
+        r = defaultdict(lambda: math.nan, row)
+        v = row.get("verdicts", {})
         tally = "/".join(str(v.get(k, 0)) for k in ("identical", "tie", "mismatch", "error"))
         print(
-            f"{mode:<13} {name:<14} {r['requests']:>4} {r['ttft_p50_ms']:>8.1f} "
+            f"{mode:<13} {name:<17} {r['requests']:>4} {r['ttft_p50_ms']:>8.1f} "
             f"{r['ttft_p99_ms']:>7.1f} {r['requests_per_s']:>6.2f} "
-            f"{r.get('kv_bytes_moved_per_request', nan) / 1024:>9.1f} "
-            f"{r.get('unheld_kv_bytes_per_request', nan) / 1024:>10.1f} "
-            f"{r.get('moved_over_unheld', nan):>9.3f} {r.get('writes_per_request', nan):>7.1f} "
-            f"{r.get('hit_rate', nan):>5.2f} {tally if v else '-':>17}"
+            f"{r['kv_bytes_moved_per_request'] / 1024:>9.1f} "
+            f"{r['unheld_kv_bytes_per_request'] / 1024:>10.1f} {r['moved_over_unheld']:>9.3f} "
+            f"{r['writes_per_request']:>7.1f} {r['hit_rate']:>5.2f} {tally if v else '-':>17}"
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few short conversations")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
-    parser.add_argument("--conversations", type=int)
-    parser.add_argument("--turns", type=int)
-    parser.add_argument("--system-tokens", type=int)
-    parser.add_argument("--message-tokens", type=int, nargs=2, metavar=("MIN", "MAX"))
-    parser.add_argument("--output-tokens", type=int)
-    parser.add_argument("--concurrency", type=int, help="conversations in flight")
-    parser.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace to replay")
-    parser.add_argument("--trace-scale", type=float, default=1 / 16, help="lengths and block size")
-    parser.add_argument("--trace-limit", type=int, help="requests of the trace replayed")
-    parser.add_argument(
-        "--trace-speedup", type=float, default=1.0, help="arrivals this much sooner"
-    )
-    parser.add_argument("--probe-tokens", type=int, nargs="+", help="fragmentation probes")
-    parser.add_argument("--decode-pool-tokens", type=int, help="both PD decoders' KV pool")
-    parser.add_argument("--seed", type=int, default=1)
-    args = parser.parse_args(argv)
-
-    def pick(given: Any, quick: Any, full: Any) -> Any:
-        return given if given is not None else (quick if args.quick else full)
-
-    started = time.perf_counter()
-    args.out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="bench_multiturn_"))
-    patience = local_patience()
-    concurrency = pick(args.concurrency, 2, 4)
-
-    message_range = pick(args.message_tokens, (16, 48), (32, 256))
-    convs = build_conversations(
-        pick(args.conversations, 4, 24),
-        pick(args.turns, 3, 5),
-        pick(args.system_tokens, 96, 512),
-        message_range,
-        pick(args.output_tokens, 12, 48),
-        args.seed,
-    )
-    trace_file = args.trace or synthetic_trace(
-        args.out / "synthetic_trace.jsonl", pick(None, 8, 40), args.seed
-    )
-    trace = load_trace(trace_file, args.trace_scale, pick(args.trace_limit, 8, 100))
-    probes = probe_requests(pick(args.probe_tokens, [160, 320], [512, 1024, 2048]))
-    w = Workload(
-        convs, trace, args.trace_speedup, probes, pick(args.decode_pool_tokens, 4096, 16384)
-    )
-    longest = max(
-        [
-            *(len(r.ids) + r.max_new_tokens for r in (*trace, *probes)),
-            *(n + convs.output_tokens for n in convs.turn_of()),
-        ]
-    )
-    if longest + SGLANG_DECODE_RESERVE > w.decode_pool_tokens:
-        raise SystemExit(
-            f"a {longest}-token request does not fit a decode pool of "
-            f"{w.decode_pool_tokens}: raise --decode-pool-tokens"
-        )
-    print(
-        f"[bench] {len(convs.messages)} conversations x {len(convs.messages[0])} turns, "
-        f"system prompt {len(convs.system)}, messages {message_range}, "
-        f"{convs.output_tokens} output tokens, {concurrency} in flight; trace {trace_file.name}: "
-        f"{len(trace)} requests at scale {args.trace_scale:g}; decode pool {w.decode_pool_tokens} "
-        f"tokens; logs in {work}",
-        flush=True,
-    )
-
-    phases = run_monolithic(w, work, patience, concurrency)
-    reference = {k: a for p in phases for k, a in p.answers.items()}
-    for mode in MODES[1:]:
-        phases += run_pd(mode, w, reference, work, patience, concurrency)
-
-    config = json.loads((TINY_LLAMA_PATH / "config.json").read_text())
-    # K and V, 16-bit (SGLang's dtype "auto" serves a float32 model in float16): bytes
-    config_bpt = (
-        config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 2
-    )
-    bpt, metadata, bpt_source = kv_bytes_per_token(phases, config_bpt)
-    rows = {(p.mode, p.name): summarize(p, bpt, reference) for p in phases}
-    print(
-        f"\nKV bytes per token {bpt:.1f} ({bpt_source}; model config {config_bpt}), "
-        f"metadata {metadata:.0f} B per request. TTFT: streamed, first chunk with a token, "
-        f"ms. KiB per request from the prefill's timing lines; hit: the decoder's held / "
-        f"(held + received) prompt tokens"
-    )
-    print_summary(rows)
-
-    by = {(p.mode, p.name): p for p in phases}
-    fresh, frag = by[("pd_cache_on", "probes_fresh")], by[("pd_cache_on", "probes_fragmented")]
-    print(f"\n{'probe tokens':>12} {'writes fresh':>12} {'writes fragmented':>17}")
-    for probe, a, b in zip(probes, fresh.lines, frag.lines, strict=False):
-        print(f"{len(probe.ids):>12} {int(a['writes']):>12} {int(b['writes']):>17}")
-    turns = {m: per_turn(by[(m, "conversations")], convs, bpt) for m in MODES}
-    labels = [str(t + 1) for t in range(len(convs.messages[0]))]
-    png_bytes, png_ttft = (
-        args.out / "multiturn_kv_per_turn.png",
-        args.out / "multiturn_ttft_per_turn.png",
-    )
+def plot_turns(turns: dict[str, dict[str, list[float]]], out: Path) -> list[Path]:
+    labels = [str(t + 1) for t in range(len(turns[MODES[0]]["ttft_p50_ms"]))]
+    pngs = [out / "multiturn_kv_per_turn.png", out / "multiturn_ttft_per_turn.png"]
+    series = {
+        "cache off: moved": ("pd_cache_off", "kv_bytes_moved"),
+        "cache on: moved": ("pd_cache_on", "kv_bytes_moved"),
+        "cache on: KV not held": ("pd_cache_on", "unheld_kv_bytes"),
+    }
     plot_grouped_bars(
-        {
-            "cache off: moved": [b / 1024 for b in turns["pd_cache_off"]["kv_bytes_moved"]],
-            "cache on: moved": [b / 1024 for b in turns["pd_cache_on"]["kv_bytes_moved"]],
-            "cache on: KV not held": [b / 1024 for b in turns["pd_cache_on"]["unheld_kv_bytes"]],
-        },
+        {label: [b / 1024 for b in turns[m][k]] for label, (m, k) in series.items()},
         labels,
-        png_bytes,
+        pngs[0],
         ylabel="KiB per request (mean)",
         xlabel="turn",
         title="KV moved per request by turn, decoder prefix cache on vs off",
@@ -724,63 +545,173 @@ def main(argv: list[str] | None = None) -> int:
     plot_grouped_bars(
         {m: turns[m]["ttft_p50_ms"] for m in MODES},
         labels,
-        png_ttft,
+        pngs[1],
         ylabel="TTFT p50 (ms)",
         xlabel="turn",
-        title="Time to first token by turn",
+        title="Time to first token by turn (streamed)",
     )
+    return pngs
 
+
+def headline(rows: dict[tuple[str, str], dict[str, Any]], bpt: float) -> dict[str, Any]:
     on, off = rows[("pd_cache_on", "conversations")], rows[("pd_cache_off", "conversations")]
     t_on, t_off = rows[("pd_cache_on", "trace")], rows[("pd_cache_off", "trace")]
-    verdicts = Counter(
-        itertools.chain.from_iterable(
-            Counter(r.get("verdicts", {})).elements() for r in rows.values()
-        )
-    )
-    writes_fresh = statistics.mean(int(x["writes"]) for x in fresh.lines)
-    writes_frag = statistics.mean(int(x["writes"]) for x in frag.lines)
-    headline = {
+    fresh = rows[("pd_cache_on", "probes_fresh")]["writes_per_request"]
+    fragmented = rows[("pd_cache_on", "probes_fragmented")]["writes_per_request"]
+    verdicts: Counter[str] = Counter()
+    for r in rows.values():
+        verdicts.update(r.get("verdicts", {}))
+    conv = {m: rows[(m, "conversations")] for m in MODES}
+    return {
         "tokens_identical": verdicts["mismatch"] + verdicts["error"] == 0,
         "kv_bytes_moved_over_unheld": round(on["moved_over_unheld"], 4),
         "kv_bytes_saved_share": round(1 - on["kv_bytes_moved"] / off["kv_bytes_moved"], 4),
         "ttft_p50_off_over_on": round(off["ttft_p50_ms"] / on["ttft_p50_ms"], 3),
-        "writes_fragmented_over_fresh": round(writes_frag / writes_fresh, 2),
+        "writes_fragmented_over_fresh": round(fragmented / fresh, 2),
         "hit_rate": round(on["hit_rate"], 4),
         "trace_kv_bytes_saved_share": round(
             1 - t_on["kv_bytes_moved"] / t_off["kv_bytes_moved"], 4
         ),
         "trace_hit_rate": round(t_on["hit_rate"], 4),
-        **{f"ttft_p50_ms_{m}": round(rows[(m, "conversations")]["ttft_p50_ms"], 1) for m in MODES},
-        **{
-            f"requests_per_s_{m}": round(rows[(m, "conversations")]["requests_per_s"], 3)
-            for m in MODES
-        },
+        **{f"ttft_p50_ms_{m}": round(r["ttft_p50_ms"], 1) for m, r in conv.items()},
+        **{f"ttft_p99_ms_{m}": round(r["ttft_p99_ms"], 1) for m, r in conv.items()},
+        **{f"requests_per_s_{m}": round(r["requests_per_s"], 2) for m, r in conv.items()},
         "writes_per_request_on": round(on["writes_per_request"], 1),
         "writes_per_request_off": round(off["writes_per_request"], 1),
-        "writes_fresh": round(writes_fresh, 1),
-        "writes_fragmented": round(writes_frag, 1),
-        "requests_compared": sum(verdicts.values()),
+        "writes_fresh": round(fresh, 1),
+        "writes_fragmented": round(fragmented, 1),
+        "requests_compared": verdicts.total(),
         "ties": verdicts["tie"],
         "mismatches": verdicts["mismatch"],
         "errors": verdicts["error"],
         "kv_bytes_per_token": round(bpt, 1),
     }
+
+
+DEFAULTS = {  # quick, full
+    "conversations": (6, 24),
+    "turns": (4, 6),
+    "system_tokens": (96, 512),
+    "message_tokens": ((16, 48), (32, 256)),
+    "output_tokens": (12, 48),
+    "concurrency": (2, 4),
+    "trace_limit": (8, 100),  # also the synthetic trace's length
+    "probe_tokens": ((160, 320), (512, 1024, 2048)),
+    "decode_pool_tokens": (4096, 16384),
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--quick", action="store_true", help="a few short conversations, a tiny trace")
+    add("--out", type=Path, default=Path("benchmarks/out"))
+    add("--conversations", type=int)
+    add("--turns", type=int)
+    add("--system-tokens", type=int)
+    add("--message-tokens", type=int, nargs=2, metavar=("MIN", "MAX"))
+    add("--output-tokens", type=int)
+    add("--concurrency", type=int, help="conversations in flight")
+    add("--trace", type=Path, help="a JSONL trace in Mooncake's format (default: synthetic)")
+    add("--trace-scale", type=float, default=1 / 16, help="trace lengths and block size x this")
+    add("--trace-limit", type=int, help="requests of the trace replayed")
+    add("--trace-speedup", type=float, default=1.0, help="trace arrivals this many times sooner")
+    add("--probe-tokens", type=int, nargs="+", help="fragmentation probes' prompt lengths")
+    add("--decode-pool-tokens", type=int, help="both PD decoders' KV pool, tokens")
+    add("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    for name, (quick, full) in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    return args
+
+
+def workload(args: argparse.Namespace) -> Workload:
+    convs = build_conversations(
+        args.conversations,
+        args.turns,
+        args.system_tokens,
+        args.message_tokens,
+        args.output_tokens,
+        args.seed,
+    )
+    if args.trace is None:
+        args.trace = synthetic_trace(
+            args.out / "synthetic_trace.jsonl", args.trace_limit, args.seed
+        )
+    trace = load_trace(args.trace, args.trace_scale, args.trace_limit)
+    probes = probe_requests(args.probe_tokens)
+    pool = args.decode_pool_tokens
+    longest = max(
+        [
+            *(len(r.ids) + r.max_new_tokens for r in (*trace, *probes)),
+            *(n + convs.output_tokens for n in convs.turn_of()),
+        ]
+    )
+    if longest + SGLANG_DECODE_RESERVE > pool:
+        raise SystemExit(
+            f"a {longest}-token request does not fit a decode pool of {pool} "
+            "tokens: raise --decode-pool-tokens"
+        )
+    return Workload(convs, trace, args.trace_speedup, probes, pool, args.concurrency)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench_multiturn_"))
+    w = workload(args)
+    print(
+        f"[bench] {args.conversations} conversations x {args.turns} turns ({args.concurrency} "
+        f"in flight), system prompt {args.system_tokens}, messages {args.message_tokens}, "
+        f"answers {args.output_tokens} tokens; trace {args.trace.name}: {len(w.trace)} "
+        f"requests at scale {args.trace_scale:g}; decode pool {w.decode_pool_tokens} tokens; "
+        f"logs in {work}",
+        flush=True,
+    )
+
+    phases = run_mode(MODES[0], w, None, work, patience := local_patience())
+    reference = {k: a for p in phases for k, a in p.answers.items()}
+    for mode in MODES[1:]:
+        phases += run_mode(mode, w, reference, work, patience)
+
+    config = json.loads((TINY_LLAMA_PATH / "config.json").read_text())
+    # K and V of every layer, 16-bit (SGLang's dtype "auto" serves a float32 model in fp16)
+    layers, heads, dim = (
+        config[k] for k in ("num_hidden_layers", "num_key_value_heads", "head_dim")
+    )
+    config_bpt = 2 * layers * heads * dim * 2  # bytes
+    bpt, metadata, bpt_source = kv_bytes_per_token(phases, config_bpt)
+    rows = {(p.mode, p.name): summarize(p, bpt, reference) for p in phases}
+    print(
+        f"\nKV bytes per token {bpt:.1f} ({bpt_source}; model config {config_bpt}); metadata "
+        f"{metadata:.0f} B per request. TTFT (ms): streamed, the first chunk with a token. "
+        "KiB per request: the prefill's timing lines; unheld: prompt tokens the decoder did "
+        "not hold x KV bytes per token; hit: the decoder's held / (held + received) tokens"
+    )
+    print_summary(rows)
+    by = {(p.mode, p.name): p for p in phases}
+    fresh, frag = (by[("pd_cache_on", f"probes_{k}")].lines for k in ("fresh", "fragmented"))
+    print(f"\n{'probe tokens':>12} {'writes fresh pool':>17} {'writes fragmented pool':>22}")
+    for probe, a, b in zip(w.probes, fresh, frag, strict=False):
+        print(f"{len(probe.ids):>12} {int(a['writes']):>17} {int(b['writes']):>22}")
+    turns = {m: per_turn(by[(m, "conversations")], w.convs, bpt) for m in MODES}
+    pngs = plot_turns(turns, args.out)
+
+    figures = headline(rows, bpt)
+    requests_out = {
+        f"{p.mode}/{p.name}": {
+            k: [a.prompt_tokens, round(a.ttft_s * 1e3, 2), judge(reference[k.split(":")[-1]], a)]
+            for k, a in p.answers.items()
+        }
+        for p in phases
+    }
     details = args.out / "multiturn.json"
     details.write_text(
         json.dumps(
             {
-                "workload": {
-                    "conversations": len(convs.messages),
-                    "turns": len(convs.messages[0]),
-                    "system_tokens": len(convs.system),
-                    "output_tokens": convs.output_tokens,
-                    "concurrency": concurrency,
-                    "trace": str(trace_file),
-                    "trace_requests": len(trace),
-                    "trace_scale": args.trace_scale,
-                    "decode_pool_tokens": w.decode_pool_tokens,
-                    "probe_tokens": [len(p.ids) for p in probes],
-                },
+                "args": vars(args),
                 "kv_bytes_per_token": {
                     "value": bpt,
                     "metadata_bytes": metadata,
@@ -789,27 +720,17 @@ def main(argv: list[str] | None = None) -> int:
                 },
                 "summary": {f"{m}/{n}": r for (m, n), r in rows.items()},
                 "per_turn": turns,
-                "probes": {"fresh": fresh.lines, "fragmented": frag.lines},
-                "requests": {
-                    p.mode + "/" + p.name: {
-                        k: {
-                            "prompt_tokens": a.prompt_tokens,
-                            "ttft_ms": a.ttft_s * 1e3,
-                            "error": a.error,
-                        }
-                        for k, a in p.answers.items()
-                    }
-                    for p in phases
-                },
-                "headline": headline,
+                "probes": {"fresh": fresh, "fragmented": frag},
+                "requests (prompt tokens, TTFT ms, verdict)": requests_out,
+                "headline": figures,
             },
             indent=1,
             default=str,
         )
     )
-    print(f"\nplots: {png_bytes}, {png_ttft}\ndetails: {details}")
+    print(f"\nplots: {', '.join(map(str, pngs))}\ndetails: {details}")
     print(f"[bench] took {time.perf_counter() - started:.0f} s")
-    print(json.dumps(headline))
+    print(json.dumps(figures))
     return 0
 
 

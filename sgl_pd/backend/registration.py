@@ -117,6 +117,13 @@ def register_backend() -> None:
         first_token.before_prefill_bootstrap_add,
         HookType.BEFORE,
     )
+    from sgl_pd.backend.prefill import sender
+
+    HookRegistry.register(
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.finalize_bootstrap",
+        sender.after_finalize_bootstrap,
+        HookType.AFTER,
+    )
     from sgl_pd.backend import tracing
 
     # SGLang's trace context of each request, where our spans of it attach (--enable-trace)

@@ -59,13 +59,14 @@ def expected_tokens(url: str, ids: Sequence[int], max_new_tokens: int) -> Expect
 
 
 def expected_answer(
-    url: str, ids: Sequence[int], max_new_tokens: int
+    url: str, prompt: Sequence[int] | str, max_new_tokens: int
 ) -> tuple[Expected, dict[str, Any]]:
-    """`expected_tokens`, and SGLang's meta_info of the answer (speculative counts...)."""
+    """`expected_tokens` of token ids or a text, and SGLang's meta_info of the answer
+    (its text, speculative counts...)."""
     response = requests.post(
         f"{url}/generate",
         json={
-            "input_ids": list(ids),
+            **({"text": prompt} if isinstance(prompt, str) else {"input_ids": list(prompt)}),
             "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
             "return_logprob": True,
             "top_logprobs_num": 2,
@@ -76,7 +77,8 @@ def expected_answer(
     body = response.json()
     tops = body["meta_info"]["output_top_logprobs"]
     margins = tuple(float(t[0][0] - t[1][0]) if len(t) > 1 else float("inf") for t in tops)
-    return Expected(tuple(int(t) for t in body["output_ids"]), margins), body["meta_info"]
+    meta = {**body["meta_info"], "text": body["text"]}
+    return Expected(tuple(int(t) for t in body["output_ids"]), margins), meta
 
 
 @dataclass(frozen=True)

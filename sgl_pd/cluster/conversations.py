@@ -25,7 +25,8 @@ from sgl_pd.cluster.prompts import prompt_ids
 
 @dataclass(frozen=True)
 class Turn:
-    prompt: tuple[int, ...]  # token ids
+    # token ids, or a text (as chat clients send; a router routes texts by prefix)
+    prompt: tuple[int, ...] | str
     expected: Expected  # the reference server's greedy answer, with its margins
     meta: dict[str, Any] = field(default_factory=dict)  # the reference's meta_info
 
@@ -42,28 +43,39 @@ class Reply:
 Conversation = list[Turn]
 
 
+def follow_up_text(conversation: int, turn: int) -> str:
+    """The new message of a turn after the first, different for every turn."""
+    return f" Then {conversation * 7 + turn + 2} and"
+
+
 def follow_up(conversation: int, turn: int) -> list[int]:
-    """The new message of a turn after the first (token ids), different for every turn."""
-    return prompt_ids(f" Then {conversation * 7 + turn + 2} and")
+    """`follow_up_text` as token ids (without the tokenizer's start token)."""
+    ids, start = prompt_ids(follow_up_text(conversation, turn)), prompt_ids("")
+    return ids[len(start) :] if ids[: len(start)] == start else ids
 
 
 def script(
     url: str,
-    openers: Sequence[Sequence[int]],
+    openers: Sequence[Sequence[int] | str],
     turns: int,
     max_new_tokens: int,
     *,
     concurrency: int = 8,
 ) -> list[Conversation]:
-    """One conversation per opener (its first prompt), `turns` turns each, answered by
-    the reference server at `url`; conversations run side by side, turns in order."""
+    """One conversation per opener (its first prompt: token ids or a text), `turns` turns
+    each, answered by the reference server at `url`; conversations run side by side,
+    turns in order. A text conversation grows by texts (the answer's, the message's)."""
 
     def one(index: int) -> Conversation:
-        prompt, out = list(openers[index]), []
+        opener, out = openers[index], []
+        prompt: tuple[int, ...] | str = opener if isinstance(opener, str) else tuple(opener)
         for turn in range(turns):
             expected, meta = expected_answer(url, prompt, max_new_tokens)
-            out.append(Turn(tuple(prompt), expected, meta))
-            prompt = prompt + list(expected.tokens) + follow_up(index, turn)
+            out.append(Turn(prompt, expected, meta))
+            if isinstance(prompt, str):
+                prompt = prompt + str(meta["text"]) + follow_up_text(index, turn)
+            else:
+                prompt = prompt + expected.tokens + tuple(follow_up(index, turn))
         return out
 
     with ThreadPoolExecutor(max(1, concurrency)) as pool:
@@ -80,7 +92,11 @@ def replay(
         response = requests.post(
             f"{url}/generate",
             json={
-                "input_ids": list(turn.prompt),
+                **(
+                    {"text": turn.prompt}
+                    if isinstance(turn.prompt, str)
+                    else {"input_ids": list(turn.prompt)}
+                ),
                 "sampling_params": {
                     "temperature": 0,
                     "max_new_tokens": len(turn.expected.tokens),

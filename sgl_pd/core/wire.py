@@ -208,7 +208,7 @@ class ChunkNotice(_Message, tag="chunk", frozen=True):
     page_ids: tuple[U32, ...]  # destination pages the chunk touches
     is_last: bool
     prefill_instance: U64  # the sending prefill rank: only a rank that was asked counts
-    num_chunks: U32 = 0  # read from the last notice only
+    num_chunks: U32  # chunks that carried KV so far (all of them, in the last notice)
 
     def __post_init__(self) -> None:
         if self.token_start >= self.token_stop:

@@ -38,6 +38,7 @@ def _last_notice(room: int, chunks: int, sender: int) -> ChunkNotice:
         page_ids=(),
         is_last=True,
         prefill_instance=sender,
+        num_chunks=chunks,
     )
 
 

@@ -156,3 +156,51 @@ def test_memory_helpers_fill_pages() -> None:
     assert set(d.memory.page(3)) == {7}
     assert np.all(np.frombuffer(d.memory.page(4), dtype=np.uint8) == 0)
     rig.prefill.writers.close()
+
+
+def _asked(rig: Rig, room: int, held: int, pages: int) -> TransferRequest:
+    d = rig.decoders["decode-a"]
+    return TransferRequest(
+        request_id=room,
+        decoder=d.registration,
+        dst_pages=tuple(range(40 + held, 40 + pages)),
+        metadata_slot=1,
+        completion_slot=1,
+        held_tokens=held,
+    )
+
+
+def test_the_held_prefix_cannot_change_once_sglang_read_it() -> None:
+    """SGLang fixes where its sends start when it reads the held prefix: a decode rank
+    that asks again for the request with another prefix (a retried room) is refused,
+    or its pages would be named from one token and written from another."""
+    rig = Rig(layerwise=True)
+    rig.add_decoder("decode-a")
+    rooms = rig.prefill.rooms
+    assert rooms.add_request(_asked(rig, 9, held=2, pages=6)) is None
+    assert rooms.held_tokens(9) == 2
+    refused = rooms.add_request(_asked(rig, 9, held=1, pages=6))
+    assert refused is not None and "held prefix" in refused
+    assert rooms.rooms_of([9])[0].tokens_planned == 2
+    # before SGLang read it, a new ask may still move it either way
+    assert rooms.add_request(_asked(rig, 10, held=3, pages=6)) is None
+    assert rooms.add_request(_asked(rig, 10, held=1, pages=6)) is None
+    assert rooms.held_tokens(10) == 1 and rooms.rooms_of([10])[0].tokens_planned == 1
+    rig.prefill.writers.close()
+
+
+def test_a_held_prefix_past_the_prompt_fails_the_request_at_once() -> None:
+    """A decoder that claims to hold more tokens than the prefill computes (a peer
+    without the pinned patch, or a broken one): SGLang would never make its last send,
+    and both sides would wait for their timeouts. It fails at once, and the decoder
+    hears why."""
+    rig = Rig()
+    d = rig.add_decoder("decode-a")
+    rig.request(d, 11, [], slot=1, held_tokens=5)
+    rig.prefill.track(11)
+    assert rig.prefill.rooms.held_tokens(11) == 5
+    rig.prefill.prompt_known(11, 4)
+    state, _, error = rig.prefill.state(11)
+    assert state is PrefillState.FAILED and error is not None and "holds 5" in error
+    wait_state(d, 11, DecodeState.FAILED)
+    rig.prefill.writers.close()

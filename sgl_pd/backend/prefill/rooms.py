@@ -105,6 +105,7 @@ class Room:
     # the prompt's first tokens every decode rank holds already (their prefix caches):
     # no chunk covers them, and SGLang's sends start after them
     held_tokens: int = 0
+    held_read: bool = False  # SGLang read it (`pop_decode_prefix_len`): it is fixed now
     num_pages: int | None = None  # pages SGLang will send in all
     pages_sent: int = 0  # pages SGLang has handed to `send` so far
     tokens_planned: int = 0  # tokens covered by chunks so far
@@ -211,8 +212,12 @@ class PrefillRooms:
                     f"decode ranks disagree on the prefix they hold ({sorted(others)} vs"
                     f" {request.held_tokens} tokens)"
                 )
-            if room.chunks and request.held_tokens != room.held_tokens:
-                return "the held prefix changed after the first chunk was planned"
+            fixed = room.held_read or room.chunks
+            if fixed and request.held_tokens != room.held_tokens:
+                return (
+                    f"the held prefix changed from {room.held_tokens} to"
+                    f" {request.held_tokens} tokens after the prefill fixed where it sends from"
+                )
             links = links_into(
                 link_shards(self.layout, self.scheme, decoder.scheme, request.request_id),
                 decoder.rank,
@@ -222,7 +227,8 @@ class PrefillRooms:
             room.requests[decoder.rank] = request
             room.decoder_tp = decoder.scheme.tp_size
             room.held_tokens = request.held_tokens
-            room.tokens_planned = max(room.tokens_planned, request.held_tokens)
+            if not room.chunks:
+                room.tokens_planned = request.held_tokens
             if mine:
                 room.destinations[decoder.rank] = Destination(
                     request, links, mine, first.src_rank == self.rank
@@ -245,10 +251,27 @@ class PrefillRooms:
 
     def held_tokens(self, room_id: int) -> int:
         """The prefix the decoder holds (SGLang's `pop_decode_prefix_len`): asked once
-        every decode rank's request arrived, before the first forward."""
+        every decode rank's request arrived, before the first forward; fixed from then."""
         with self._lock:
             room = self._rooms.get(room_id)
-            return 0 if room is None else room.held_tokens
+            if room is None:
+                return 0
+            room.held_read = True
+            return room.held_tokens
+
+    def held_past_prompt(self, room_id: int, prompt_tokens: int) -> str | None:
+        """Why the held prefix cannot be served for a prompt of `prompt_tokens` tokens
+        (what this prefill computes), or None. A decoder can hold at most all of them:
+        holding more, SGLang would never make the request's last send."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+            if room is None or room.held_tokens <= prompt_tokens:
+                return None
+            return (
+                f"the decoder holds {room.held_tokens} tokens of a prompt whose prefill"
+                f" computes {prompt_tokens}: start the decode server through"
+                " sgl_pd.launch_server with the installed patches (launch/install.sh)"
+            )
 
     # -- chunks -----------------------------------------------------------------------------
 

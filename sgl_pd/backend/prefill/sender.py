@@ -120,3 +120,13 @@ class SglPdKVSender(BaseKVSender):
 
     def clear(self) -> None:
         self._messenger.forget(self.bootstrap_room)
+
+
+def after_finalize_bootstrap(result: Any, queue: Any, req: Any, *args: Any, **kw: Any) -> Any:
+    """AFTER hook of ``PrefillBootstrapQueue.finalize_bootstrap``: SGLang has read the
+    held prefix and fixed where the request's sends start; one past the prompt this
+    prefill computes is refused now (SGLang would never make the last send)."""
+    sender = getattr(req, "disagg_kv_sender", None)
+    if result and isinstance(sender, SglPdKVSender):
+        sender.kv_mgr.prefill.prompt_known(sender.bootstrap_room, len(req.origin_input_ids))
+    return result

@@ -171,6 +171,7 @@ def inbox_body(draw: st.DrawFn, c: Campaign, kind: str) -> bytes:
             page_ids=tuple(draw(st.lists(u32, max_size=16))),
             is_last=draw(st.booleans()),
             prefill_instance=instance,
+            num_chunks=draw(u32),
         ))  # fmt: skip
     if kind == "abort_ack":
         return body_of(AbortAck(

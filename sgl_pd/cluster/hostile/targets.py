@@ -257,6 +257,7 @@ def sample_messages(targets: Targets, reply_to: str, room: int = 12345) -> list[
             page_ids=(0, 1, 2),
             is_last=True,
             prefill_instance=targets.prefill.instance,
+            num_chunks=1,
         ),
         Abort(request_id=room, reason=AbortReason.CLIENT, decoder_instance=1, reply_to=reply_to),
         AbortAck(request_id=room, prefill_rank=0, prefill_instance=targets.prefill.instance),
