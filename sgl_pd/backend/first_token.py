@@ -34,6 +34,7 @@ import logging
 from typing import Any, ClassVar
 
 from sgl_pd.config import BACKEND_NAME, SglPdConfig
+from sgl_pd.errors import ConfigError
 
 logger = logging.getLogger("sgl_pd.first_token")
 
@@ -116,3 +117,23 @@ def before_prefill_bootstrap_add(queue: Any, req: Any, *args: Any, **kw: Any) ->
     tail = _Process.draft_tails.pop(req.rid, None)
     if tail is not None:
         setattr(req, DRAFT_TAIL, tail)
+
+
+def require_decode_patches() -> None:
+    """Refuses to serve decode without the pinned patches that honour `MARK` (SGLang's
+    own code would then hand the request KV for every prompt token, and with a prefix
+    cache hold tokens the prefill never computes): one line, at start-up."""
+    import inspect
+
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+
+    patched = (
+        DecodePreallocQueue._pre_alloc_fill_len,  # decode-samples-first
+        DecodePreallocQueue._match_prefix_and_lock,  # decode-holds-before-last-token
+    )
+    missing = [f.__name__ for f in patched if MARK not in inspect.getsource(f)]
+    if missing:
+        raise ConfigError(
+            f"SGLang's {', '.join(missing)} lack sgl_pd's pinned patches: run"
+            " launch/install.sh (python -m sgl_pd.harness.patches apply)"
+        )

@@ -112,3 +112,22 @@ def test_upstream_mode_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     first_token.before_handle_generate_request(_prefill_scheduler(), recv)
     first_token.before_decode_prealloc_add(SimpleNamespace(transfer_backend=OURS), req)
     assert list(recv.input_ids) == [5, 6, 7] and not hasattr(req, first_token.MARK)
+
+
+def test_a_decoder_refuses_to_start_without_the_pinned_patches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The installed SGLang carries both patches; one whose prefix match does not
+    honour the mark (SGLang reinstalled, say) is refused with the fix in one line."""
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+
+    from sgl_pd.errors import ConfigError
+
+    first_token.require_decode_patches()
+
+    def _match_prefix_and_lock(self, req):  # type: ignore[no-untyped-def]
+        return None  # as SGLang ships it: no cap before the prompt's last token
+
+    monkeypatch.setattr(DecodePreallocQueue, "_match_prefix_and_lock", _match_prefix_and_lock)
+    with pytest.raises(ConfigError, match=r"_match_prefix_and_lock.*launch/install\.sh"):
+        first_token.require_decode_patches()

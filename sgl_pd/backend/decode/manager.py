@@ -9,6 +9,7 @@ import threading
 from typing import Any
 
 from sgl_pd.backend.decode.messenger import DecodeMessenger
+from sgl_pd.backend.first_token import require_decode_patches
 from sgl_pd.backend.heartbeats import Watched
 from sgl_pd.backend.manager import SglPdKVManager
 from sgl_pd.core.clock import Clock
@@ -25,6 +26,7 @@ class DecodeKVManager(SglPdKVManager):
     enable_deferred_decode_kv_release = True
 
     def _start_role(self, server_args: Any, clock: Clock) -> Watched:
+        require_decode_patches()
         self.decode = DecodeMessenger(
             rank=self.rank,
             instance=self.instance,
