@@ -72,10 +72,11 @@ class PoolCopies:
     ) -> None:
         """From `staged` (the request's receive staging, uint8) into the pool: each link's
         block of each region into the link's heads of `pages` (the request's destination
-        pages; a block holds them in ascending order, `core.relayout.block_positions`)."""
+        pages; a block holds them in ascending order, `core.relayout.block_positions`, or
+        in the request's order when `placement.logical`)."""
         layout = self.layout
         with self._on_stream():
-            rows = self._rows(np.sort(pages))
+            rows = self._rows(pages if placement.logical else np.sort(pages))
             for i, start in placement.offsets.items():
                 link, block = links[i], placement.block[i]
                 lo, nh = link.dst_head_offset, link.num_heads

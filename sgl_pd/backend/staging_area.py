@@ -16,7 +16,7 @@ from typing import Any
 
 from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.relayout_copies import PoolCopies
-from sgl_pd.core.layout import AttnKind, PageLayout
+from sgl_pd.core.layout import PageLayout
 from sgl_pd.core.staging_space import StagingSpace
 from sgl_pd.core.wire import Role
 from sgl_pd.errors import SglPdError
@@ -104,15 +104,12 @@ def staging_bytes(config_mb: float, role: Role, pool: PoolDescription, chunk_tok
     """Bytes of a rank's staging area: `config_mb` MiB, or when negative the default:
     prefill, four write jobs' gather blocks of one layer of a full chunk (a job of more
     layers is gathered and written a few layers at a time); decode, the receive blocks of
-    `DECODE_STAGING_TOKENS` tokens of this rank's KV. Nothing where no slice can be
-    strided: MLA and HND layouts, and a rank holding one head."""
+    `DECODE_STAGING_TOKENS` tokens of this rank's KV. Every NHD pool has one: a slice
+    strided under mismatched TP is staged, and so is a request whose destination pages
+    are fragmented (`core.relayout.fragmented`), MLA and one-head ranks included. HND
+    pages need none (a rank's slice of a page is contiguous) and are never staged."""
     layout = pool.layout
-    if (
-        layout.kind is AttnKind.MLA
-        or layout.page_layout is not PageLayout.NHD
-        or pool.local_heads == 1
-        or config_mb == 0
-    ):
+    if layout.page_layout is not PageLayout.NHD or config_mb == 0:
         return 0
     if config_mb > 0:
         return int(config_mb * MIB)

@@ -387,10 +387,14 @@ def plan_transfer(
     layers = range(layout.num_layers) if layers is None else layers
     if layers.step != 1 or not layers or layers.start < 0 or layers.stop > layout.num_layers:
         raise PlanError(f"layers {layers} not a non-empty range inside [0, {layout.num_layers})")
-    chunk = _Chunk(layout, src_pages, dst_pages, tokens, src_first_page, held_pages)
+    chunk = _Chunk(
+        layout, src_pages, dst_pages, tokens, src_first_page, held_pages, relayout.receive_all
+    )
     writes = tuple(chunk.link_writes(lk, staged_link(layout, lk, relayout)) for lk in links)
     gathering = any(lw.staging.gathers for lw in writes)
-    gather_pages = chunk.sp[np.argsort(chunk.dp, kind="stable")] if gathering else None
+    gather_pages = None
+    if gathering:  # the chunk's source pages in the order of its block pages
+        gather_pages = chunk.sp if chunk.logical else chunk.sp[np.argsort(chunk.dp, kind="stable")]
     return TransferPlan(layout, tokens, layers, writes, chunk.first, gather_pages)
 
 
@@ -405,8 +409,12 @@ class _Chunk:
         tokens: TokenRange,
         src_first_page: int,
         held_pages: int,
+        logical: bool,
     ) -> None:
         self.hnd = layout.page_layout is PageLayout.HND
+        # staged blocks hold pages in the request's order, not in destination page-id
+        # order (`core.relayout.ReceivePlacement.logical`)
+        self.logical = logical
         self.size, self.row = layout.page_size, layout.row_bytes  # tokens, bytes
         self.tokens = tokens
         self.first = tokens.start // self.size  # logical pages of the request
@@ -451,7 +459,8 @@ class _Chunk:
             # chunk's pages in order, receive blocks the request's (logical page p at
             # p * page_size rows), nh heads a row; an unstaged side has all its heads.
             if staging.gathers:  # block page of each chunk page: (n_pages,)
-                s = (block_positions(self.dp) * size + lo) * nh * row
+                order = np.arange(self.dp.shape[0]) if self.logical else block_positions(self.dp)
+                s = (order * size + lo) * nh * row
             else:
                 s = (self.sp * size + lo) * hs * row
             if staging.receives:  # the request's block page of each chunk page
@@ -491,6 +500,8 @@ class _Chunk:
     def request_positions(self) -> I64:
         """(request pages past held,) block page of each of the request's destination
         pages (receive staging holds only the pages that are written)."""
+        if self.logical:
+            return np.arange(self.dp_all.shape[0], dtype=np.int64)
         return block_positions(self.dp_all)
 
     def _token_slots(self) -> tuple[I64, I64]:

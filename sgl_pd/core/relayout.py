@@ -19,9 +19,14 @@ a run of consecutive destination pages is a run of consecutive block pages, what
 order the request holds them in, and a staged link never needs more writes than the
 same pages would under identical TP.
 
-Where a side's slice is contiguous (identical TP, MLA replicas, HND) nothing is staged.
-This module only says where staged bytes sit (byte offsets, region tables); the copies
-run at the edge (`sgl_pd.backend.relayout_copies`).
+Where a side's slice is contiguous (identical TP, MLA replicas, HND) nothing is staged,
+unless the decoder's pages are *fragmented*: a decoder whose prefix cache evicts and
+reuses pages hands a request short runs of page ids, and since a write covers one run
+on both sides, one write per page and region would go out. Such a decoder stages every
+link of the request (`Relayout.receive_all`, `fragmented`), and its blocks hold the
+pages in the request's own (logical) order instead: a chunk's tokens are then one run
+of block slots on both sides, gathered or not, and its writes one per region (and
+link), at the cost of the copies.
 """
 
 from __future__ import annotations
@@ -55,9 +60,30 @@ class Relayout:
 
     gather: bool  # the source rank stages strided source slices
     receive: bool  # the destination granted receive staging for this request
+    # the destination's pages are fragmented: every link is received (and gathered
+    # where the source can), not only the strided ones
+    receive_all: bool = False
 
 
 NO_RELAYOUT = Relayout(gather=False, receive=False)
+
+# A request whose destination pages average shorter runs than this (pages of consecutive
+# ids) is staged whole: one write per run and region would cost more than two copies.
+MIN_MEAN_RUN_PAGES = 8
+
+
+def page_runs(pages: I64) -> int:
+    """Runs of consecutive ascending page ids in `pages` (logical order): how many
+    writes per region a chunk covering them needs at least, whatever the source does."""
+    if pages.shape[0] == 0:
+        return 0
+    return 1 + int(np.count_nonzero(np.diff(pages) != 1))
+
+
+def fragmented(pages: I64, min_mean_run: int = MIN_MEAN_RUN_PAGES) -> bool:
+    """The destination pages of a request run so short that it should be staged whole."""
+    runs = page_runs(pages)
+    return runs > 1 and pages.shape[0] < min_mean_run * runs
 
 
 @dataclass(frozen=True)
@@ -82,6 +108,10 @@ def staged_link(layout: KvLayout, link: ShardLink, relayout: Relayout) -> Staged
     by one into the blocks. Without a grant the link keeps per-slot writes into the pool
     (gathering alone would not make its writes contiguous)."""
     src, dst = strided_on_source(layout, link), strided_on_destination(layout, link)
+    if relayout.receive and relayout.receive_all:
+        if layout.page_layout is not PageLayout.NHD:
+            raise PlanError("only NHD pages are staged whole (blocks are token slots)")
+        return StagedLink(gathers=relayout.gather, receives=True)
     if dst and not relayout.receive:
         return UNSTAGED
     return StagedLink(gathers=src and relayout.gather, receives=dst)
@@ -111,6 +141,9 @@ class ReceivePlacement:
     offsets: dict[int, int]  # link index (into the links given) -> byte offset of block 0
     block: dict[int, int]  # link index -> bytes per block
     total: int  # bytes of the request's receive staging
+    # blocks hold the request's pages in its order (staged whole), else in ascending
+    # destination page id (`block_positions`)
+    logical: bool = False
 
     def table(self, layout: KvLayout, link_index: int, base: int) -> RegionTable:
         """The staged blocks of one link when the request's staging starts at `base`."""
@@ -124,19 +157,22 @@ class ReceivePlacement:
 
 
 def receive_placement(
-    layout: KvLayout, links: tuple[ShardLink, ...], num_pages: int
+    layout: KvLayout, links: tuple[ShardLink, ...], num_pages: int, all_links: bool = False
 ) -> ReceivePlacement:
     """Receive staging of a request of `num_pages` pages for the links into one decode
-    rank: the blocks of every link strided on the destination. Both sides compute it
-    from the same links, so only the base address travels."""
+    rank: the blocks of every link strided on the destination (of every link, with
+    `all_links`: fragmented pages). Both sides compute it from the same links, so only
+    the base address travels."""
+    if all_links and layout.page_layout is not PageLayout.NHD:
+        raise PlanError("only NHD pages are staged whole (blocks are token slots)")
     offsets: dict[int, int] = {}
     blocks: dict[int, int] = {}
     total = 0
     for i, link in enumerate(links):
-        if strided_on_destination(layout, link):
+        if all_links or strided_on_destination(layout, link):
             offsets[i], blocks[i] = total, block_bytes(layout, link, num_pages)
             total += blocks[i] * layout.num_regions
-    return ReceivePlacement(offsets, blocks, total)
+    return ReceivePlacement(offsets, blocks, total, logical=all_links)
 
 
 def block_positions(dst_pages: I64) -> I64:

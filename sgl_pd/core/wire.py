@@ -42,7 +42,8 @@ from sgl_pd.errors import SglPdError
 # 4: decoders submit prefills to a prefill server's registry (direct mode)
 # 5: registry replies carry the asker's submissions the prefill server refused
 # 6: decoders register a receive staging area and grant requests part of it (re-layout)
-# 7: decoders name the prefix they hold (held_tokens); last notices carry the chunk count
+# 7: decoders name the prefix they hold (held_tokens); last notices carry the chunk count;
+#    a decoder with fragmented pages asks for every link into its staging (stage_all)
 PROTOCOL_VERSION = 7
 MAGIC = b"SGPD"
 MAX_BODY_BYTES = 64 << 20  # a 1M-token prompt with its page table stays far below this
@@ -354,9 +355,14 @@ class TransferRequest(_Message, tag="transfer", frozen=True):
     # the prompt's first tokens whose KV the decoder holds already (its prefix cache,
     # whole pages): only the KV after them is written
     held_tokens: U32 = 0
+    # the decoder's pages are fragmented: every link writes into its receive staging
+    # (`core.relayout.fragmented`), not only those strided on the decoder
+    stage_all: bool = False
 
     def __post_init__(self) -> None:
         decoder = self.decoder
+        if self.stage_all and self.staging_base is None:
+            raise InvalidMessage("a request staged whole needs a staging grant")
         if self.held_tokens % decoder.layout.page_size:
             raise InvalidMessage(
                 f"held prefix of {self.held_tokens} tokens is not whole pages of"

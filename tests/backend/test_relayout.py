@@ -148,7 +148,7 @@ def _serve(sc: Scenario, relayout: Relayout, data_seed: int) -> tuple[bool, int]
     writes = 0
     for d, pool in enumerate(dst_pools):
         into = links_into(links, d)
-        placement = receive_placement(lay, into, len(sc.dst_pages))
+        placement = receive_placement(lay, into, len(sc.dst_pages), all_links=relayout.receive_all)
         receive_at = memory.take(placement.total)
         for tokens_range in sc.chunks:
             plan = plan_transfer(
@@ -203,6 +203,17 @@ def test_gather_write_scatter_reproduces_the_destination_pool(sc: Scenario, data
     assert staged_writes <= identical_writes * sources_per_destination
 
 
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sc=scenarios(), data_seed=st.integers(0, 2**32 - 1), gather=st.booleans())
+def test_a_request_staged_whole_reproduces_the_destination_pool(
+    sc: Scenario, data_seed: int, gather: bool
+) -> None:
+    """Every link received (fragmented destination pages), in the request's page order,
+    gathered or not: the same bytes land."""
+    same, _ = _serve(sc, Relayout(gather=gather, receive=True, receive_all=True), data_seed)
+    assert same
+
+
 @pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 1), (1, 2), (4, 8), (8, 4)])
 def test_without_staging_the_same_bytes_arrive_one_slot_at_a_time(tp_p: int, tp_d: int) -> None:
     sc = Scenario(8, 2, 16, 1, tp_p, tp_d, (3, 0, 2), (1, 4, 2), 5, ((0, 20), (20, 40)), 1, 7)
@@ -225,3 +236,42 @@ def test_links_strided_on_both_sides_land_where_the_decoder_scatters(
     assert same
     same_per_slot, per_slot = _serve(sc, NO_RELAYOUT, 2)
     assert same_per_slot and staged <= per_slot
+
+
+@pytest.mark.parametrize("heads", [1, 2, 8])
+@pytest.mark.parametrize(("tp_p", "tp_d"), [(1, 1), (2, 2), (2, 1), (1, 2)])
+def test_fragmented_pages_staged_whole_take_a_run_per_chunk(
+    heads: int, tp_p: int, tp_d: int
+) -> None:
+    """A decoder whose pages are scattered (a prefix cache evicting and reusing them),
+    fed by a prefill whose pages are scattered too: written as they lie, a write per
+    page and region; staged whole (every link gathered and received in page-id order),
+    a few writes per chunk and region, and the same bytes arrive."""
+    rng = np.random.default_rng(3)
+    pages = 40
+    src, dst = rng.permutation(64)[:pages], rng.permutation(64)[:pages]
+    from sgl_pd.core.relayout import fragmented
+
+    assert fragmented(dst.astype(np.int64))
+    sc = Scenario(
+        heads, 2, 4, 2, tp_p, tp_d, tuple(int(p) for p in src), tuple(int(p) for p in dst), 64,
+        ((0, 70), (70, 160)), 1, 5,
+    )  # fmt: skip
+    same, per_run = _serve(sc, Relayout(gather=True, receive=True), 4)
+    whole_same, whole = _serve(sc, Relayout(gather=True, receive=True, receive_all=True), 4)
+    assert same and whole_same
+    regions = sc.layout.num_regions
+    links = len(link_shards(sc.layout, ShardingScheme(tp_p), ShardingScheme(tp_d), sc.seed))
+    # a chunk's tokens are one run of block slots on both sides: a write per link, region
+    # and chunk
+    assert whole == len(sc.chunks) * links * regions < per_run, (whole, per_run)
+
+
+def test_only_short_runs_count_as_fragmented() -> None:
+    from sgl_pd.core.relayout import fragmented, page_runs
+
+    assert page_runs(np.array([], dtype=np.int64)) == 0
+    assert page_runs(np.array([5, 6, 7, 2, 3, 9], dtype=np.int64)) == 3
+    assert not fragmented(np.arange(100, dtype=np.int64))  # a fresh pool: one run
+    assert not fragmented(np.concatenate([np.arange(40), np.arange(50, 90)]).astype(np.int64))
+    assert fragmented(np.arange(0, 200, 2, dtype=np.int64))  # every other page

@@ -54,8 +54,9 @@ from sgl_pd.core.counting import (
 )
 from sgl_pd.core.errors import CountingError
 from sgl_pd.core.failures import FailureCause
+from sgl_pd.core.layout import PageLayout
 from sgl_pd.core.regions import Region
-from sgl_pd.core.relayout import ReceivePlacement, receive_placement
+from sgl_pd.core.relayout import ReceivePlacement, fragmented, receive_placement
 from sgl_pd.core.sharding import ShardingScheme, ShardLink, link_shards
 from sgl_pd.core.states import DECODE_TABLE, DecodeState, RequestTracker
 from sgl_pd.core.timeline import decode_timeline
@@ -118,6 +119,9 @@ class _Track:
     staging_offset: int | None = None
     unsent: TransferRequest | None = None  # waiting for receive staging to come free
     held_tokens: int = 0  # the prompt's first tokens this rank's prefix cache holds
+    # staged whole because its pages are fragmented, which it may do without (no link
+    # needs staging otherwise): sent unstaged rather than wait for staging space
+    whole_optional: bool = False
     prompt_tokens: int = 0  # tokens whose KV the prefiller computed, from its last notice
     error: str | None = None
     metadata_seen: bool = False
@@ -275,8 +279,19 @@ class DecodeMessenger:
             len(dst_pages),
             links,
             dst_pages,
-            placement=self._placement(room, prefill, links, len(dst_pages)),
             held_tokens=held_tokens,
+        )
+        whole = (
+            self._staging is not None
+            and prefill.layout.page_layout is PageLayout.NHD
+            and fragmented(np.asarray(dst_pages, dtype=np.int64))
+        )
+        track.placement = self._placement(room, prefill, links, len(dst_pages), whole)
+        if track.placement is None and whole:  # too large for the area: as unfragmented
+            whole = False
+            track.placement = self._placement(room, prefill, links, len(dst_pages), False)
+        track.whole_optional = (
+            whole and not receive_placement(prefill.layout, links, len(dst_pages)).total
         )
         if bootstrap is not None:
             track.seen_s, track.found_s = bootstrap
@@ -287,6 +302,7 @@ class DecodeMessenger:
             metadata_slot=slot,
             completion_slot=slot,
             held_tokens=held_tokens,
+            stage_all=whole,
         )
         with self._lock:
             old = self._tracks.get(room)
@@ -306,14 +322,22 @@ class DecodeMessenger:
             self._send_request(track, granted)
 
     def _placement(
-        self, room: int, prefill: ShardRegistration, links: tuple[ShardLink, ...], pages: int
+        self,
+        room: int,
+        prefill: ShardRegistration,
+        links: tuple[ShardLink, ...],
+        pages: int,
+        whole: bool,
     ) -> ReceivePlacement | None:
-        """The request's receive staging, if its links need and this rank's area can ever
-        hold it (a request larger than the area is written one token slot at a time)."""
+        """The request's receive staging, if its links need (`whole`: every link, its
+        pages being fragmented) and this rank's area can ever hold it (a request larger
+        than the area is written one token slot at a time)."""
         if self._staging is None:
             return None
-        placement = receive_placement(prefill.layout, links, pages)
+        placement = receive_placement(prefill.layout, links, pages, all_links=whole)
         if not placement.total:
+            return None
+        if whole and not self._staging.area.fits(placement.total):
             return None
         if not self._staging.area.fits(placement.total):
             _log.warning(
@@ -335,12 +359,17 @@ class DecodeMessenger:
         if track.placement is not None:
             assert self._staging is not None
             offset = self._staging.area.try_take(track.placement.total)
-            if offset is None:
+            if offset is None and track.whole_optional:
+                # only fragmentation asked for staging: sent as it is, a run at a time
+                track.placement = None
+                message = msgspec.structs.replace(message, stage_all=False)
+            elif offset is None:
                 return None  # back-pressure: asked again at the next poll
-            track.staging_offset = offset
-            message = msgspec.structs.replace(
-                message, staging_base=self._staging.area.base + offset
-            )
+            else:
+                track.staging_offset = offset
+                message = msgspec.structs.replace(
+                    message, staging_base=self._staging.area.base + offset
+                )
         track.unsent = None
         return message
 

@@ -163,9 +163,11 @@ class KvWriter:
         if addressed is None:
             request = dest.request
             receive = self._receive(dest)
-            plan = self._plan(dest, chunk, Relayout(self._staging is not None, receive is not None))
+            whole = request.stage_all
+            relayout = Relayout(self._staging is not None, receive is not None, whole)
+            plan = self._plan(dest, chunk, relayout)
             if not self._gather_fits(plan):
-                plan = self._plan(dest, chunk, Relayout(False, receive is not None))
+                plan = self._plan(dest, chunk, Relayout(False, receive is not None, whole))
             dst_table = RegionTable.for_layout(self.layout, request.decoder.kv_regions)
             addressed = AddressedPlan.for_sender(
                 plan, dest.mine, self.pool.kv, dst_table, self.layer_group_size, receive
@@ -200,7 +202,9 @@ class KvWriter:
         request = dest.request
         if request.staging_base is None:
             return None
-        placement = receive_placement(self.layout, dest.links, len(request.dst_pages))
+        placement = receive_placement(
+            self.layout, dest.links, len(request.dst_pages), all_links=request.stage_all
+        )
         area = request.decoder.staging
         assert area is not None  # TransferRequest checks the grant against it
         if request.staging_base + placement.total > area.base + area.length:
