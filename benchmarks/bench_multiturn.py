@@ -20,7 +20,8 @@ top two were within 0.05 nat counts as a tie, not a mismatch); then router PD (o
 + one decode server, `--enable-metrics`) with the decoder's prefix cache on
 (`--disaggregation-decode-enable-radix-cache`), then off; both decoders get a pool of
 `--decode-pool-tokens`. TTFT is timed on streamed /generate: the arrival of the first
-chunk that carries a token.
+chunk that carries a token (a PD decoder that samples the first token itself streams a
+chunk without one about a decode step earlier; the JSON has how much earlier).
 
 Per mode and workload: KV bytes moved per request (the prefill's timing lines: KV plus
 the metadata row), the KV of the tokens the decoder did not hold (unheld tokens x KV bytes
@@ -169,7 +170,7 @@ def synthetic_trace(path: Path, count: int, seed: int) -> Path:
 
 def load_trace(path: Path, scale: float, limit: int) -> list[Request]:
     """The first `limit` requests, lengths and block size times `scale`; block id h is
-    always the same ids (a counting text from 1 + h * block)."""
+    always the same ids (a counting text of its own, apart from the conversations')."""
     block = max(1, round(TRACE_BLOCK_TOKENS * scale))
     blocks: dict[int, tuple[int, ...]] = {}
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:limit]
@@ -180,7 +181,7 @@ def load_trace(path: Path, scale: float, limit: int) -> list[Request]:
     for i, row in enumerate(rows):
         ids = [0]  # BOS, as the tokenizer starts every prompt
         for h in row["hash_ids"]:
-            ids += blocks.setdefault(h, message_ids(block, 1 + h * block))
+            ids += blocks.setdefault(h, message_ids(block, 1_000_000 + h * block))
         length = min(len(ids), max(2, round(row["input_length"] * scale)))
         arrival = (row["timestamp"] - t0) / 1e3
         out.append(
@@ -196,7 +197,7 @@ def load_trace(path: Path, scale: float, limit: int) -> list[Request]:
 
 def probe_requests(sizes: Sequence[int]) -> list[Request]:
     return [
-        Request(f"probe{i}", tuple(long_prompt_ids(n, 50_000 + 1000 * i)), 4)
+        Request(f"probe{i}", tuple(long_prompt_ids(n, 500_000 + 1000 * i)), 4)
         for i, n in enumerate(sizes)
     ]
 
@@ -247,16 +248,17 @@ def send(
 
 
 def judge(expected: Answer, got: Answer) -> str:
-    """identical, tie (the first divergence is where monolithic's top two were less than
-    TIE_NATS apart), mismatch or error."""
+    """ok, near_tie (the first divergence is where monolithic's top two were less than
+    TIE_NATS apart), wrong_tokens or error: `campaign.Expected.judge`'s verdicts, at
+    TIE_NATS rather than its NEAR_TIE_NATS."""
     if got.error:
         return "error"
     if got.output_ids == expected.output_ids:
-        return "identical"
+        return "ok"
     pairs = zip(got.output_ids, expected.output_ids, strict=False)
     first = next((i for i, (a, b) in enumerate(pairs) if a != b), len(got.output_ids))
     tied = first < len(expected.margins) and expected.margins[first] < TIE_NATS
-    return "tie" if tied else "mismatch"
+    return "near_tie" if tied else "wrong_tokens"
 
 
 @dataclass(frozen=True)
@@ -284,7 +286,9 @@ class Client:
         extra_key: str | None = None,
     ) -> dict[str, Answer]:
         """Every conversation, `concurrency` at a time; a turn's prompt carries the
-        reference's answer to the turn before (its own when `reference` is None)."""
+        reference's answer to the turn before (its own when `reference` is None).
+        (`sgl_pd.cluster.conversations` scripts and replays turns unstreamed and lets EOS
+        end them: no TTFT, no exact lengths, no cache namespace.)"""
 
         def run(c: int) -> dict[str, Answer]:
             answers: dict[str, Answer] = {}
@@ -373,17 +377,21 @@ def run_mode(
     phases: list[Phase] = []
     with serve(mode, w, work, patience) as (url, log, decode_url):
         client = Client(url, patience.seconds(600), reference is None, w.concurrency)
-        # the first request compiles kernels and opens connections: not measured
-        client.one(Request("warm", tuple(long_prompt_ids(64, 90_000)), 4), extra_key="warm")
+        # the first requests open connections and meet new batch shapes: not measured
+        warm = [
+            Request(f"warm{i}", tuple(long_prompt_ids(64 * (i + 1), 90_000)), 4) for i in range(4)
+        ]
+        with ThreadPoolExecutor(len(warm)) as pool:
+            list(pool.map(lambda r: client.one(r, extra_key="warm"), warm))
 
-        def phase(name: str, total: int, work: Callable[[tqdm], dict[str, Answer]]) -> None:
-            """`work` under a progress bar, with the prefill's timing lines it caused (one
+        def phase(name: str, total: int, job: Callable[[tqdm], dict[str, Answer]]) -> None:
+            """`job` under a progress bar, with the prefill's timing lines it caused (one
             per answered request) and the decoder's counters' growth."""
             seen = len(timing_lines(log)) if log else 0
             before = decode_counters(decode_url) if decode_url else {}
             start = time.perf_counter()
             with tqdm(total=total, desc=f"{mode} {name}", unit="req", mininterval=2.0) as bar:
-                answers = work(bar)
+                answers = job(bar)
             done = Phase(mode, name, answers, time.perf_counter() - start)
             if log is not None and decode_url is not None:
                 want = seen + sum(not a.error for a in answers.values())
@@ -481,8 +489,8 @@ def summarize(phase: Phase, bpt: float, reference: dict[str, Answer]) -> dict[st
             "held_share_of_prefill_tokens": held / tokens,
         }
     if phase.counters:
-        held, received, not_sent = (phase.counters[k] for k in DECODE_COUNTERS)
-        row["hit_rate"] = held / (held + received) if held + received else 0.0
+        kept, received, not_sent = (phase.counters[k] for k in DECODE_COUNTERS)
+        row["hit_rate"] = kept / (kept + received) if kept + received else 0.0
         row["decode_kv_bytes_not_sent"] = not_sent
     return row
 
@@ -510,13 +518,13 @@ def print_summary(rows: dict[tuple[str, str], dict[str, Any]]) -> None:
     head = (
         f"{'mode':<13} {'workload':<17} {'reqs':>4} {'TTFT p50':>8} {'p99':>7} {'req/s':>6} "
         f"{'KiB moved':>9} {'KiB unheld':>10} {'moved/unh':>9} {'writes':>7} {'hit':>5} "
-        f"{'same/tie/diff/err':>17}"
+        f"{'ok/tie/wrong/err':>17}"
     )
     print(head + "\n" + "-" * len(head))
     for (mode, name), row in rows.items():
         r = defaultdict(lambda: math.nan, row)
         v = row.get("verdicts", {})
-        tally = "/".join(str(v.get(k, 0)) for k in ("identical", "tie", "mismatch", "error"))
+        tally = "/".join(str(v.get(k, 0)) for k in ("ok", "near_tie", "wrong_tokens", "error"))
         print(
             f"{mode:<13} {name:<17} {r['requests']:>4} {r['ttft_p50_ms']:>8.1f} "
             f"{r['ttft_p99_ms']:>7.1f} {r['requests_per_s']:>6.2f} "
@@ -563,7 +571,7 @@ def headline(rows: dict[tuple[str, str], dict[str, Any]], bpt: float) -> dict[st
         verdicts.update(r.get("verdicts", {}))
     conv = {m: rows[(m, "conversations")] for m in MODES}
     return {
-        "tokens_identical": verdicts["mismatch"] + verdicts["error"] == 0,
+        "tokens_identical": verdicts["wrong_tokens"] + verdicts["error"] == 0,
         "kv_bytes_moved_over_unheld": round(on["moved_over_unheld"], 4),
         "kv_bytes_saved_share": round(1 - on["kv_bytes_moved"] / off["kv_bytes_moved"], 4),
         "ttft_p50_off_over_on": round(off["ttft_p50_ms"] / on["ttft_p50_ms"], 3),
@@ -581,8 +589,8 @@ def headline(rows: dict[tuple[str, str], dict[str, Any]], bpt: float) -> dict[st
         "writes_fresh": round(fresh, 1),
         "writes_fragmented": round(fragmented, 1),
         "requests_compared": verdicts.total(),
-        "ties": verdicts["tie"],
-        "mismatches": verdicts["mismatch"],
+        "near_ties": verdicts["near_tie"],
+        "wrong_tokens": verdicts["wrong_tokens"],
         "errors": verdicts["error"],
         "kv_bytes_per_token": round(bpt, 1),
     }
