@@ -196,10 +196,16 @@ def load_trace(path: Path, scale: float, limit: int) -> list[Request]:
 
 
 def probe_requests(sizes: Sequence[int]) -> list[Request]:
+    """One prompt per distinct length: a timing line names its probe by length."""
     return [
         Request(f"probe{i}", tuple(long_prompt_ids(n, 500_000 + 1000 * i)), 4)
-        for i, n in enumerate(sizes)
+        for i, n in enumerate(sorted(set(sizes)))
     ]
+
+
+def writes_by_prompt(phase: Phase) -> dict[int, int]:
+    """Prompt tokens -> writes of the request, from the prefill's timing lines."""
+    return {int(x["tokens"]) + 1: int(x["writes"]) for x in phase.lines}
 
 
 # -- requests -------------------------------------------------------------------------------
@@ -230,7 +236,10 @@ def send(
     start, first, ttft, last = time.perf_counter(), math.nan, math.nan, {}
     try:
         with requests.post(f"{url}/generate", json=body, stream=True, timeout=timeout_s) as r:
-            r.raise_for_status()
+            if r.status_code != 200:
+                return Answer(
+                    request.key, len(request.ids), error=f"HTTP {r.status_code}: {r.text[:300]}"
+                )
             for line in r.iter_lines():
                 payload = line[len(b"data:") :].strip() if line.startswith(b"data:") else b""
                 if payload and payload != b"[DONE]":
@@ -239,10 +248,12 @@ def send(
                     ttft = now if math.isnan(ttft) and last.get("output_ids") else ttft
     except requests.RequestException as e:
         return Answer(request.key, len(request.ids), error=str(e))
-    tops = (last.get("meta_info") or {}).get("output_top_logprobs") or []
+    meta = last.get("meta_info") or {}
+    tops = meta.get("output_top_logprobs") or []
     margins = tuple(float(t[0][0] - t[1][0]) if len(t) > 1 else math.inf for t in tops)
     ids = tuple(int(t) for t in last.get("output_ids", ()))
-    error = "" if len(ids) == request.max_new_tokens else f"{len(ids)} tokens"
+    finish = meta.get("finish_reason")
+    error = "" if len(ids) == request.max_new_tokens else f"{len(ids)} tokens, finish {finish}"
     lead = ttft - first if ttft > first else math.nan
     return Answer(request.key, len(request.ids), ids, ttft, lead, margins, error)
 
@@ -474,6 +485,8 @@ def summarize(phase: Phase, bpt: float, reference: dict[str, Answer]) -> dict[st
         "empty_first_chunks": sum(not math.isnan(a.empty_lead_s) for a in answers),
         "empty_first_chunk_lead_p50_ms": percentile([a.empty_lead_s * 1e3 for a in answers], 50),
     }
+    if errors := [f"{k}: {a.error}" for k, a in phase.answers.items() if a.error]:
+        row["errors"] = errors
     if phase.mode != "monolithic":
         verdicts = Counter(judge(reference[k.split(":")[-1]], a) for k, a in phase.answers.items())
         row["verdicts"] = dict(verdicts)
@@ -561,11 +574,14 @@ def plot_turns(turns: dict[str, dict[str, list[float]]], out: Path) -> list[Path
     return pngs
 
 
-def headline(rows: dict[tuple[str, str], dict[str, Any]], bpt: float) -> dict[str, Any]:
+def headline(
+    rows: dict[tuple[str, str], dict[str, Any]], probes: dict[int, tuple[int, int]], bpt: float
+) -> dict[str, Any]:
+    """`probes`: prompt tokens -> (writes on the fresh pool, on the fragmented one)."""
     on, off = rows[("pd_cache_on", "conversations")], rows[("pd_cache_off", "conversations")]
     t_on, t_off = rows[("pd_cache_on", "trace")], rows[("pd_cache_off", "trace")]
-    fresh = rows[("pd_cache_on", "probes_fresh")]["writes_per_request"]
-    fragmented = rows[("pd_cache_on", "probes_fragmented")]["writes_per_request"]
+    both = list(probes.values())  # probes answered on both pools
+    fresh, fragmented = (statistics.mean(w[i] for w in both) if both else math.nan for i in (0, 1))
     verdicts: Counter[str] = Counter()
     for r in rows.values():
         verdicts.update(r.get("verdicts", {}))
@@ -681,6 +697,8 @@ def main(argv: list[str] | None = None) -> int:
 
     phases = run_mode(MODES[0], w, None, work, patience := local_patience())
     reference = {k: a for p in phases for k, a in p.answers.items()}
+    if failed := [f"{k}: {a.error}" for k, a in reference.items() if a.error]:
+        raise SystemExit(f"the reference failed {len(failed)} requests, first {failed[0]}")
     for mode in MODES[1:]:
         phases += run_mode(mode, w, reference, work, patience)
 
@@ -699,15 +717,21 @@ def main(argv: list[str] | None = None) -> int:
         "not hold x KV bytes per token; hit: the decoder's held / (held + received) tokens"
     )
     print_summary(rows)
+    for (mode, name), row in rows.items():
+        if row.get("errors"):
+            print(f"[bench] {mode} {name}: {len(row['errors'])} failed, first {row['errors'][0]}")
     by = {(p.mode, p.name): p for p in phases}
-    fresh, frag = (by[("pd_cache_on", f"probes_{k}")].lines for k in ("fresh", "fragmented"))
+    fresh, frag = (by[("pd_cache_on", f"probes_{k}")] for k in ("fresh", "fragmented"))
+    writes = (writes_by_prompt(fresh), writes_by_prompt(frag))
     print(f"\n{'probe tokens':>12} {'writes fresh pool':>17} {'writes fragmented pool':>22}")
-    for probe, a, b in zip(w.probes, fresh, frag, strict=False):
-        print(f"{len(probe.ids):>12} {int(a['writes']):>17} {int(b['writes']):>22}")
+    for n in (len(p.ids) for p in w.probes):
+        a, b = (str(ws.get(n, "failed")) for ws in writes)
+        print(f"{n:>12} {a:>17} {b:>22}")
+    probes = {n: (writes[0][n], writes[1][n]) for n in writes[0].keys() & writes[1].keys()}
     turns = {m: per_turn(by[(m, "conversations")], w.convs, bpt) for m in MODES}
     pngs = plot_turns(turns, args.out)
 
-    figures = headline(rows, bpt)
+    figures = headline(rows, probes, bpt)
     requests_out = {
         f"{p.mode}/{p.name}": {
             k: [a.prompt_tokens, round(a.ttft_s * 1e3, 2), judge(reference[k.split(":")[-1]], a)]
@@ -728,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
                 },
                 "summary": {f"{m}/{n}": r for (m, n), r in rows.items()},
                 "per_turn": turns,
-                "probes": {"fresh": fresh, "fragmented": frag},
+                "probes": {"fresh": fresh.lines, "fragmented": frag.lines},
                 "requests (prompt tokens, TTFT ms, verdict)": requests_out,
                 "headline": figures,
             },

@@ -31,7 +31,7 @@ AREA_BYTES = 1024
 
 
 class Decoder:
-    def __init__(self) -> None:
+    def __init__(self, prefill_tp: int = 2) -> None:
         fabric = FakeFabric()
         self.engine = FakeTransferEngine(fabric)
         memory = Memory.make(self.engine, fill=None)
@@ -62,7 +62,7 @@ class Decoder:
             ShardRegistration(
                 role=Role.PREFILL,
                 rank=r,
-                scheme=ShardingScheme(2),
+                scheme=ShardingScheme(prefill_tp),
                 session=f"127.0.0.1:{9000 + r}",
                 inbox=f"prefill-{r}",
                 instance=100 + r,
@@ -71,11 +71,11 @@ class Decoder:
                 kv_regions=pool.kv.regions,
                 layer_group_size=LAYOUT.num_layers,
             )
-            for r in range(2)
+            for r in range(prefill_tp)
         ]
 
-    def request(self, room: int, pages: int, slot: int) -> None:
-        dst = np.arange(slot * 10, slot * 10 + pages)
+    def request(self, room: int, pages: int, slot: int, dst: np.ndarray | None = None) -> None:
+        dst = np.arange(slot * 10, slot * 10 + pages) if dst is None else dst
         self.messenger.request(room, self.prefills, self.registration, dst, slot)
 
     def requests_sent(self, room: int) -> list[TransferRequest]:
@@ -127,3 +127,31 @@ def test_a_request_never_sent_is_safe_to_release_at_once() -> None:
     d.messenger.forget(3)
     d.messenger.forget(1)  # never completed, never drained: held back, not reused yet
     assert d.area.used == AREA_BYTES
+
+
+SCATTERED = np.array([3, 9, 1, 14, 6, 11, 20, 17], dtype=np.int64)  # fragmented pages
+
+
+def test_fragmented_pages_ask_for_every_link_into_staging() -> None:
+    """Identical TP: nothing is strided, yet a request whose pages are scattered asks
+    for receive staging of every link (one write per chunk and region, not per page);
+    one with a run of pages does not."""
+    d = Decoder(prefill_tp=1)
+    d.request(1, pages=8, slot=1, dst=SCATTERED)
+    (whole,) = d.requests_sent(1)
+    assert whole.stage_all and whole.staging_base is not None
+    assert d.area.used == 2 * 8 * 8 * 8  # one link: 2 heads x 8 bytes, 8 regions, 8 pages
+    d.request(2, pages=8, slot=2)
+    (run,) = d.requests_sent(2)
+    assert not run.stage_all and run.staging_base is None
+
+
+def test_a_fragmented_request_goes_unstaged_rather_than_wait_for_space() -> None:
+    """Staging is an optimisation for fragmented pages: with the area taken, the
+    request is sent as it lies at once, not held back."""
+    d = Decoder(prefill_tp=1)
+    d.request(1, pages=8, slot=1, dst=SCATTERED)
+    d.request(2, pages=8, slot=2, dst=SCATTERED + 30)  # the area holds one of them
+    (first,), (second,) = d.requests_sent(1), d.requests_sent(2)
+    assert first.stage_all and first.staging_base is not None
+    assert not second.stage_all and second.staging_base is None

@@ -119,8 +119,10 @@ class _Track:
     staging_offset: int | None = None
     unsent: TransferRequest | None = None  # waiting for receive staging to come free
     held_tokens: int = 0  # the prompt's first tokens this rank's prefix cache holds
-    # staged whole because its pages are fragmented, which it may do without (no link
-    # needs staging otherwise): sent unstaged rather than wait for staging space
+    # staged whole because its pages are fragmented (`core.relayout.fragmented`)
+    whole: bool = False
+    # ... which it may do without (no link needs staging otherwise): sent unstaged
+    # rather than wait for staging space
     whole_optional: bool = False
     prompt_tokens: int = 0  # tokens whose KV the prefiller computed, from its last notice
     error: str | None = None
@@ -290,6 +292,7 @@ class DecodeMessenger:
         if track.placement is None and whole:  # too large for the area: as unfragmented
             whole = False
             track.placement = self._placement(room, prefill, links, len(dst_pages), False)
+        track.whole = whole
         track.whole_optional = (
             whole and not receive_placement(prefill.layout, links, len(dst_pages)).total
         )
@@ -302,7 +305,6 @@ class DecodeMessenger:
             metadata_slot=slot,
             completion_slot=slot,
             held_tokens=held_tokens,
-            stage_all=whole,
         )
         with self._lock:
             old = self._tracks.get(room)
@@ -361,14 +363,15 @@ class DecodeMessenger:
             offset = self._staging.area.try_take(track.placement.total)
             if offset is None and track.whole_optional:
                 # only fragmentation asked for staging: sent as it is, a run at a time
-                track.placement = None
-                message = msgspec.structs.replace(message, stage_all=False)
+                track.placement, track.whole = None, False
             elif offset is None:
                 return None  # back-pressure: asked again at the next poll
             else:
                 track.staging_offset = offset
                 message = msgspec.structs.replace(
-                    message, staging_base=self._staging.area.base + offset
+                    message,
+                    staging_base=self._staging.area.base + offset,
+                    stage_all=track.whole,
                 )
         track.unsent = None
         return message
