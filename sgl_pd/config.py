@@ -124,6 +124,17 @@ class SglPdConfig:
         return cls() if text is None else cls.from_json(text)
 
 
+# Why a decoder refuses SGLang's decode HiCache (host and storage tiers of its prefix
+# cache; its device-memory radix cache is served).
+DECODE_HICACHE_REFUSAL = (
+    "--enable-hierarchical-cache on a decode server (decode HiCache) is not served yet:"
+    " its host-tier hits are loaded back into pages the prefill is told it need not"
+    " write, a path sgl_pd has not been run through (SGLang's host KV pool registers its"
+    " memory with the CUDA driver, so it does not start on a machine without a GPU);"
+    " keep --disaggregation-decode-enable-radix-cache, which holds prefixes in device"
+    " memory, and drop --enable-hierarchical-cache on decoders"
+)
+
 MISSING_SECRET = (
     "sgl_pd needs the cluster secret that authenticates its servers to each other: write"
     " one (`openssl rand -hex 32 > pd.secret; chmod 600 pd.secret`), give the same file to"

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from sgl_pd.config import (
     BACKEND_NAME,
     CONFIG_ENV,
+    DECODE_HICACHE_REFUSAL,
     SglPdConfig,
     add_cli_args,
     config_from_args,
@@ -80,6 +81,8 @@ def _unsupported(sglang_argv: list[str], config: SglPdConfig) -> str | None:
             "DP attention runs on decode servers only for now: start the prefill server "
             "without --enable-dp-attention / --attn-dp-size (TP is fine)"
         )
+    if mode == "decode" and "--enable-hierarchical-cache" in sglang_argv:
+        return DECODE_HICACHE_REFUSAL
     for flag in ("--pp-size", "--pipeline-parallel-size"):
         if flag_value(sglang_argv, flag) not in (None, "1"):
             return f"pipeline parallelism is not served yet: drop {flag}"

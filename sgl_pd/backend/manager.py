@@ -29,7 +29,7 @@ from sgl_pd.backend.pool import PoolDescription, describe_pool
 from sgl_pd.backend.relayout_copies import PoolCopies
 from sgl_pd.backend.staging_area import MIB, Staging, StagingArea, staging_bytes
 from sgl_pd.backend.tracing import RequestTracing
-from sgl_pd.config import SglPdConfig
+from sgl_pd.config import DECODE_HICACHE_REFUSAL, SglPdConfig
 from sgl_pd.core.clock import Clock, SystemClock
 from sgl_pd.core.liveness import FreezeWatch
 from sgl_pd.core.regions import Region
@@ -141,6 +141,10 @@ class SglPdKVManager(BaseKVManager):
         server_args: Any,
         is_mla_backend: bool | None = False,
     ) -> None:
+        # options sgl_pd cannot serve, refused by the backend itself (also when SGLang's
+        # own launcher started the server with the plugin loaded)
+        if self.role is Role.DECODE and server_args.enable_hierarchical_cache:
+            raise ConfigError(DECODE_HICACHE_REFUSAL)
         self.kv_args = args
         self.config = SglPdConfig.from_environment()
         self.auth = cluster_auth(self.config)

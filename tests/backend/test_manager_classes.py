@@ -59,3 +59,14 @@ def test_the_factory_builds_the_role_class_with_sglangs_arguments(
         ("prefill", ("kv_args", DisaggregationMode.PREFILL, "server_args", True)),
         ("decode", ("kv_args", DisaggregationMode.DECODE, "server_args", False)),
     ]
+
+
+def test_a_decoder_with_host_tiers_of_its_prefix_cache_is_refused() -> None:
+    """Decode HiCache is refused by the backend itself, however the server was started:
+    one line that says why and what to keep."""
+    from sgl_pd.backend.decode.manager import DecodeKVManager
+    from sgl_pd.errors import ConfigError
+
+    server_args = SimpleNamespace(enable_hierarchical_cache=True)
+    with pytest.raises(ConfigError, match=r"decode HiCache.*--disaggregation-decode-enable-radix"):
+        DecodeKVManager(SimpleNamespace(), None, server_args)

@@ -108,6 +108,15 @@ def test_a_dp_attention_decoder_keeps_the_lm_head_on_all_gather_on_cpu() -> None
             ],
             "prefill_complete is not served",
         ),
+        (
+            [
+                "--disaggregation-mode",
+                "decode",
+                "--disaggregation-decode-enable-radix-cache",
+                "--enable-hierarchical-cache",
+            ],
+            "decode HiCache) is not served yet",
+        ),
     ],
 )
 def test_launcher_refuses_unserved_options_without_a_traceback(flags: list[str], says: str) -> None:
