@@ -83,7 +83,7 @@ class Run:
 
 # openers of the multi-turn conversations: each longer than a 64-token page, so that
 # later turns hold whole pages at every page size used here
-CONVERSATION_OPENERS = [long_prompt_ids(90 + 50 * i, start=500 * i + 3) for i in range(3)]
+CONVERSATION_OPENERS = [long_prompt_ids(90 + 50 * i, start=500 * i + 3) for i in range(2)]
 CONVERSATION_TURNS = 3
 
 
