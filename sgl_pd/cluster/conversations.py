@@ -7,7 +7,8 @@ A conversation is scripted once on a reference (monolithic) server, turn by turn
 that server's own greedy answers (`script`), then replayed on the server under test,
 turn after turn (`replay`): every turn is judged against the reference's tokens, a first
 departure at a near tie of the reference's top two tokens counting as `near_tie`
-(`campaign.Expected`). Shared by the end-to-end tests and `benchmarks/bench_multiturn.py`.
+(`campaign.Expected`). Used by the end-to-end tests; `benchmarks/bench_multiturn.py`
+streams its requests (for TTFT) and keeps its own client.
 """
 
 from __future__ import annotations

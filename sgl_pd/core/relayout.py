@@ -67,9 +67,11 @@ class Relayout:
 
 NO_RELAYOUT = Relayout(gather=False, receive=False)
 
-# A request whose destination pages average shorter runs than this (pages of consecutive
-# ids) is staged whole: one write per run and region would cost more than two copies.
-MIN_MEAN_RUN_PAGES = 8
+# A request whose destination pages fall in more runs of consecutive ids than this is
+# staged whole: a write per run and region (tens of thousands for a long prompt on a
+# 60-layer model) costs more than copying the request's KV twice in device memory,
+# which staged, a chunk's writes shrink to one per region.
+MAX_UNSTAGED_RUNS = 4
 
 
 def page_runs(pages: I64) -> int:
@@ -80,10 +82,10 @@ def page_runs(pages: I64) -> int:
     return 1 + int(np.count_nonzero(np.diff(pages) != 1))
 
 
-def fragmented(pages: I64, min_mean_run: int = MIN_MEAN_RUN_PAGES) -> bool:
-    """The destination pages of a request run so short that it should be staged whole."""
-    runs = page_runs(pages)
-    return runs > 1 and pages.shape[0] < min_mean_run * runs
+def fragmented(pages: I64, max_runs: int = MAX_UNSTAGED_RUNS) -> bool:
+    """The destination pages of a request fall in so many runs that it should be staged
+    whole (a fresh pool hands out one or two)."""
+    return page_runs(pages) > max_runs
 
 
 @dataclass(frozen=True)

@@ -274,4 +274,6 @@ def test_only_short_runs_count_as_fragmented() -> None:
     assert page_runs(np.array([5, 6, 7, 2, 3, 9], dtype=np.int64)) == 3
     assert not fragmented(np.arange(100, dtype=np.int64))  # a fresh pool: one run
     assert not fragmented(np.concatenate([np.arange(40), np.arange(50, 90)]).astype(np.int64))
+    five_runs = np.concatenate([np.arange(i * 100, i * 100 + 30) for i in range(5)])
+    assert fragmented(five_runs.astype(np.int64))
     assert fragmented(np.arange(0, 200, 2, dtype=np.int64))  # every other page
