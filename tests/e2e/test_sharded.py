@@ -17,8 +17,9 @@ staging and scatters them. At 16 tokens a page that shows in the write counts.
 
 Both decoders keep a prefix cache (--disaggregation-decode-enable-radix-cache): each
 pairing asks prompts of its own (no prefix shared with another pairing's, so every one
-is transferred whole the first time), then multi-turn conversations whose later turns
-move only the pages after the held prefix - re-laid out where the pairing is mismatched.
+is transferred whole the first time); in the page-16 mesh each pairing then serves
+multi-turn conversations whose later turns move only the pages after the held prefix -
+re-laid out where the pairing is mismatched.
 """
 
 from __future__ import annotations
@@ -199,12 +200,6 @@ class TestPageOfOneToken:
         route: tuple[str, str],
     ) -> None:
         _assert_pairing_serves(mesh, self.PAGE, route, route_references[route])
-
-    @pytest.mark.parametrize("route", ROUTES, ids=ROUTE_IDS)
-    def test_each_pairing_serves_conversations_from_held_prefixes(
-        self, mesh: PdMesh, mono: Server, route: tuple[str, str]
-    ) -> None:
-        _assert_conversations_serve(mesh, mono, route)
 
     def test_direct_mode_from_a_tp1_decoder_to_a_tp2_prefill_server(
         self, mesh: PdMesh, reference: list[list[int]]
