@@ -16,7 +16,7 @@ from typing import Any
 
 from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.relayout_copies import PoolCopies
-from sgl_pd.core.layout import PageLayout
+from sgl_pd.core.layout import AttnKind, PageLayout
 from sgl_pd.core.staging_space import StagingSpace
 from sgl_pd.core.wire import Role
 from sgl_pd.errors import SglPdError
@@ -26,6 +26,10 @@ MIB = 1 << 20
 # Tokens of KV a decode rank's receive staging holds by default: a request larger than
 # the area is written one token slot at a time, so the default covers long prompts.
 DECODE_STAGING_TOKENS = 16384
+# ... on a decode rank whose slices are never strided (MLA, one head), where staging only
+# serves fragmented pages: a longer request goes unstaged, a page run at a time. DeepSeek
+# R1 (61 layers, 1152-byte rows): 288 MB a rank.
+FRAGMENTED_STAGING_TOKENS = 4096
 
 
 class StagingBusy(SglPdError):
@@ -104,16 +108,20 @@ def staging_bytes(config_mb: float, role: Role, pool: PoolDescription, chunk_tok
     """Bytes of a rank's staging area: `config_mb` MiB, or when negative the default:
     prefill, four write jobs' gather blocks of one layer of a full chunk (a job of more
     layers is gathered and written a few layers at a time); decode, the receive blocks of
-    `DECODE_STAGING_TOKENS` tokens of this rank's KV. Every NHD pool has one: a slice
-    strided under mismatched TP is staged, and so is a request whose destination pages
-    are fragmented (`core.relayout.fragmented`), MLA and one-head ranks included. HND
-    pages need none (a rank's slice of a page is contiguous) and are never staged."""
+    `DECODE_STAGING_TOKENS` tokens of this rank's KV. Only NHD pools stage (HND pages
+    hold a rank's slice contiguously). A slice strided under mismatched TP is staged on
+    both sides; a request whose destination pages are fragmented
+    (`core.relayout.fragmented`) only on the decoder - so a rank whose slice can never
+    be strided (MLA, or one head) has no gather area on a prefill server, and a smaller
+    receive area (`FRAGMENTED_STAGING_TOKENS`) on a decoder."""
     layout = pool.layout
     if layout.page_layout is not PageLayout.NHD or config_mb == 0:
         return 0
     if config_mb > 0:
         return int(config_mb * MIB)
+    never_strided = layout.kind is AttnKind.MLA or pool.local_heads == 1
     token_layer = len(layout.parts) * pool.local_heads * layout.row_bytes  # bytes
     if role is Role.PREFILL:
-        return 4 * max(chunk_tokens, layout.page_size) * token_layer
-    return DECODE_STAGING_TOKENS * layout.num_layers * token_layer
+        return 0 if never_strided else 4 * max(chunk_tokens, layout.page_size) * token_layer
+    tokens = FRAGMENTED_STAGING_TOKENS if never_strided else DECODE_STAGING_TOKENS
+    return tokens * layout.num_layers * token_layer

@@ -24,9 +24,10 @@ unless the decoder's pages are *fragmented*: a decoder whose prefix cache evicts
 reuses pages hands a request short runs of page ids, and since a write covers one run
 on both sides, one write per page and region would go out. Such a decoder stages every
 link of the request (`Relayout.receive_all`, `fragmented`), and its blocks hold the
-pages in the request's own (logical) order instead: a chunk's tokens are then one run
-of block slots on both sides, gathered or not, and its writes one per region (and
-link), at the cost of the copies.
+pages in the request's own (logical) order instead: a chunk's tokens are one run of
+block slots, so its writes follow the source's runs (a prefill's pages are mostly
+consecutive; a strided source is gathered, in the same order), at the cost of the
+decoder's scatter.
 """
 
 from __future__ import annotations
@@ -113,7 +114,10 @@ def staged_link(layout: KvLayout, link: ShardLink, relayout: Relayout) -> Staged
     if relayout.receive and relayout.receive_all:
         if layout.page_layout is not PageLayout.NHD:
             raise PlanError("only NHD pages are staged whole (blocks are token slots)")
-        return StagedLink(gathers=relayout.gather, receives=True)
+        # a source whose slice is contiguous writes its page runs straight into the
+        # blocks: the prefill's gather area stays for strided slices (shared by every
+        # decoder the rank writes to, it must not wait on one that is slow)
+        return StagedLink(gathers=src and relayout.gather, receives=True)
     if dst and not relayout.receive:
         return UNSTAGED
     return StagedLink(gathers=src and relayout.gather, receives=dst)

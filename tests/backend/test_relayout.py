@@ -244,12 +244,13 @@ def test_fragmented_pages_staged_whole_take_a_run_per_chunk(
     heads: int, tp_p: int, tp_d: int
 ) -> None:
     """A decoder whose pages are scattered (a prefix cache evicting and reusing them),
-    fed by a prefill whose pages are scattered too: written as they lie, a write per
-    page and region; staged whole (every link gathered and received in page-id order),
-    a few writes per chunk and region, and the same bytes arrive."""
+    fed by a prefill whose pages run in order (as a prefill's mostly do): written as
+    they lie, a write per page and region; staged whole (every link received in the
+    request's order, strided sources gathered in it), a write per chunk, region and
+    link, and the same bytes arrive."""
     rng = np.random.default_rng(3)
     pages = 40
-    src, dst = rng.permutation(64)[:pages], rng.permutation(64)[:pages]
+    src, dst = np.arange(10, 10 + pages), rng.permutation(64)[:pages]
     from sgl_pd.core.relayout import fragmented
 
     assert fragmented(dst.astype(np.int64))
@@ -262,8 +263,8 @@ def test_fragmented_pages_staged_whole_take_a_run_per_chunk(
     assert same and whole_same
     regions = sc.layout.num_regions
     links = len(link_shards(sc.layout, ShardingScheme(tp_p), ShardingScheme(tp_d), sc.seed))
-    # a chunk's tokens are one run of block slots on both sides: a write per link, region
-    # and chunk
+    # a chunk's tokens are one run of block slots, and of the source's pool or gather
+    # block: a write per link, region and chunk
     assert whole == len(sc.chunks) * links * regions < per_run, (whole, per_run)
 
 

@@ -155,3 +155,68 @@ def test_a_fragmented_request_goes_unstaged_rather_than_wait_for_space() -> None
     (first,), (second,) = d.requests_sent(1), d.requests_sent(2)
     assert first.stage_all and first.staging_base is not None
     assert not second.stage_all and second.staging_base is None
+
+
+def test_a_fragmented_request_does_not_take_space_a_strided_one_waits_for() -> None:
+    """Staging is required for a request whose heads are strided here (TP2 prefill
+    into this TP1 rank: 128 bytes a page) and only an optimisation for a fragmented one
+    (a TP1 prefill, 128 bytes a page too): while a required request waits for space, a
+    fragmented one goes unstaged rather than take it."""
+    d = Decoder(prefill_tp=2)
+    identical = Decoder(prefill_tp=1).prefills  # a TP1 prefill server beside the TP2 one
+    d.request(1, pages=4, slot=1)  # 512 bytes
+    d.request(2, pages=3, slot=2)  # 384 bytes: 128 free
+    d.request(3, pages=6, slot=3)  # 768 bytes: waits
+    assert d.requests_sent(3) == []
+    d.messenger.fail(1, "aborted by the client")
+    for rank in range(2):
+        d.messenger.on_abort_ack(
+            AbortAck(request_id=1, prefill_rank=rank, prefill_instance=100 + rank)
+        )
+    d.messenger.forget(1)  # 640 bytes free: not yet enough for request 3
+    five_runs = np.array([40, 42, 44, 46, 48], dtype=np.int64)  # 640 bytes staged whole
+    d.messenger.request(4, identical, d.registration, five_runs, 4)
+    (fragmented,) = d.requests_sent(4)
+    assert not fragmented.stage_all and fragmented.staging_base is None
+    d.messenger.fail(2, "aborted by the client")
+    for rank in range(2):
+        d.messenger.on_abort_ack(
+            AbortAck(request_id=2, prefill_rank=rank, prefill_instance=100 + rank)
+        )
+    d.messenger.forget(2)
+    d.messenger.poll(3)
+    assert None not in {m.staging_base for m in d.requests_sent(3)}
+
+
+def test_staging_areas_by_what_a_rank_can_stage() -> None:
+    """Strided slices need gather areas on prefill ranks and receive areas on decode
+    ranks; fragmented pages only a (smaller) receive area: an MLA or one-head rank
+    never has a strided slice."""
+    from sgl_pd.backend.pool import PoolDescription
+    from sgl_pd.backend.staging_area import (
+        DECODE_STAGING_TOKENS,
+        FRAGMENTED_STAGING_TOKENS,
+        staging_bytes,
+    )
+    from sgl_pd.core.layout import KvLayout, PageLayout
+
+    def pool(layout: KvLayout, heads: int) -> PoolDescription:
+        return PoolDescription(layout, heads, None, 0, 1, (), (), 1)  # type: ignore[arg-type]
+
+    mla = KvLayout.mla(
+        num_layers=61, kv_lora_rank=512, rope_dim=64, page_size=64, elem_bytes=2,
+        page_layout=PageLayout.NHD,
+    )  # fmt: skip
+    gqa = KvLayout.gqa(
+        num_layers=62, num_kv_heads=8, head_dim=128, page_size=64, elem_bytes=2,
+        page_layout=PageLayout.NHD,
+    )  # fmt: skip
+    assert staging_bytes(-1, Role.PREFILL, pool(mla, 1), 16384) == 0
+    assert staging_bytes(-1, Role.DECODE, pool(mla, 1), 16384) == (
+        FRAGMENTED_STAGING_TOKENS * 61 * 1152
+    )  # 288 MB
+    assert staging_bytes(-1, Role.PREFILL, pool(gqa, 1), 16384) == 0  # TP8: one head
+    assert staging_bytes(-1, Role.DECODE, pool(gqa, 2), 16384) == (
+        DECODE_STAGING_TOKENS * 62 * 2 * 2 * 256
+    )
+    assert staging_bytes(0, Role.DECODE, pool(gqa, 2), 16384) == 0  # --pd-staging-mb 0

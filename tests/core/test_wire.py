@@ -458,3 +458,49 @@ def test_peer_text_fields_are_bounded() -> None:
     ):
         with pytest.raises(MalformedMessage, match="length"):
             CODEC.decode(_frame(msgspec.msgpack.encode(body)))
+
+
+# Every message's fields at this protocol version. Peers reject unknown fields, so a
+# message whose fields change needs a new version (the peer then says "run the same
+# sgl_pd version" instead of dropping each frame as malformed): bump PROTOCOL_VERSION,
+# then update this table.
+FIELDS_AT_VERSION = (
+    7,
+    {
+        "abort": ("request_id", "reason", "decoder_instance", "detail", "reply_to"),
+        "abort_ack": ("request_id", "prefill_rank", "prefill_instance"),
+        "chunk": ("request_id", "chunk_index", "token_start", "token_stop", "page_ids",
+                  "is_last", "prefill_instance", "num_chunks"),
+        "error": ("request_id", "code", "message", "sender_instance"),
+        "heartbeat": ("sender", "seq", "time_s"),
+        "heartbeat_ack": ("sender", "seq", "time_s"),
+        "prefill": ("request_id", "token_ids", "sampling", "dst_pages", "decoder",
+                    "decoder_sessions", "metadata_slot", "completion_slot"),
+        "register": ("role", "rank", "scheme", "session", "inbox", "instance", "layout",
+                     "num_pages", "kv_regions", "layer_group_size", "metadata", "completion",
+                     "decoder_samples_first", "staging"),
+        "register_ack": ("rank",),
+        "register_shard": ("rank", "tp_size", "instance", "registration"),
+        "registry_query": ("sender",),
+        "registry_reply": ("tp_size", "registrations", "refused"),
+        "submit_ack": ("request_id",),
+        "submit_prefill": ("request_id", "sender", "request"),
+        "transfer": ("request_id", "decoder", "dst_pages", "metadata_slot", "completion_slot",
+                     "staging_base", "held_tokens", "stage_all"),
+    },
+)  # fmt: skip
+
+
+def test_a_change_of_any_message_comes_with_a_new_protocol_version() -> None:
+    import typing
+
+    from sgl_pd.core import wire
+
+    fields = {
+        cls.__struct_config__.tag: tuple(cls.__struct_fields__)
+        for cls in typing.get_args(wire.Message)
+    }
+    version, pinned = FIELDS_AT_VERSION
+    assert (wire.PROTOCOL_VERSION, fields) == (version, pinned), (
+        "a message's fields changed: bump PROTOCOL_VERSION and update FIELDS_AT_VERSION"
+    )

@@ -360,7 +360,14 @@ class DecodeMessenger:
             return None
         if track.placement is not None:
             assert self._staging is not None
-            offset = self._staging.area.try_take(track.placement.total)
+            # staging only fragmentation asked for waits behind every request that
+            # cannot go without it
+            behind = track.whole_optional and any(
+                t.unsent is not None and t.placement is not None and not t.whole_optional
+                for t in self._tracks.values()
+                if t is not track
+            )
+            offset = None if behind else self._staging.area.try_take(track.placement.total)
             if offset is None and track.whole_optional:
                 # only fragmentation asked for staging: sent as it is, a run at a time
                 track.placement, track.whole = None, False
