@@ -1,7 +1,8 @@
 """Multi-turn conversations through PD with the decoder's prefix cache on and off, against a
 monolithic server: KV bytes moved, TTFT, request throughput, writes per request, tokens.
 
-Workload, in token ids of the bundled tiny Llama (greedy, EOS ignored: exact lengths):
+Workload (`sgl_pd.cluster.multiturn`), in token ids of the bundled tiny Llama (greedy, EOS
+ignored: exact lengths):
 
 - conversations: a shared system prompt; turn t's prompt is turn t-1's prompt, its answer
   (the token ids the monolithic server returned) and a new user message. `--concurrency`
@@ -19,9 +20,10 @@ make the conversations and are the reference (top-2 logprobs: a first divergence
 top two were within 0.05 nat counts as a tie, not a mismatch); then router PD (one prefill
 + one decode server, `--enable-metrics`) with the decoder's prefix cache on
 (`--disaggregation-decode-enable-radix-cache`), then off; both decoders get a pool of
-`--decode-pool-tokens`. TTFT is timed on streamed /generate: the arrival of the first
-chunk that carries a token (a PD decoder that samples the first token itself streams a
-chunk without one about a decode step earlier; the JSON has how much earlier).
+`--decode-pool-tokens`. TTFT is timed on streamed /generate (`sgl_pd.cluster.streaming`):
+the arrival of the first chunk that carries a token (a PD decoder that samples the first
+token itself streams a chunk without one about a decode step earlier; the JSON has how
+much earlier).
 
 Per mode and workload: KV bytes moved per request (the prefill's timing lines: KV plus
 the metadata row), the KV of the tokens the decoder did not hold (unheld tokens x KV bytes
@@ -46,7 +48,6 @@ import argparse
 import contextlib
 import json
 import math
-import random
 import statistics
 import sys
 import tempfile
@@ -59,18 +60,24 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import requests
-from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from sgl_pd.cluster.load import plot_grouped_bars
 from sgl_pd.cluster.local import Patience, local_patience, monolithic_server, pd_cluster
 from sgl_pd.cluster.logs import TimingLine, timing_lines
-from sgl_pd.cluster.prompts import long_prompt_ids
+from sgl_pd.cluster.multiturn import (
+    Conversations,
+    Request,
+    build_conversations,
+    load_trace,
+    probe_requests,
+    synthetic_trace,
+    warmup_requests,
+)
+from sgl_pd.cluster.streaming import Answer, Client, judge, metric_sums
+from sgl_pd.errors import ConfigError
 from sgl_pd.models import TINY_LLAMA_PATH
 
-TIE_NATS = 0.05  # BRIEF, facts of 2026-12-03: near-tied greedy steps flip between runs
-TRACE_BLOCK_TOKENS = 512  # Mooncake's trace hashes prompts in blocks of this many tokens
 MODES = ("monolithic", "pd_cache_on", "pd_cache_off")
 PREFILL_ARGS = ("--log-level", "info", "--enable-metrics")  # info: the timing lines
 CACHE_ON = "--disaggregation-decode-enable-radix-cache"
@@ -81,253 +88,6 @@ DECODE_COUNTERS = (  # the decoder's, summed over its ranks
 )
 CHURN_POOLS = 1.25  # decoder pools allocated before the fragmented probes
 SGLANG_DECODE_RESERVE = 512  # tokens SGLang's decoder keeps free per running request
-
-
-# -- workload -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Request:
-    key: str  # "c3t1" (conversation 3, turn 1), "trace7", "probe0"
-    ids: tuple[int, ...]
-    max_new_tokens: int
-    arrival_s: float = 0.0  # trace replay: seconds after the replay's start
-
-
-def message_ids(num_tokens: int, start: int) -> tuple[int, ...]:
-    """`num_tokens` ids of a counting text from `start`, without the leading BOS."""
-    return tuple(long_prompt_ids(num_tokens + 1, start)[1:])
-
-
-@dataclass(frozen=True)
-class Conversations:
-    system: tuple[int, ...]
-    messages: tuple[tuple[tuple[int, ...], ...], ...]  # [conversation][turn] user ids
-    output_tokens: int
-
-    def turn_of(self) -> dict[int, tuple[int, int]]:
-        """Prompt length -> (conversation, turn); every length is one prompt's."""
-        out = {}
-        for c, turns in enumerate(self.messages):
-            length = len(self.system)
-            for t, message in enumerate(turns):
-                length += len(message) + (self.output_tokens if t else 0)
-                out[length] = (c, t)
-        return out
-
-    def unique_tokens(self) -> int:
-        """Tokens a decoder allocates for all of them under a new cache namespace."""
-        per_turn = sum(len(m) + self.output_tokens for turns in self.messages for m in turns)
-        return len(self.system) + per_turn
-
-
-def build_conversations(
-    count: int, turns: int, system_tokens: int, message_range: Sequence[int], output: int, seed: int
-) -> Conversations:
-    rng = random.Random(seed)
-    lo, hi = message_range
-    taken: set[int] = set()
-    messages = []
-    for c in range(count):
-        for _ in range(1000):  # redraw a conversation whose prompt lengths collide
-            sizes = [rng.randint(lo, hi) for _ in range(turns)]
-            lengths = {system_tokens + sum(sizes[: t + 1]) + t * output for t in range(turns)}
-            if not lengths & taken:
-                break
-        else:
-            raise SystemExit(f"no distinct prompt lengths left: widen --message-tokens {lo} {hi}")
-        taken |= lengths
-        messages.append(
-            tuple(message_ids(n, 10_000 + 1000 * (c * turns + t)) for t, n in enumerate(sizes))
-        )
-    return Conversations(tuple(long_prompt_ids(system_tokens, 1)), tuple(messages), output)
-
-
-def synthetic_trace(path: Path, count: int, seed: int) -> Path:
-    """A small trace in Mooncake's format: sessions that grow turn by turn over a shared
-    first block (the system prompt), Poisson arrivals ~2.5 requests/s."""
-    rng = random.Random(seed)
-    sessions: list[list[int]] = []
-    next_block, now_ms = 1, 0.0
-    with path.open("w") as f:
-        for _ in range(count):
-            if not sessions or rng.random() < 0.4:
-                sessions.append([0])  # a new session: the shared block, then its own
-            blocks = rng.choice(sessions)
-            added = rng.randint(1, 2)
-            blocks += range(next_block, next_block + added)
-            next_block += added
-            row = {
-                "timestamp": int(now_ms),
-                "input_length": len(blocks) * TRACE_BLOCK_TOKENS - rng.randrange(256),
-                "output_length": rng.choice([64, 128, 256]),
-                "hash_ids": list(blocks),
-            }
-            f.write(json.dumps(row) + "\n")
-            now_ms += rng.expovariate(1 / 400)
-    return path
-
-
-def load_trace(path: Path, scale: float, limit: int) -> list[Request]:
-    """The first `limit` requests, lengths and block size times `scale`; block id h is
-    always the same ids (a counting text of its own, apart from the conversations')."""
-    block = max(1, round(TRACE_BLOCK_TOKENS * scale))
-    blocks: dict[int, tuple[int, ...]] = {}
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:limit]
-    if not rows:
-        raise SystemExit(f"{path}: no requests")
-    t0 = rows[0]["timestamp"]
-    out = []
-    for i, row in enumerate(rows):
-        ids = [0]  # BOS, as the tokenizer starts every prompt
-        for h in row["hash_ids"]:
-            ids += blocks.setdefault(h, message_ids(block, 1_000_000 + h * block))
-        length = min(len(ids), max(2, round(row["input_length"] * scale)))
-        arrival = (row["timestamp"] - t0) / 1e3
-        out.append(
-            Request(
-                f"trace{i}",
-                tuple(ids[:length]),
-                max(1, round(row["output_length"] * scale)),
-                arrival,
-            )
-        )
-    return out
-
-
-def probe_requests(sizes: Sequence[int]) -> list[Request]:
-    """One prompt per distinct length: a timing line names its probe by length."""
-    return [
-        Request(f"probe{i}", tuple(long_prompt_ids(n, 500_000 + 1000 * i)), 4)
-        for i, n in enumerate(sorted(set(sizes)))
-    ]
-
-
-def writes_by_prompt(phase: Phase) -> dict[int, int]:
-    """Prompt tokens -> writes of the request, from the prefill's timing lines."""
-    return {int(x["tokens"]) + 1: int(x["writes"]) for x in phase.lines}
-
-
-# -- requests -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Answer:
-    key: str
-    prompt_tokens: int
-    output_ids: tuple[int, ...] = ()
-    ttft_s: float = math.nan  # the first chunk carrying a token, from the request's start
-    empty_lead_s: float = math.nan  # how much sooner a chunk without tokens came, if one did
-    margins: tuple[float, ...] = ()  # top-1 minus top-2 logprob per token (nats)
-    error: str = ""
-
-
-def send(
-    url: str, request: Request, timeout_s: float, *, logprobs: bool, extra_key: str | None
-) -> Answer:
-    """Streams one greedy /generate; `extra_key`: SGLang's cache namespace (prefill and
-    decode match prefixes only inside it). `sgl_pd.cluster.client.stream_generate` takes
-    neither logprobs nor a namespace."""
-    sampling = {"temperature": 0, "max_new_tokens": request.max_new_tokens, "ignore_eos": True}
-    body: dict[str, Any] = {"input_ids": list(request.ids), "sampling_params": sampling}
-    body |= {"stream": True, **({"extra_key": extra_key} if extra_key else {})}
-    if logprobs:
-        body |= {"return_logprob": True, "top_logprobs_num": 2}
-    start, first, ttft, last = time.perf_counter(), math.nan, math.nan, {}
-    try:
-        with requests.post(f"{url}/generate", json=body, stream=True, timeout=timeout_s) as r:
-            if r.status_code != 200:
-                return Answer(
-                    request.key, len(request.ids), error=f"HTTP {r.status_code}: {r.text[:300]}"
-                )
-            for line in r.iter_lines():
-                payload = line[len(b"data:") :].strip() if line.startswith(b"data:") else b""
-                if payload and payload != b"[DONE]":
-                    last, now = json.loads(payload), time.perf_counter() - start
-                    first = now if math.isnan(first) else first
-                    ttft = now if math.isnan(ttft) and last.get("output_ids") else ttft
-    except requests.RequestException as e:
-        return Answer(request.key, len(request.ids), error=str(e))
-    meta = last.get("meta_info") or {}
-    tops = meta.get("output_top_logprobs") or []
-    margins = tuple(float(t[0][0] - t[1][0]) if len(t) > 1 else math.inf for t in tops)
-    ids = tuple(int(t) for t in last.get("output_ids", ()))
-    finish = meta.get("finish_reason")
-    error = "" if len(ids) == request.max_new_tokens else f"{len(ids)} tokens, finish {finish}"
-    lead = ttft - first if ttft > first else math.nan
-    return Answer(request.key, len(request.ids), ids, ttft, lead, margins, error)
-
-
-def judge(expected: Answer, got: Answer) -> str:
-    """ok, near_tie (the first divergence is where monolithic's top two were less than
-    TIE_NATS apart), wrong_tokens or error: `campaign.Expected.judge`'s verdicts, at
-    TIE_NATS rather than its NEAR_TIE_NATS."""
-    if got.error:
-        return "error"
-    if got.output_ids == expected.output_ids:
-        return "ok"
-    pairs = zip(got.output_ids, expected.output_ids, strict=False)
-    first = next((i for i, (a, b) in enumerate(pairs) if a != b), len(got.output_ids))
-    tied = first < len(expected.margins) and expected.margins[first] < TIE_NATS
-    return "near_tie" if tied else "wrong_tokens"
-
-
-@dataclass(frozen=True)
-class Client:
-    url: str
-    timeout_s: float
-    logprobs: bool  # the reference asks for them
-    concurrency: int  # conversations in flight
-
-    def one(
-        self, request: Request, bar: tqdm | None = None, extra_key: str | None = None
-    ) -> Answer:
-        answer = send(
-            self.url, request, self.timeout_s, logprobs=self.logprobs, extra_key=extra_key
-        )
-        if bar is not None:
-            bar.update()
-        return answer
-
-    def converse(
-        self,
-        convs: Conversations,
-        reference: dict[str, Answer] | None,
-        bar: tqdm,
-        extra_key: str | None = None,
-    ) -> dict[str, Answer]:
-        """Every conversation, `concurrency` at a time; a turn's prompt carries the
-        reference's answer to the turn before (its own when `reference` is None).
-        (`sgl_pd.cluster.conversations` scripts and replays turns unstreamed and lets EOS
-        end them: no TTFT, no exact lengths, no cache namespace.)"""
-
-        def run(c: int) -> dict[str, Answer]:
-            answers: dict[str, Answer] = {}
-            prompt = list(convs.system)
-            for t, message in enumerate(convs.messages[c]):
-                if t:
-                    prompt += (reference or answers)[f"c{c}t{t - 1}"].output_ids
-                prompt += message
-                request = Request(f"c{c}t{t}", tuple(prompt), convs.output_tokens)
-                answers[request.key] = answer = self.one(request, bar, extra_key)
-                if reference is None and answer.error:
-                    raise RuntimeError(f"the reference failed {request.key}: {answer.error}")
-            return answers
-
-        with ThreadPoolExecutor(self.concurrency) as pool:
-            parts = list(pool.map(run, range(len(convs.messages))))
-        return {k: a for part in parts for k, a in part.items()}
-
-    def replay(self, trace: Sequence[Request], speedup: float, bar: tqdm) -> dict[str, Answer]:
-        """Each request at its arrival time (open loop, at most 64 in flight)."""
-        start = time.perf_counter()
-
-        def run(request: Request) -> Answer:
-            time.sleep(max(0.0, start + request.arrival_s / speedup - time.perf_counter()))
-            return self.one(request, bar)
-
-        with ThreadPoolExecutor(min(64, len(trace))) as pool:
-            return {a.key: a for a in pool.map(run, trace)}
 
 
 # -- phases ---------------------------------------------------------------------------------
@@ -341,15 +101,6 @@ class Phase:
     wall_s: float
     lines: list[TimingLine] = field(default_factory=list)  # the prefill's, this phase's
     counters: dict[str, float] = field(default_factory=dict)  # the decoder's growth
-
-
-def decode_counters(url: str) -> dict[str, float]:
-    out = dict.fromkeys(DECODE_COUNTERS, 0.0)
-    for family in text_string_to_metric_families(requests.get(f"{url}/metrics", timeout=30).text):
-        for sample in family.samples:
-            if sample.name in out:
-                out[sample.name] += sample.value
-    return out
 
 
 @dataclass(frozen=True)
@@ -389,9 +140,7 @@ def run_mode(
     with serve(mode, w, work, patience) as (url, log, decode_url):
         client = Client(url, patience.seconds(600), reference is None, w.concurrency)
         # the first requests open connections and meet new batch shapes: not measured
-        warm = [
-            Request(f"warm{i}", tuple(long_prompt_ids(64 * (i + 1), 90_000)), 4) for i in range(4)
-        ]
+        warm = warmup_requests()
         with ThreadPoolExecutor(len(warm)) as pool:
             list(pool.map(lambda r: client.one(r, extra_key="warm"), warm))
 
@@ -399,7 +148,7 @@ def run_mode(
             """`job` under a progress bar, with the prefill's timing lines it caused (one
             per answered request) and the decoder's counters' growth."""
             seen = len(timing_lines(log)) if log else 0
-            before = decode_counters(decode_url) if decode_url else {}
+            before = metric_sums(decode_url, DECODE_COUNTERS) if decode_url else {}
             start = time.perf_counter()
             with tqdm(total=total, desc=f"{mode} {name}", unit="req", mininterval=2.0) as bar:
                 answers = job(bar)
@@ -416,7 +165,7 @@ def run_mode(
                         flush=True,
                     )
                 time.sleep(1.0)  # a scheduler process's metrics reach /metrics through files
-                after = decode_counters(decode_url)
+                after = metric_sums(decode_url, DECODE_COUNTERS)
                 done.lines = lines[seen:]
                 done.counters = {k: after[k] - before[k] for k in DECODE_COUNTERS}
             phases.append(done)
@@ -456,6 +205,11 @@ def run_mode(
 
 
 # -- figures --------------------------------------------------------------------------------
+
+
+def writes_by_prompt(phase: Phase) -> dict[int, int]:
+    """Prompt tokens -> writes of the request, from the prefill's timing lines."""
+    return {int(x["tokens"]) + 1: int(x["writes"]) for x in phase.lines}
 
 
 def kv_bytes_per_token(phases: Sequence[Phase], config_bytes: int) -> tuple[float, float, str]:
@@ -651,19 +405,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def workload(args: argparse.Namespace) -> Workload:
-    convs = build_conversations(
-        args.conversations,
-        args.turns,
-        args.system_tokens,
-        args.message_tokens,
-        args.output_tokens,
-        args.seed,
-    )
-    if args.trace is None:
-        args.trace = synthetic_trace(
-            args.out / "synthetic_trace.jsonl", args.trace_limit, args.seed
+    try:
+        convs = build_conversations(
+            args.conversations,
+            args.turns,
+            args.system_tokens,
+            args.message_tokens,
+            args.output_tokens,
+            args.seed,
         )
-    trace = load_trace(args.trace, args.trace_scale, args.trace_limit)
+        if args.trace is None:
+            args.trace = synthetic_trace(
+                args.out / "synthetic_trace.jsonl", args.trace_limit, args.seed
+            )
+        trace = load_trace(args.trace, args.trace_scale, args.trace_limit)
+    except ConfigError as e:
+        raise SystemExit(str(e)) from e
     probes = probe_requests(args.probe_tokens)
     pool = args.decode_pool_tokens
     longest = max(

@@ -8,7 +8,7 @@ that server's own greedy answers (`script`), then replayed on the server under t
 turn after turn (`replay`): every turn is judged against the reference's tokens, a first
 departure at a near tie of the reference's top two tokens counting as `near_tie`
 (`campaign.Expected`). Used by the end-to-end tests; `benchmarks/bench_multiturn.py`
-streams its requests (for TTFT) and keeps its own client.
+streams its requests (for TTFT) with `sgl_pd.cluster.streaming`.
 """
 
 from __future__ import annotations
