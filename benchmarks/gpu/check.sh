@@ -25,6 +25,10 @@ if compgen -G "benchmarks/gpu/wheels/*.whl" >/dev/null; then
         benchmarks/gpu/wheels/*.whl >"$out/pip.log" 2>&1 || echo "[gpu] wheel install failed: $out/pip.log"
 fi
 export PYTHONPATH="$root:$stage/site${PYTHONPATH:+:$PYTHONPATH}"
+# the CUDA 12 runtime Mooncake's engine links, from its wheel (the image's CUDA is newer)
+if [[ -d "$stage/site/nvidia/cuda_runtime/lib" ]]; then
+    export LD_LIBRARY_PATH="$stage/site/nvidia/cuda_runtime/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 export PYTHONUNBUFFERED=1
 
 # run NAME SECONDS CMD...: the command's output to $out/NAME.log; its last JSON line kept

@@ -1,14 +1,15 @@
 """On a GPU, the chunk notice does not wait for the scheduler's stream: `page_ids_of`
 queues the copy of the page ids and returns while the work queued before it still runs
 (the old `.cpu()` blocked there: under the overlap scheduler, on the forward in flight).
-The ids read later are SGLang's. Skipped without a CUDA device."""
+The ids read later are SGLang's. The first call waits for the device (a pinned allocation,
+lazily loaded kernels): the glue makes it when the model loads. Skipped without a CUDA device."""
 
 from __future__ import annotations
 
 import torch
 from gpu_marks import GPU_ONLY
 
-from sgl_pd.backend.prefill.layerwise_glue import page_ids_of
+from sgl_pd.backend.prefill.layerwise_glue import page_ids_of, warm_page_id_copies
 
 pytestmark = GPU_ONLY
 
@@ -16,6 +17,7 @@ SLEEP_CYCLES = 200_000_000  # GPU cycles of spin queued first (~100 ms on an H20
 
 
 def test_the_notice_returns_before_the_stream_reaches_the_copy() -> None:
+    warm_page_id_copies("cuda")  # as the glue does when the model loads
     row = torch.arange(1000, 1000 + 4096, dtype=torch.int32, device="cuda")
     torch.cuda.synchronize()
     busy = torch.cuda.Event()
