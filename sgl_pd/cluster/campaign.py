@@ -178,6 +178,16 @@ class KillResult:
     response: requests.Response | None  # None: the connection itself failed
     kill_to_answer_s: float  # from the SIGKILL to the client's answer
 
+    @property
+    def completed(self) -> bool:
+        """The request was served whole: it finished before the kill landed."""
+        response = self.response
+        return (
+            response is not None
+            and response.ok
+            and response.json()["meta_info"]["finish_reason"]["type"] != "abort"
+        )
+
 
 def kill_mid_transfer(
     router_url: str, victim: ManagedProcess, ids: list[int], rid: str, after_s: float = 1.0
@@ -202,6 +212,26 @@ def kill_mid_transfer(
     if not answer:
         return KillResult(None, float("inf"))
     return KillResult(answer[0][0], answer[0][1] - killed)
+
+
+def kill_during_request(
+    url: str,
+    victim: ManagedProcess,
+    prompt_for: Callable[[int], list[int]],
+    rid: str,
+    restart: Callable[[], None],
+    waits_s: Sequence[float] = (1.0, 0.5, 0.25),
+) -> KillResult:
+    """`kill_mid_transfer`, again sooner while the request finished before the kill (a
+    transfer is only as long as its write batches, which fewer writes shorten): `restart`
+    brings the victim back, and each attempt sends `prompt_for(attempt)`, a prompt no
+    prefix cache holds yet. Raises AssertionError when every attempt finished first."""
+    for attempt, after_s in enumerate(waits_s):
+        result = kill_mid_transfer(url, victim, prompt_for(attempt), f"{rid}-{attempt}", after_s)
+        if not result.completed:
+            return result
+        restart()
+    raise AssertionError(f"every request finished before its kill (waits {list(waits_s)} s)")
 
 
 def first_success(url: str, prompt: str, max_new_tokens: int, budget_s: float) -> list[int]:

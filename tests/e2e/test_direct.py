@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from sgl_pd.cluster.campaign import first_success, kill_mid_transfer
+from sgl_pd.cluster.campaign import first_success, kill_during_request
 from sgl_pd.cluster.client import chat, generate_ids, stream_chat
 from sgl_pd.cluster.conversations import replay, script, wrong_turns
 from sgl_pd.cluster.local import DirectCluster, Server, direct_cluster
@@ -177,8 +177,17 @@ def test_a_killed_prefiller_fails_its_requests_then_is_picked_up_again(
     error within seconds (its connections are refused); new ones are refused at once,
     naming the server; once it is back the decoders, never restarted, use it again."""
     decoder = direct.decoders[0]
-    ids = long_prompt_ids(8 * CHUNKED_PREFILL_SIZE, start=11)
-    killed = kill_mid_transfer(decoder.url, direct.prefill.process, ids, "direct-k1", 0.5)
+    victim = direct.prefill
+
+    def restart() -> None:
+        victim.process.restart("restarted")
+        victim.process.wait_http_ready(f"{victim.url}/health", 300)
+
+    killed = kill_during_request(
+        decoder.url, victim.process,
+        lambda n: long_prompt_ids(8 * CHUNKED_PREFILL_SIZE, start=11 + 9000 * n), "direct-k1",
+        restart, waits_s=(0.5, 0.25, 0.1),
+    )  # fmt: skip
     assert killed.kill_to_answer_s < 30, killed
     if killed.response is not None:
         response = killed.response

@@ -28,6 +28,7 @@ from sgl_pd.cluster.campaign import (
     abort_at_decoder,
     expected_tokens,
     first_success,
+    kill_during_request,
     kill_mid_transfer,
     periodic_pauses,
     post_generate,
@@ -331,8 +332,16 @@ def _restart_and_serve(mono: Server, cluster: PdCluster, victim: Server) -> None
 def test_killed_prefiller_fails_its_requests_with_a_clear_error(
     mono: Server, faulty: PdCluster
 ) -> None:
-    ids = long_prompt_ids(LONG, start=77)
-    response = kill_mid_transfer(faulty.router_url, faulty.prefill.process, ids, "k1").response
+    victim = faulty.prefill
+
+    def restart() -> None:
+        victim.process.restart("restarted")
+        victim.process.wait_http_ready(f"{victim.url}/health", 300)
+
+    response = kill_during_request(
+        faulty.router_url, victim.process, lambda n: long_prompt_ids(LONG, start=77 + 3000 * n),
+        "k1", restart,
+    ).response  # fmt: skip
     if response is not None:  # the router may also just drop the connection
         assert response.status_code != 200 or _finish(response) == "abort"
     decode_log = faulty.decode.process.log_path.read_text(errors="replace")

@@ -33,7 +33,7 @@ import pytest
 from sgl_pd.cluster.campaign import (
     abort_at_decoder,
     first_success,
-    kill_mid_transfer,
+    kill_during_request,
     post_generate,
 )
 from sgl_pd.cluster.client import generate_ids
@@ -277,8 +277,15 @@ class TestPageOfSixteenTokens:
         idle."""
         victim, decoder = mesh.servers["p_tp2"], mesh.servers["d_tp1"]
         url = mesh.router("p_tp2", "d_tp1")
-        ids = long_prompt_ids(1024, start=41)
-        result = kill_mid_transfer(url, victim.process, ids, "kill-tp2")
+
+        def restart() -> None:
+            victim.process.restart("restarted")
+            victim.process.wait_http_ready(f"{victim.url}/health", patience.servers_ready_s(2))
+
+        result = kill_during_request(
+            url, victim.process, lambda n: long_prompt_ids(1024, start=41 + 2000 * n),
+            "kill-tp2", restart,
+        )  # fmt: skip
         if result.response is not None:  # the router may also just drop the connection
             response = result.response
             assert response.status_code != 200 or (
@@ -286,8 +293,7 @@ class TestPageOfSixteenTokens:
             ), response.text
         # the fast path: its connections were refused, not a wait for the hang timeout
         assert "connections are refused" in decoder.process.log_path.read_text(errors="replace")
-        victim.process.restart("restarted")
-        victim.process.wait_http_ready(f"{victim.url}/health", patience.servers_ready_s(2))
+        restart()
         prompt = "Count: 7 8 9"
         want = generate_ids(mono.url, prompt, NEW_TOKENS)
         assert first_success(url, prompt, NEW_TOKENS, budget_s=patience.seconds(180)) == want
