@@ -124,6 +124,29 @@ class HostProgress:
         self._value[0] = self._base + layer + 1
 
 
+class _CudaArray:
+    """What `torch.as_tensor` reads a device pointer from (the CUDA array interface)."""
+
+    def __init__(self, address: int, shape: tuple[int, ...], typestr: str) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": shape, "typestr": typestr, "data": (address, False), "version": 3,
+            "strides": None,
+        }  # fmt: skip
+
+
+def _device_alias(torch: Any, pinned: Any, device: Any) -> Any:
+    """A CUDA tensor over the same bytes as the pinned host tensor `pinned` (int64): with
+    unified addressing, the device reaches pinned host memory at its host address."""
+    if pinned.dtype != torch.int64 or not pinned.is_pinned():
+        raise ProgressError("the published word must be pinned int64 host memory")
+    alias = torch.as_tensor(
+        _CudaArray(pinned.data_ptr(), tuple(pinned.shape), "<i8"), device=device
+    )
+    if alias.data_ptr() != pinned.data_ptr() or alias.device.type != "cuda":
+        raise CudaUnavailable("this device cannot address pinned host memory directly")
+    return alias
+
+
 def _import_torch() -> Any:
     try:
         return importlib.import_module("torch")
@@ -143,13 +166,17 @@ class CudaProgress:
       argument, so a later `begin_forward` can never change what an earlier, still-queued
       forward publishes (a CPU write into a staging buffer could, since the scheduler runs
       ahead of the device).
-    - `_host` (pinned host, (1,) int64): the published value. `record_layer(i)` enqueues
-      one 8-byte device-to-host copy `_host <- _values[i]` on the current stream: one
-      memcpy node per layer in a graph, no kernel (the add happens once per forward).
+    - `_host` (pinned host, (1,) int64): the published value, also seen by the device as
+      `_host_on_device` (the same address: pinned memory is mapped into the device's
+      unified address space). `record_layer(i)` enqueues one one-element kernel on the
+      current stream that stores `_values[i]` there: one kernel node per layer in a graph.
+      A kernel, not a device-to-host copy: an 8-byte copy between the layer's kernels
+      cost about 10 us each on an H200 (15.9% of a 3.9 ms forward of 61 layers under
+      graph replay), the kernel about 1.5 us (2.3%; benchmarks/gpu).
 
-    Why it is CUDA-graph-safe: `record_layer` issues only an async memcpy between static
-    buffers; capture records it as a memcpy node with those fixed addresses, and each
-    replay copies whatever `_values[i]` holds then, i.e. the generation that the
+    Why it is CUDA-graph-safe: `record_layer` launches one kernel between static
+    buffers; capture records it as a kernel node with those fixed addresses, and each
+    replay stores whatever `_values[i]` holds then, i.e. the generation that the
     `begin_forward` before that replay wrote. Nothing in the graph depends on Python state.
     Stream order gives the rest: `begin_forward` of forward g+1 runs on the device after
     every copy of forward g, so published values never go backwards.
@@ -164,9 +191,9 @@ class CudaProgress:
     as any graph captured with it (the graph writes into `_host`). Only the primary TP rank
     needs one: after o_proj's all-reduce every rank has finished the layer.
 
-    The host load in `read` is an aligned 8-byte load of a word the device writes by DMA;
-    an aligned 8-byte DMA write travels in one transaction (PCIe TLP) and lands whole, so
-    the poller is never handed half of a value.
+    The host load in `read` is an aligned 8-byte load of a word one device thread stores
+    with one aligned 8-byte store; it crosses the bus as one write transaction and lands
+    whole, so the poller is never handed half of a value.
     """
 
     def __init__(self, num_layers: int, *, device: Any = None) -> None:
@@ -188,6 +215,7 @@ class CudaProgress:
         self._value_views = [self._values[i : i + 1] for i in range(num_layers)]
         self._host = torch.zeros(1, dtype=i64, pin_memory=True)  # (1,) published value
         self._host_np = self._host.numpy()  # a view of the same pinned word, for read()
+        self._host_on_device = _device_alias(torch, self._host, self._device)
         self._begin_stream: Any = None  # the stream of the last begin_forward
         self._stream_warned = False
 
@@ -215,7 +243,7 @@ class CudaProgress:
             raise ProgressError(f"layer {layer} is outside [0, {self.num_layers - 1}]")
         if layer == 0 and not self._stream_warned:
             self._check_stream()
-        self._host.copy_(self._value_views[layer], non_blocking=True)
+        self._torch.mul(self._value_views[layer], 1, out=self._host_on_device)
 
     def _check_stream(self) -> None:
         cuda = self._torch.cuda
