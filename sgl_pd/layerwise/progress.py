@@ -7,8 +7,8 @@ Encoded values grow monotonically across forwards, which is what the streamer re
 
 Two implementations of `ProgressCounter`:
 - `HostProgress`: the value in host memory, stored by a CPU forward (tests, CPU serving).
-- `CudaProgress`: the value in pinned host memory, written by device-to-host copies that
-  the forward enqueues after each layer; the copies are plain stream work, so they are
+- `CudaProgress`: the value in pinned host memory, stored by a one-element kernel that
+  the forward enqueues after each layer; the kernels are plain stream work, so they are
   captured into CUDA graphs and replay with them. No Python callback runs in the graph.
 
 This module imports numpy only; torch is imported when a `CudaProgress` is built.
