@@ -20,7 +20,10 @@ make the conversations and are the reference (top-2 logprobs: a first divergence
 top two were within 0.05 nat counts as a tie, not a mismatch); then router PD (one prefill
 + one decode server, `--enable-metrics`) with the decoder's prefix cache on
 (`--disaggregation-decode-enable-radix-cache`), then off; both decoders get a pool of
-`--decode-pool-tokens`. TTFT is timed on streamed /generate (`sgl_pd.cluster.streaming`):
+`--decode-pool-tokens`. Last, the conversations once more through the router over one
+prefill and two decoders with their caches on (`--decode-policy cache_aware`): the hit
+rate when a turn must land on the decoder that holds its conversation, against one
+decoder's (which holds them all). TTFT is timed on streamed /generate (`sgl_pd.cluster.streaming`):
 the arrival of the first chunk that carries a token (a PD decoder that samples the first
 token itself streams a chunk without one about a decode step earlier; the JSON has how
 much earlier).
@@ -63,7 +66,13 @@ import numpy as np
 from tqdm import tqdm
 
 from sgl_pd.cluster.load import plot_grouped_bars
-from sgl_pd.cluster.local import Patience, local_patience, monolithic_server, pd_cluster
+from sgl_pd.cluster.local import (
+    Patience,
+    direct_cluster,
+    local_patience,
+    monolithic_server,
+    pd_cluster,
+)
 from sgl_pd.cluster.logs import TimingLine, timing_lines
 from sgl_pd.cluster.multiturn import (
     Conversations,
@@ -79,6 +88,7 @@ from sgl_pd.errors import ConfigError
 from sgl_pd.models import TINY_LLAMA_PATH
 
 MODES = ("monolithic", "pd_cache_on", "pd_cache_off")
+TWO_DECODERS = "pd_2_decoders"  # cache on, two decoders, the router's cache-aware policy
 PREFILL_ARGS = ("--log-level", "info", "--enable-metrics")  # info: the timing lines
 CACHE_ON = "--disaggregation-decode-enable-radix-cache"
 DECODE_COUNTERS = (  # the decoder's, summed over its ranks
@@ -116,20 +126,33 @@ class Workload:
 @contextlib.contextmanager
 def serve(
     mode: str, w: Workload, work: Path, patience: Patience
-) -> Iterator[tuple[str, Path | None, str | None]]:
-    """(URL, prefill log, decode URL) of `mode`'s servers, started and finally stopped."""
+) -> Iterator[tuple[str, Path | None, list[str]]]:
+    """(URL, prefill log, decode URLs) of `mode`'s servers, started and finally stopped."""
     if mode == "monolithic":
         with monolithic_server(work / mode, patience=patience) as server:
-            yield server.url, None, None
+            yield server.url, None, []
         return
     decode_args = ["--enable-metrics", "--max-total-tokens", str(w.decode_pool_tokens)]
+    if mode == TWO_DECODERS:
+        with direct_cluster(
+            work / mode,
+            prefill_extra=PREFILL_ARGS,
+            decode_extra=[*decode_args, CACHE_ON],
+            decoders=2,
+            with_router=True,
+            patience=patience,
+            decode_policy="cache_aware",
+        ) as two:
+            assert two.router_url is not None
+            yield two.router_url, two.prefill.process.log_path, [d.url for d in two.decoders]
+        return
     with pd_cluster(
         work / mode,
         prefill_extra=PREFILL_ARGS,
         decode_extra=[*decode_args, *([CACHE_ON] if mode == "pd_cache_on" else [])],
         patience=patience,
     ) as cluster:
-        yield cluster.router_url, cluster.prefill.process.log_path, cluster.decode.url
+        yield cluster.router_url, cluster.prefill.process.log_path, [cluster.decode.url]
 
 
 def run_mode(
@@ -137,7 +160,7 @@ def run_mode(
 ) -> list[Phase]:
     """Every phase of `mode` on its own servers; `reference` None: this is the reference."""
     phases: list[Phase] = []
-    with serve(mode, w, work, patience) as (url, log, decode_url):
+    with serve(mode, w, work, patience) as (url, log, decode_urls):
         client = Client(url, patience.seconds(600), reference is None, w.concurrency)
         # the first requests open connections and meet new batch shapes: not measured
         warm = warmup_requests()
@@ -148,12 +171,12 @@ def run_mode(
             """`job` under a progress bar, with the prefill's timing lines it caused (one
             per answered request) and the decoder's counters' growth."""
             seen = len(timing_lines(log)) if log else 0
-            before = metric_sums(decode_url, DECODE_COUNTERS) if decode_url else {}
+            before = decoder_counters(decode_urls)
             start = time.perf_counter()
             with tqdm(total=total, desc=f"{mode} {name}", unit="req", mininterval=2.0) as bar:
                 answers = job(bar)
             done = Phase(mode, name, answers, time.perf_counter() - start)
-            if log is not None and decode_url is not None:
+            if log is not None and decode_urls:
                 want = seen + sum(not a.error for a in answers.values())
                 deadline = time.monotonic() + patience.seconds(30.0)
                 while len(lines := timing_lines(log)) < want and time.monotonic() < deadline:
@@ -165,7 +188,7 @@ def run_mode(
                         flush=True,
                     )
                 time.sleep(1.0)  # a scheduler process's metrics reach /metrics through files
-                after = metric_sums(decode_url, DECODE_COUNTERS)
+                after = decoder_counters(decode_urls)
                 done.lines = lines[seen:]
                 done.counters = {k: after[k] - before[k] for k in DECODE_COUNTERS}
             phases.append(done)
@@ -177,6 +200,8 @@ def run_mode(
         if mode == "pd_cache_on":
             phase("probes_fresh", len(w.probes), probes("probe-fresh"))
         phase("conversations", turns, lambda bar: client.converse(w.convs, reference, bar))
+        if mode == TWO_DECODERS:  # the router's hit rate: the conversations alone
+            return phases
         phase("trace", len(w.trace), lambda bar: client.replay(w.trace, w.trace_speedup, bar))
         if mode == "monolithic":
             phase("probes", len(w.probes), probes(None))
@@ -202,6 +227,12 @@ def run_mode(
             )
             phase("probes_fragmented", len(w.probes), probes("probe-fragmented"))
     return phases
+
+
+def decoder_counters(urls: Sequence[str]) -> dict[str, float]:
+    """DECODE_COUNTERS summed over the decoders at `urls` (each over its ranks)."""
+    sums = [metric_sums(url, DECODE_COUNTERS) for url in urls]
+    return {k: sum(s[k] for s in sums) for k in DECODE_COUNTERS}
 
 
 # -- figures --------------------------------------------------------------------------------
@@ -333,6 +364,7 @@ def headline(
 ) -> dict[str, Any]:
     """`probes`: prompt tokens -> (writes on the fresh pool, on the fragmented one)."""
     on, off = rows[("pd_cache_on", "conversations")], rows[("pd_cache_off", "conversations")]
+    two = rows[(TWO_DECODERS, "conversations")]
     t_on, t_off = rows[("pd_cache_on", "trace")], rows[("pd_cache_off", "trace")]
     both = list(probes.values())  # probes answered on both pools
     fresh, fragmented = (statistics.mean(w[i] for w in both) if both else math.nan for i in (0, 1))
@@ -347,6 +379,8 @@ def headline(
         "ttft_p50_off_over_on": round(off["ttft_p50_ms"] / on["ttft_p50_ms"], 3),
         "writes_fragmented_over_fresh": round(fragmented / fresh, 2),
         "hit_rate": round(on["hit_rate"], 4),
+        "router_hit_rate_two_decoders": round(two["hit_rate"], 4),
+        "router_hit_rate_over_one_decoder": round(two["hit_rate"] / on["hit_rate"], 3),
         "trace_kv_bytes_saved_share": round(
             1 - t_on["kv_bytes_moved"] / t_off["kv_bytes_moved"], 4
         ),
@@ -456,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = {k: a for p in phases for k, a in p.answers.items()}
     if failed := [f"{k}: {a.error}" for k, a in reference.items() if a.error]:
         raise SystemExit(f"the reference failed {len(failed)} requests, first {failed[0]}")
-    for mode in MODES[1:]:
+    for mode in (*MODES[1:], TWO_DECODERS):
         phases += run_mode(mode, w, reference, work, patience)
 
     config = json.loads((TINY_LLAMA_PATH / "config.json").read_text())
