@@ -234,8 +234,8 @@ class SglPdKVManager(BaseKVManager):
         )
 
     def _staging(self, server_args: Any) -> Staging | None:
-        """This rank's re-layout staging (`core.relayout`), or None where its slices are
-        never strided or --pd-staging-mb is 0."""
+        """This rank's re-layout staging (`core.relayout`), or None where its pool never
+        stages (HND) or --pd-staging-mb is 0."""
         chunk = int(getattr(server_args, "chunked_prefill_size", 0) or 0)
         nbytes = staging_bytes(
             self.config.staging_mb, self.role, self.pool, chunk if chunk > 0 else 8192
@@ -247,8 +247,8 @@ class SglPdKVManager(BaseKVManager):
             device = f"cuda:{int(getattr(self.kv_args, 'gpu_id', 0) or 0)}"
         staging = Staging(StagingArea(nbytes, device, self.engine), PoolCopies(self.pool, device))
         logger.info(
-            "sgl_pd %s rank %d: %.1f MiB of %s staging for re-laying out KV heads under "
-            "mismatched TP (--pd-staging-mb)",
+            "sgl_pd %s rank %d: %.1f MiB of %s staging for KV heads re-laid out under "
+            "mismatched TP and fragmented pages (--pd-staging-mb)",
             self.role.value,
             self.rank,
             staging.area.capacity / MIB,

@@ -110,10 +110,10 @@ def staging_bytes(config_mb: float, role: Role, pool: PoolDescription, chunk_tok
     layers is gathered and written a few layers at a time); decode, the receive blocks of
     `DECODE_STAGING_TOKENS` tokens of this rank's KV. Only NHD pools stage (HND pages
     hold a rank's slice contiguously). A slice strided under mismatched TP is staged on
-    both sides; a request whose destination pages are fragmented
-    (`core.relayout.fragmented`) only on the decoder - so a rank whose slice can never
-    be strided (MLA, or one head) has no gather area on a prefill server, and a smaller
-    receive area (`FRAGMENTED_STAGING_TOKENS`) on a decoder."""
+    both sides; a chunk whose source pages are fragmented on the prefill, a request
+    whose destination pages are on the decoder (`core.relayout.fragmented`) - so a
+    decode rank whose slice can never be strided (MLA, or one head) gets a smaller
+    receive area (`FRAGMENTED_STAGING_TOKENS`)."""
     layout = pool.layout
     if layout.page_layout is not PageLayout.NHD or config_mb == 0:
         return 0
@@ -122,6 +122,6 @@ def staging_bytes(config_mb: float, role: Role, pool: PoolDescription, chunk_tok
     never_strided = layout.kind is AttnKind.MLA or pool.local_heads == 1
     token_layer = len(layout.parts) * pool.local_heads * layout.row_bytes  # bytes
     if role is Role.PREFILL:
-        return 0 if never_strided else 4 * max(chunk_tokens, layout.page_size) * token_layer
+        return 4 * max(chunk_tokens, layout.page_size) * token_layer
     tokens = FRAGMENTED_STAGING_TOKENS if never_strided else DECODE_STAGING_TOKENS
     return tokens * layout.num_layers * token_layer

@@ -25,9 +25,13 @@ reuses pages hands a request short runs of page ids, and since a write covers on
 on both sides, one write per page and region would go out. Such a decoder stages every
 link of the request (`Relayout.receive_all`, `fragmented`), and its blocks hold the
 pages in the request's own (logical) order instead: a chunk's tokens are one run of
-block slots, so its writes follow the source's runs (a prefill's pages are mostly
-consecutive; a strided source is gathered, in the same order), at the cost of the
-decoder's scatter.
+block slots, so its writes follow the source's runs (a strided source is gathered, in
+the same order), at the cost of the decoder's scatter.
+
+A prefill's pages fragment the same way once its own prefix cache has evicted and
+reused them: then the writes follow the source's short runs, whatever the decoder does.
+A source rank with a gather area gathers such a chunk (`Relayout.gather_all`, decided
+per chunk from its source pages), into blocks in the order the destination reads them.
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ class Relayout:
     # the destination's pages are fragmented: every link is received (and gathered
     # where the source can), not only the strided ones
     receive_all: bool = False
+    # the source's pages of the chunk are fragmented: every link is gathered (where the
+    # source rank can), so its writes follow the destination's runs, not the source's
+    gather_all: bool = False
 
 
 NO_RELAYOUT = Relayout(gather=False, receive=False)
@@ -111,16 +118,17 @@ def staged_link(layout: KvLayout, link: ShardLink, relayout: Relayout) -> Staged
     by one into the blocks. Without a grant the link keeps per-slot writes into the pool
     (gathering alone would not make its writes contiguous)."""
     src, dst = strided_on_source(layout, link), strided_on_destination(layout, link)
+    nhd = layout.page_layout is PageLayout.NHD  # HND pages hold a rank's slice whole
+    gathers = (src or (relayout.gather_all and nhd)) and relayout.gather
     if relayout.receive and relayout.receive_all:
         if layout.page_layout is not PageLayout.NHD:
             raise PlanError("only NHD pages are staged whole (blocks are token slots)")
         # a source whose slice is contiguous writes its page runs straight into the
-        # blocks: the prefill's gather area stays for strided slices (shared by every
-        # decoder the rank writes to, it must not wait on one that is slow)
-        return StagedLink(gathers=src and relayout.gather, receives=True)
+        # blocks unless they are fragmented too (`gather_all`)
+        return StagedLink(gathers=gathers, receives=True)
     if dst and not relayout.receive:
         return UNSTAGED
-    return StagedLink(gathers=src and relayout.gather, receives=dst)
+    return StagedLink(gathers=gathers, receives=dst)
 
 
 def block_bytes(layout: KvLayout, link: ShardLink, num_pages: int) -> int:

@@ -13,6 +13,8 @@ from sgl_pd.backend.decode.messenger import DecodeMessenger
 from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.prefill.messenger import PrefillMessenger
+from sgl_pd.backend.relayout_copies import PoolCopies
+from sgl_pd.backend.staging_area import Staging, StagingArea
 from sgl_pd.backend.tracing import RequestTracing
 from sgl_pd.core.clock import ManualClock
 from sgl_pd.core.layout import KvLayout, PageLayout
@@ -99,11 +101,13 @@ class GatedEngine(FakeTransferEngine):
         self.gate.set()
         self.waiting = threading.Event()  # a data batch is held at the gate
         self.data_batches = 0
+        self.data_writes = 0  # one-sided writes in those batches
         self.hold_peer: str | None = None
 
     def write(self, peer: str, writes: Writes) -> None:
         if writes.total_bytes > 8 * len(writes):
             self.data_batches += 1
+            self.data_writes += len(writes)
             if not self.gate.is_set() and self.hold_peer in (None, peer):
                 self.waiting.set()
                 self.gate.wait(10)
@@ -135,6 +139,7 @@ class Rig:
     metered: bool = False
     registries: dict[str, Any] = field(default_factory=dict)
     tracing: RequestTracing = field(default_factory=lambda: RequestTracing(False))
+    gather_bytes: int = 0  # the prefill rank's gather area (none when 0)
 
     def _metrics(self, role: str) -> TransferMetrics:
         if not self.metered:
@@ -148,6 +153,9 @@ class Rig:
         self.prefill_engine = self.engine_type(self.fabric)
         self.prefill_memory = Memory.make(self.prefill_engine, fill=1)
         pool = self.prefill_memory.pool(self.draft_layers)
+        self.gather_area = None
+        if self.gather_bytes:
+            self.gather_area = StagingArea(self.gather_bytes, "cpu", self.prefill_engine)
         self.prefill = PrefillMessenger(
             rank=0,
             instance=1,
@@ -160,6 +168,11 @@ class Rig:
             timeout_s=30.0,
             clock=self.clock,
             tracing=self.tracing,
+            staging=(
+                None
+                if self.gather_area is None
+                else Staging(self.gather_area, PoolCopies(pool, "cpu"))
+            ),
         )
         self.prefill_registration = ShardRegistration(
             role=Role.PREFILL, rank=0, scheme=ShardingScheme(1),

@@ -204,13 +204,30 @@ def test_gather_write_scatter_reproduces_the_destination_pool(sc: Scenario, data
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(sc=scenarios(), data_seed=st.integers(0, 2**32 - 1), gather=st.booleans())
+@given(
+    sc=scenarios(),
+    data_seed=st.integers(0, 2**32 - 1),
+    gather=st.booleans(),
+    gather_all=st.booleans(),
+)
 def test_a_request_staged_whole_reproduces_the_destination_pool(
-    sc: Scenario, data_seed: int, gather: bool
+    sc: Scenario, data_seed: int, gather: bool, gather_all: bool
 ) -> None:
     """Every link received (fragmented destination pages), in the request's page order,
-    gathered or not: the same bytes land."""
-    same, _ = _serve(sc, Relayout(gather=gather, receive=True, receive_all=True), data_seed)
+    gathered or not (every link, for fragmented source pages): the same bytes land."""
+    relayout = Relayout(gather=gather, receive=True, receive_all=True, gather_all=gather_all)
+    same, _ = _serve(sc, relayout, data_seed)
+    assert same
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sc=scenarios(), data_seed=st.integers(0, 2**32 - 1), receive=st.booleans())
+def test_every_link_gathered_reproduces_the_destination_pool(
+    sc: Scenario, data_seed: int, receive: bool
+) -> None:
+    """Fragmented source pages gathered on every link, with or without receive staging:
+    the same bytes land."""
+    same, _ = _serve(sc, Relayout(gather=True, receive=receive, gather_all=True), data_seed)
     assert same
 
 
@@ -266,6 +283,41 @@ def test_fragmented_pages_staged_whole_take_a_run_per_chunk(
     # a chunk's tokens are one run of block slots, and of the source's pool or gather
     # block: a write per link, region and chunk
     assert whole == len(sc.chunks) * links * regions < per_run, (whole, per_run)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 8])
+@pytest.mark.parametrize(("tp_p", "tp_d"), [(1, 1), (2, 2), (2, 1), (1, 2)])
+@pytest.mark.parametrize("dst_fragmented", [False, True])
+def test_fragmented_source_pages_gathered_take_a_run_per_chunk(
+    heads: int, tp_p: int, tp_d: int, dst_fragmented: bool
+) -> None:
+    """A prefill whose own prefix cache scattered its pages: written as they lie, a
+    write per source run and region whatever the decoder does; gathered on every link
+    (into blocks in the destination's order), a write per chunk, region and link when
+    the decoder's pages run in order or are staged whole, and the same bytes arrive."""
+    rng = np.random.default_rng(8)
+    pages = 40
+    src = rng.permutation(64)[:pages]
+    dst = rng.permutation(64)[:pages] if dst_fragmented else np.arange(5, 5 + pages)
+    from sgl_pd.core.relayout import fragmented
+
+    assert fragmented(src.astype(np.int64))
+    sc = Scenario(
+        heads, 2, 4, 2, tp_p, tp_d, tuple(int(p) for p in src), tuple(int(p) for p in dst), 64,
+        ((0, 70), (70, 160)), 1, 5,
+    )  # fmt: skip
+    plain = Relayout(gather=True, receive=True, receive_all=dst_fragmented)
+    same, as_they_lie = _serve(sc, plain, 4)
+    gathered_same, gathered = _serve(
+        sc, Relayout(gather=True, receive=True, receive_all=dst_fragmented, gather_all=True), 4
+    )
+    assert same and gathered_same
+    regions = sc.layout.num_regions
+    links = len(link_shards(sc.layout, ShardingScheme(tp_p), ShardingScheme(tp_d), sc.seed))
+    loc_p, loc_d = (local_heads(sc.layout, ShardingScheme(tp)) for tp in (tp_p, tp_d))
+    assert gathered == len(sc.chunks) * links * regions <= as_they_lie, (gathered, as_they_lie)
+    if loc_d >= loc_p:  # a source slice not strided: written as it lies, a write per run
+        assert gathered < as_they_lie
 
 
 def test_only_short_runs_count_as_fragmented() -> None:

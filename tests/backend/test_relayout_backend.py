@@ -190,8 +190,9 @@ def test_a_fragmented_request_does_not_take_space_a_strided_one_waits_for() -> N
 
 def test_staging_areas_by_what_a_rank_can_stage() -> None:
     """Strided slices need gather areas on prefill ranks and receive areas on decode
-    ranks; fragmented pages only a (smaller) receive area: an MLA or one-head rank
-    never has a strided slice."""
+    ranks; fragmented pages a gather area on a prefill rank (four jobs of one layer of a
+    chunk) and a (smaller) receive area on a decode rank where no slice is ever strided
+    (an MLA or one-head rank)."""
     from sgl_pd.backend.pool import PoolDescription
     from sgl_pd.backend.staging_area import (
         DECODE_STAGING_TOKENS,
@@ -211,11 +212,11 @@ def test_staging_areas_by_what_a_rank_can_stage() -> None:
         num_layers=62, num_kv_heads=8, head_dim=128, page_size=64, elem_bytes=2,
         page_layout=PageLayout.NHD,
     )  # fmt: skip
-    assert staging_bytes(-1, Role.PREFILL, pool(mla, 1), 16384) == 0
+    assert staging_bytes(-1, Role.PREFILL, pool(mla, 1), 16384) == 4 * 16384 * 1152  # 75 MB
     assert staging_bytes(-1, Role.DECODE, pool(mla, 1), 16384) == (
         FRAGMENTED_STAGING_TOKENS * 61 * 1152
     )  # 288 MB
-    assert staging_bytes(-1, Role.PREFILL, pool(gqa, 1), 16384) == 0  # TP8: one head
+    assert staging_bytes(-1, Role.PREFILL, pool(gqa, 1), 16384) == 4 * 16384 * 2 * 256
     assert staging_bytes(-1, Role.DECODE, pool(gqa, 2), 16384) == (
         DECODE_STAGING_TOKENS * 62 * 2 * 2 * 256
     )

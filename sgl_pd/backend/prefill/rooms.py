@@ -87,6 +87,9 @@ class Destination:
     groups_done: int = 0  # groups this rank finished into it: its count word (writer only)
     # chunk index -> its plan, addressed for every layer, until its last layers are written
     plans: dict[int, AddressedPlan] = field(default_factory=dict)  # (writer thread only)
+    # chunk index -> the same chunk's plan without the gathering its fragmented source
+    # pages asked for: its layers go out this way while the gather area is full
+    ungathered: dict[int, AddressedPlan] = field(default_factory=dict)  # (writer thread only)
 
     @property
     def session(self) -> str:

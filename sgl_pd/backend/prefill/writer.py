@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sgl_pd.backend.failure_cause import cause_of
@@ -29,7 +29,7 @@ from sgl_pd.core.counting import count_word, metadata_word, source_word_offset
 from sgl_pd.core.failures import FailureCause
 from sgl_pd.core.plan import AddressedPlan, TransferPlan, plan_transfer
 from sgl_pd.core.regions import RegionTable
-from sgl_pd.core.relayout import ReceivePlacement, Relayout, receive_placement
+from sgl_pd.core.relayout import ReceivePlacement, Relayout, fragmented, receive_placement
 from sgl_pd.core.wire import ChunkNotice, Message
 from sgl_pd.errors import SglPdError
 from sgl_pd.messenger.keyed_workers import KeyedWorkers
@@ -110,9 +110,11 @@ class KvWriter:
         """Writes `layers` of `chunk` on this rank's links into `dest`."""
         request, decoder = dest.request, dest.request.decoder
         addressed = self._addressed(dest, chunk)
+        ungathered = dest.ungathered.get(chunk.index)
         writes, groups = layer_writes(addressed, layers)
         if layers.stop == addressed.plan.layers.stop:
             del dest.plans[chunk.index]  # the chunk's last layers: its plan is done
+            dest.ungathered.pop(chunk.index, None)
         if not groups:
             return Sent()
         # the count covers every group of this batch, written once they all completed
@@ -122,26 +124,46 @@ class KvWriter:
         if any(addressed.plan.links[i].staging.gathers for i in addressed.sending):
             # one link per (source, destination) rank pair: it is the job's only one
             (link_index,) = addressed.sending
-            self._write_gathered(decoder.session, addressed, link_index, layers)
+            posted = self._write_gathered(
+                decoder.session, addressed, link_index, layers, ungathered
+            )
             self._words.send_many(decoder.session, Writes.empty(), [word])
-        else:
-            self._words.send_many(decoder.session, writes, [word])
+            return Sent(writes.total_bytes, posted)
+        self._words.send_many(decoder.session, writes, [word])
         return Sent(writes.total_bytes, len(writes))
 
     def _write_gathered(
-        self, session: str, addressed: AddressedPlan, link_index: int, layers: range
-    ) -> None:
+        self,
+        session: str,
+        addressed: AddressedPlan,
+        link_index: int,
+        layers: range,
+        ungathered: AddressedPlan | None,
+    ) -> int:
         """Gathers the link's heads of `layers` into staging blocks and writes them, as
-        many layers at a time as the staging area holds (at least one: see `_addressed`)."""
+        many layers at a time as the staging area holds (at least one: see `_addressed`);
+        returns the writes posted. A chunk gathered only because its source pages are
+        fragmented (`ungathered` is its plan without that) does not wait for space: the
+        layers that find the area full go out as they lie, so no decoder's slow writes
+        holding the area delay another's."""
         assert self._staging is not None
         area, plan = self._staging.area, addressed.plan
         parts = len(self.layout.parts)
         per_layer = plan.gather_block(link_index) * parts  # bytes
         step = max(1, min(len(layers), area.capacity // per_layer))
+        posted = 0
         for start in range(layers.start, layers.stop, step):
             some = range(start, min(start + step, layers.stop))
             nbytes = per_layer * len(some)
-            offset = area.take(nbytes, STAGING_WAIT_S)
+            if ungathered is None:
+                offset = area.take(nbytes, STAGING_WAIT_S)
+            elif (taken := area.try_take(nbytes)) is not None:
+                offset = taken
+            else:
+                src, dst, lengths = ungathered.columns(some)
+                self._engine.write(session, Writes.trusted(src, dst, lengths))
+                posted += len(lengths)
+                continue
             try:
                 regions = range(some.start * parts, some.stop * parts)
                 assert plan.gather_pages is not None
@@ -152,28 +174,52 @@ class KvWriter:
                 src, dst, lengths = addressed.columns(some)
                 src = src + plan.gather_shift(link_index, some, area.base + offset)
                 self._engine.write(session, Writes.trusted(src, dst, lengths))
+                posted += len(lengths)
             finally:
                 # a failed batch may still read the blocks: it failed its request, whose
                 # destination pages stay quarantined, so reused blocks reach no live page
                 area.give_back(offset)
+        return posted
 
     def _addressed(self, dest: Destination, chunk: Chunk) -> AddressedPlan:
         """The chunk's plan into `dest` over every layer, made on its first layer group."""
         addressed = dest.plans.get(chunk.index)
         if addressed is None:
-            request = dest.request
             receive = self._receive(dest)
-            whole = request.stage_all
+            whole = dest.request.stage_all
             relayout = Relayout(self._staging is not None, receive is not None, whole)
             plan = self._plan(dest, chunk, relayout)
             if not self._gather_fits(plan):
-                plan = self._plan(dest, chunk, Relayout(False, receive is not None, whole))
-            dst_table = RegionTable.for_layout(self.layout, request.decoder.kv_regions)
-            addressed = AddressedPlan.for_sender(
-                plan, dest.mine, self.pool.kv, dst_table, self.layer_group_size, receive
-            )
+                relayout = replace(relayout, gather=False)
+                plan = self._plan(dest, chunk, relayout)
+            if relayout.gather and not self._gathers(plan, dest) and self._scattered(chunk):
+                gathered = self._plan(dest, chunk, replace(relayout, gather_all=True))
+                if self._gather_fits(gathered):
+                    dest.ungathered[chunk.index] = self._address(dest, plan, receive)
+                    plan = gathered
+            addressed = self._address(dest, plan, receive)
             dest.plans[chunk.index] = addressed
         return addressed
+
+    def _address(
+        self, dest: Destination, plan: TransferPlan, receive: tuple[ReceivePlacement, int] | None
+    ) -> AddressedPlan:
+        dst_table = RegionTable.for_layout(self.layout, dest.request.decoder.kv_regions)
+        return AddressedPlan.for_sender(
+            plan, dest.mine, self.pool.kv, dst_table, self.layer_group_size, receive
+        )
+
+    def _gathers(self, plan: TransferPlan, dest: Destination) -> bool:
+        """A link of this rank into `dest` gathers under `plan`."""
+        return any(plan.links[i].staging.gathers for i in dest.mine)
+
+    def _scattered(self, chunk: Chunk) -> bool:
+        """The chunk's source pages are fragmented (this prefill's own prefix cache
+        evicted and reused them): written as they lie, a write per short run."""
+        size = self.layout.page_size
+        first = chunk.tokens.start // size - chunk.src_first_page
+        last = (chunk.tokens.stop - 1) // size - chunk.src_first_page
+        return fragmented(chunk.src_pages.array()[first : last + 1])
 
     def _plan(self, dest: Destination, chunk: Chunk, relayout: Relayout) -> TransferPlan:
         request = dest.request
