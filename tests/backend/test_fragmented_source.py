@@ -37,3 +37,27 @@ def test_fragmented_source_pages_are_gathered_unless_the_area_is_full(area_free:
         assert rig.gather_area.used == (0 if taken is None else rig.gather_area.capacity)
     finally:
         rig.prefill.writers.close()
+
+
+def test_a_slow_destination_leaves_room_for_another_to_gather() -> None:
+    """The area is sized for four jobs' blocks of one layer (after-forward jobs carry every
+    layer): a gather only fragmentation asked for takes one layer's blocks at a time, so
+    a write stuck on one decoder leaves room for the next decoder's chunk to gather."""
+    token_layer = len(LAYOUT.parts) * LAYOUT.num_kv_heads * LAYOUT.row_bytes
+    rig = Rig(gather_bytes=4 * 12 * token_layer)  # the default for 12-token chunks
+    slow, fast = rig.add_decoder("decode-slow"), rig.add_decoder("decode-fast")
+    engine = rig.prefill_engine
+    pages = [int(p) for p in np.random.default_rng(5).permutation(NUM_PAGES)]
+    try:
+        engine.hold_peer, _ = slow.engine.session_id, engine.gate.clear()
+        rig.request(slow, 1, list(range(30, 42)), slot=1)
+        rig.prefill_all(1, pages[:12], chunk=12)
+        assert engine.waiting.wait(5)  # a gathered write to the slow decoder is stuck
+        before = engine.data_writes
+        rig.request(fast, 2, list(range(42, 54)), slot=2)
+        rig.prefill_all(2, pages[12:24], chunk=12)
+        wait_state(fast, 2, DecodeState.COMPLETE)
+        assert engine.data_writes - before - 1 == LAYOUT.num_regions  # and the metadata row
+    finally:
+        engine.gate.set()
+        rig.prefill.writers.close()

@@ -143,14 +143,15 @@ class KvWriter:
         """Gathers the link's heads of `layers` into staging blocks and writes them, as
         many layers at a time as the staging area holds (at least one: see `_addressed`);
         returns the writes posted. A chunk gathered only because its source pages are
-        fragmented (`ungathered` is its plan without that) does not wait for space: the
-        layers that find the area full go out as they lie, so no decoder's slow writes
-        holding the area delay another's."""
+        fragmented (`ungathered` is its plan without that) takes one layer's blocks at a
+        time (the area holds four jobs' worth: a write stuck on one decoder leaves room
+        for others) and never waits: a layer that finds the area full goes out as it
+        lies."""
         assert self._staging is not None
         area, plan = self._staging.area, addressed.plan
         parts = len(self.layout.parts)
         per_layer = plan.gather_block(link_index) * parts  # bytes
-        step = max(1, min(len(layers), area.capacity // per_layer))
+        step = 1 if ungathered is not None else max(1, min(len(layers), area.capacity // per_layer))
         posted = 0
         for start in range(layers.start, layers.stop, step):
             some = range(start, min(start + step, layers.stop))
