@@ -179,9 +179,10 @@ def test_a_killed_prefiller_fails_its_requests_then_is_picked_up_again(
     decoder = direct.decoders[0]
     victim = direct.prefill
 
-    def restart() -> None:
+    def restart() -> None:  # and requests reach it again
         victim.process.restart("restarted")
         victim.process.wait_http_ready(f"{victim.url}/health", 300)
+        first_success(decoder.url, "Count: 1 2", 2, budget_s=180)
 
     killed = kill_during_request(
         decoder.url, victim.process,

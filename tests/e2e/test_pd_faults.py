@@ -334,9 +334,10 @@ def test_killed_prefiller_fails_its_requests_with_a_clear_error(
 ) -> None:
     victim = faulty.prefill
 
-    def restart() -> None:
+    def restart() -> None:  # and requests reach it again
         victim.process.restart("restarted")
         victim.process.wait_http_ready(f"{victim.url}/health", 300)
+        first_success(faulty.router_url, "Count: 1 2", 2, budget_s=180)
 
     response = kill_during_request(
         faulty.router_url, victim.process, lambda n: long_prompt_ids(LONG, start=77 + 3000 * n),
