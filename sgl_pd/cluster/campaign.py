@@ -234,6 +234,21 @@ def kill_during_request(
     raise AssertionError(f"every request finished before its kill (waits {list(waits_s)} s)")
 
 
+def restarter(
+    victim: ManagedProcess, health_url: str, url: str, ready_s: float, reach_s: float
+) -> Callable[[], None]:
+    """What `kill_during_request` calls between attempts: restarts `victim`, waits for
+    its `health_url`, then until a request through `url` gets through again (a router
+    keeps a dead server's circuit open a while)."""
+
+    def restart() -> None:
+        victim.restart("restarted")
+        victim.wait_http_ready(health_url, ready_s)
+        first_success(url, "Count: 1 2", 2, budget_s=reach_s)
+
+    return restart
+
+
 def first_success(url: str, prompt: str, max_new_tokens: int, budget_s: float) -> list[int]:
     """Greedy tokens of the first attempt that succeeds within `budget_s` seconds: after a
     restart the router needs a health check or two, and the first request may still go

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from sgl_pd.cluster.campaign import first_success, kill_during_request
+from sgl_pd.cluster.campaign import first_success, kill_during_request, restarter
 from sgl_pd.cluster.client import chat, generate_ids, stream_chat
 from sgl_pd.cluster.conversations import replay, script, wrong_turns
 from sgl_pd.cluster.local import DirectCluster, Server, direct_cluster
@@ -178,11 +178,7 @@ def test_a_killed_prefiller_fails_its_requests_then_is_picked_up_again(
     naming the server; once it is back the decoders, never restarted, use it again."""
     decoder = direct.decoders[0]
     victim = direct.prefill
-
-    def restart() -> None:  # and requests reach it again
-        victim.process.restart("restarted")
-        victim.process.wait_http_ready(f"{victim.url}/health", 300)
-        first_success(decoder.url, "Count: 1 2", 2, budget_s=180)
+    restart = restarter(victim.process, f"{victim.url}/health", decoder.url, 300, 180)
 
     killed = kill_during_request(
         decoder.url, victim.process,

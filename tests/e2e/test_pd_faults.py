@@ -32,6 +32,7 @@ from sgl_pd.cluster.campaign import (
     kill_mid_transfer,
     periodic_pauses,
     post_generate,
+    restarter,
     run_campaign,
 )
 from sgl_pd.cluster.client import generate_ids
@@ -333,11 +334,7 @@ def test_killed_prefiller_fails_its_requests_with_a_clear_error(
     mono: Server, faulty: PdCluster
 ) -> None:
     victim = faulty.prefill
-
-    def restart() -> None:  # and requests reach it again
-        victim.process.restart("restarted")
-        victim.process.wait_http_ready(f"{victim.url}/health", 300)
-        first_success(faulty.router_url, "Count: 1 2", 2, budget_s=180)
+    restart = restarter(victim.process, f"{victim.url}/health", faulty.router_url, 300, 180)
 
     response = kill_during_request(
         faulty.router_url, victim.process, lambda n: long_prompt_ids(LONG, start=77 + 3000 * n),

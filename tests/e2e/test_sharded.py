@@ -35,6 +35,7 @@ from sgl_pd.cluster.campaign import (
     first_success,
     kill_during_request,
     post_generate,
+    restarter,
 )
 from sgl_pd.cluster.client import generate_ids
 from sgl_pd.cluster.conversations import replay, script, wrong_turns
@@ -281,10 +282,10 @@ class TestPageOfSixteenTokens:
         victim, decoder = mesh.servers["p_tp2"], mesh.servers["d_tp1"]
         url = mesh.router("p_tp2", "d_tp1")
 
-        def restart() -> None:  # and the router routes to it again
-            victim.process.restart("restarted")
-            victim.process.wait_http_ready(f"{victim.url}/health", patience.servers_ready_s(2))
-            first_success(url, "Count: 1 2", NEW_TOKENS, budget_s=patience.seconds(180))
+        restart = restarter(
+            victim.process, f"{victim.url}/health", url, patience.servers_ready_s(2),
+            patience.seconds(180),
+        )  # fmt: skip
 
         result = kill_during_request(
             url, victim.process, lambda n: long_prompt_ids(1024, start=41 + 2000 * n),
