@@ -17,7 +17,7 @@ decoder granted. Either way the count word follows the job's last write.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -83,6 +83,11 @@ class Sent:
     writes: int = 0
 
 
+def _gathers(plan: TransferPlan, links: Iterable[int]) -> bool:
+    """One of `links` (indices into the plan's links) gathers under `plan`."""
+    return any(plan.links[i].staging.gathers for i in links)
+
+
 class KvWriter:
     """What a job writes, in Mooncake batches: data first, then this rank's count word."""
 
@@ -121,7 +126,7 @@ class KvWriter:
         dest.groups_done += groups
         word = (self._slot_base(dest) + source_word_offset(self.rank),
                 count_word(request.request_id, dest.groups_done))  # fmt: skip
-        if any(addressed.plan.links[i].staging.gathers for i in addressed.sending):
+        if _gathers(addressed.plan, addressed.sending):
             # one link per (source, destination) rank pair: it is the job's only one
             (link_index,) = addressed.sending
             posted = self._write_gathered(
@@ -193,7 +198,7 @@ class KvWriter:
             if not self._gather_fits(plan):
                 relayout = replace(relayout, gather=False)
                 plan = self._plan(dest, chunk, relayout)
-            if relayout.gather and not self._gathers(plan, dest) and self._scattered(chunk):
+            if relayout.gather and not _gathers(plan, dest.mine) and self._scattered(chunk):
                 gathered = self._plan(dest, chunk, replace(relayout, gather_all=True))
                 if self._gather_fits(gathered):
                     dest.ungathered[chunk.index] = self._address(dest, plan, receive)
@@ -209,10 +214,6 @@ class KvWriter:
         return AddressedPlan.for_sender(
             plan, dest.mine, self.pool.kv, dst_table, self.layer_group_size, receive
         )
-
-    def _gathers(self, plan: TransferPlan, dest: Destination) -> bool:
-        """A link of this rank into `dest` gathers under `plan`."""
-        return any(plan.links[i].staging.gathers for i in dest.mine)
 
     def _scattered(self, chunk: Chunk) -> bool:
         """The chunk's source pages are fragmented (this prefill's own prefix cache
