@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from sgl_pd.core.bounds import TimingBounds, deferred_release_s, engine_transfer_timeout_s
 from sgl_pd.errors import ConfigError
 
 CONFIG_ENV = "SGL_PD_CONFIG"
@@ -61,6 +62,7 @@ class SglPdConfig:
     # Fault injection, for fault campaigns only (tests, benchmarks/bench_faults.py):
     inject_write_delay_ms: float = 0.0  # added before every KV write batch
     inject_write_failure_rate: float = 0.0  # probability that a KV write batch fails
+    inject_control_drop_rate: float = 0.0  # probability that a control frame is dropped
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -82,6 +84,11 @@ class SglPdConfig:
             raise ConfigError(
                 "--pd-inject-write-failure-rate must be within [0, 1], got "
                 f"{self.inject_write_failure_rate}"
+            )
+        if not 0 <= self.inject_control_drop_rate < 1:
+            raise ConfigError(
+                "--pd-inject-control-drop-rate must be within [0, 1), got "
+                f"{self.inject_control_drop_rate}"
             )
 
         if self.prefill_bootstrap and not self.prefill_bootstrap.startswith("@"):
@@ -105,6 +112,18 @@ class SglPdConfig:
         if not self.auth_secret_hex:
             raise ConfigError(MISSING_SECRET)
         return bytes.fromhex(self.auth_secret_hex)
+
+    def bounds(
+        self, *, decode: bool = False, environ: Mapping[str, str] = os.environ
+    ) -> TimingBounds:
+        """The timing bounds these settings give (`core.bounds`), on this host's engine
+        and, on a decoder (`decode`), with SGLang's deferred release as it will run."""
+        return TimingBounds(
+            hang_timeout_s=self.hang_timeout_s,
+            transfer_timeout_s=self.transfer_timeout_s,
+            engine_transfer_timeout_s=engine_transfer_timeout_s(environ),
+            deferred_release_s=deferred_release_s(environ) if decode else None,
+        )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -303,6 +322,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="Fault injection for testing only: probability that a KV write batch fails.",
     )
+    group.add_argument(
+        "--pd-inject-control-drop-rate",
+        type=float,
+        default=0.0,
+        help="Fault injection for testing only: probability that a control message or its"
+        " acknowledgement is dropped (such messages are sent until acknowledged).",
+    )
 
 
 def config_from_args(
@@ -323,6 +349,7 @@ def config_from_args(
         staging_mb=args.pd_staging_mb,
         inject_write_delay_ms=args.pd_inject_write_delay_ms,
         inject_write_failure_rate=args.pd_inject_write_failure_rate,
+        inject_control_drop_rate=args.pd_inject_control_drop_rate,
         auth_secret_hex="" if args.pd_no_auth else _secret_hex(args, environ),
         no_auth=args.pd_no_auth,
         allow_loopback_advertise=args.pd_allow_loopback_advertise,

@@ -22,6 +22,7 @@ from sgl_pd.config import (
     add_cli_args,
     config_from_args,
 )
+from sgl_pd.core.bounds import DEFAULT_DEFERRED_RELEASE_S, DEFERRED_RELEASE_ENV
 from sgl_pd.errors import ConfigError
 from sgl_pd.harness.cpu import Harness, flag_value, plan_harness, uses_dp_attention
 
@@ -31,13 +32,11 @@ logger = logging.getLogger("sgl_pd.launch_server")
 _HARNESS_APPLIED_ENV = "SGL_PD_HARNESS_APPLIED"
 
 
-# SGLang's deferred release of a decode request that ended early gives up waiting for the
-# prefill ranks' drain acks after this many seconds (default 30) and frees the pages
-# anyway. A write in flight ends within Mooncake's transfer timeout (30 s + 1 s/GiB), and
-# a hung rank is declared within --pd-hang-timeout (a dead one within a second), so wait
-# well past both.
-DEFERRED_RELEASE_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
-DEFERRED_RELEASE_TIMEOUT_S = "120"
+# SGLang's deferred release of a decode request that ended early: how long it waits for
+# the prefill ranks' drain acks before it frees the pages anyway (`core.bounds` says why
+# this is enough; the backend raises a lower value itself, however it is started).
+DEFERRED_RELEASE_TIMEOUT_ENV = DEFERRED_RELEASE_ENV
+DEFERRED_RELEASE_TIMEOUT_S = f"{DEFAULT_DEFERRED_RELEASE_S:g}"
 
 # SGLang's router keeps an idle connection to each server for up to 50 s (its HTTP client's
 # pool idle timeout) and sends the next request on it, while SGLang's HTTP server closes a
@@ -48,7 +47,6 @@ DEFERRED_RELEASE_TIMEOUT_S = "120"
 # a request sent to it meanwhile: on waking, the expired timer closes the connection before
 # the request waiting in it is read. So a server keeps an idle connection longer than the
 # router does, plus the longest pause that must fail nothing (the default hang timeout).
-ROUTER_POOL_IDLE_S = 50
 KEEP_ALIVE_ENV = "SGLANG_TIMEOUT_KEEP_ALIVE"
 KEEP_ALIVE_S = "75"
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sgl_pd.config import SglPdConfig
-from sgl_pd.launch_server import KEEP_ALIVE_ENV, ROUTER_POOL_IDLE_S, server_env
+from sgl_pd.core.bounds import ROUTER_POOL_IDLE_S
+from sgl_pd.launch_server import KEEP_ALIVE_ENV, server_env
 
 
 def test_a_server_keeps_idle_connections_longer_than_the_router(

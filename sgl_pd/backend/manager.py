@@ -35,12 +35,14 @@ from sgl_pd.core.liveness import FreezeWatch
 from sgl_pd.core.regions import Region
 from sgl_pd.core.sharding import ShardingScheme
 from sgl_pd.core.wire import (
+    Delivered,
     FrameCodec,
     Heartbeat,
     HeartbeatAck,
     Message,
     MetadataBuffers,
     Role,
+    Sequenced,
     ShardRegistration,
     SlotArea,
 )
@@ -50,6 +52,7 @@ from sgl_pd.messenger.auth import ClusterAuth
 from sgl_pd.messenger.inbox import Inbox
 from sgl_pd.messenger.link import LinkPool
 from sgl_pd.messenger.outbox import Outbox
+from sgl_pd.messenger.reliable import ControlFaults, ReliableReceiver, ReliableSender
 from sgl_pd.transfer.config import TransportConfig
 from sgl_pd.transfer.engine import TransferEngine
 from sgl_pd.transfer.faults import FaultInjectingEngine, WriteFaults
@@ -68,6 +71,28 @@ class _SingleDataParallelRank:
 
     def get(self, bootstrap_addr: str) -> _SingleDataParallelRank:
         return self
+
+
+class _Watching:
+    """The role's messenger as the liveness thread sees it, plus: nothing more is resent
+    to a peer declared lost (every request it had here fails)."""
+
+    def __init__(self, role: Watched, reliable: ReliableSender) -> None:
+        self._role = role
+        self._reliable = reliable
+
+    def active_peers(self) -> dict[str, str | None]:
+        return self._role.active_peers()
+
+    def peer_lost(self, inbox: str, why: str, gone: bool) -> None:
+        self._reliable.forget_peer(inbox)
+        self._role.peer_lost(inbox, why, gone)
+
+    def resumed_after_freeze(self, frozen_s: float) -> None:
+        self._role.resumed_after_freeze(frozen_s)
+
+    def housekeeping(self) -> None:
+        self._role.housekeeping()
 
 
 def cluster_auth(config: SglPdConfig) -> ClusterAuth | None:
@@ -208,12 +233,29 @@ class SglPdKVManager(BaseKVManager):
         )
 
         clock = SystemClock()
+        self.bounds = self.config.bounds(decode=self.role is Role.DECODE)
+        problems = self.bounds.violations()
+        if problems:
+            raise ConfigError(f"sgl_pd's timing bounds do not hold: {problems[0]}")
+        drop_rate = self.config.inject_control_drop_rate
+        control_faults = ControlFaults(drop_rate, seed=self.tp_rank)
+        if control_faults.active:
+            logger.warning("fault injection: control frames dropped at %g", drop_rate)
+        self.control_faults = control_faults
+        name = f"{self.role.value}-{self.rank}"
+        self.reliable = ReliableSender(
+            self.outbox, self.inbox.endpoint, self.instance, self.bounds, clock,
+            faults=control_faults, name=name,
+        )  # fmt: skip
+        self.deliveries = ReliableReceiver(
+            self.outbox, self.inbox.endpoint, self.bounds, clock, faults=control_faults
+        )
         self.freeze = FreezeWatch(clock, self.config.hang_timeout_s)
         watched = self._start_role(server_args, clock)
         self.heartbeats = Heartbeats(
             self.inbox.endpoint,
             self.outbox,
-            watched,
+            _Watching(watched, self.reliable),
             hang_timeout_s=self.config.hang_timeout_s,
             clock=clock,
             name=f"{self.role.value}-{self.rank}",
@@ -314,6 +356,12 @@ class SglPdKVManager(BaseKVManager):
             self.heartbeats.on_heartbeat(message)
         elif isinstance(message, HeartbeatAck):
             self.heartbeats.on_ack(message)
+        elif isinstance(message, Sequenced):
+            guarded = self.deliveries.accept(message)
+            if guarded is not None:
+                self._on_role_message(guarded)
+        elif isinstance(message, Delivered):
+            self.reliable.on_delivered(message)
         else:
             self._on_role_message(message)
 
@@ -335,6 +383,7 @@ class SglPdKVManager(BaseKVManager):
         self.closing.set()
         self.heartbeats.stop()
         self._close_role()
+        self.reliable.close()
         self.inbox.close()
         self.outbox.close()
         self.links.close()

@@ -82,7 +82,13 @@ def register_backend() -> None:
         "sglang.srt.managers.scheduler.Scheduler.run_batch", after_run_batch, HookType.AFTER
     )
     from sgl_pd.backend import first_token, health, request_checks
-    from sgl_pd.backend.decode import direct
+    from sgl_pd.backend.decode import direct, release_bound
+
+    HookRegistry.register(
+        "sglang.srt.disaggregation.decode.DecodeTransferQueue.__init__",
+        release_bound.after_transfer_queue_init,
+        HookType.AFTER,
+    )
     from sgl_pd.backend.prefill import layerwise_glue
 
     HookRegistry.register(

@@ -44,7 +44,8 @@ from sgl_pd.errors import SglPdError
 # 6: decoders register a receive staging area and grant requests part of it (re-layout)
 # 7: decoders name the prefix they hold (held_tokens); last notices carry the chunk count;
 #    a decoder with fragmented pages asks for every link into its staging (stage_all)
-PROTOCOL_VERSION = 7
+# 8: control messages whose loss matters travel in `Sequenced` envelopes until `Delivered`
+PROTOCOL_VERSION = 8
 MAGIC = b"SGPD"
 MAX_BODY_BYTES = 64 << 20  # a 1M-token prompt with its page table stays far below this
 _HEADER = struct.Struct("<4sHHQII")
@@ -397,6 +398,31 @@ class TransferRequest(_Message, tag="transfer", frozen=True):
         return self.decoder.inbox
 
 
+# Messages whose loss would leave a request waiting for its timeout, or let writes run on
+# into pages that are freed: sent in a `Sequenced` envelope until acknowledged
+# (`messenger.reliable`).
+Guarded = TransferRequest | ChunkNotice | Abort | AbortAck | ErrorMsg
+MAX_ACKS_PER_FRAME = 1024
+
+
+class Sequenced(_Message, tag="sequenced", frozen=True):
+    """A guarded message, numbered by its sender: resent until the receiver answers
+    `Delivered`, handed to the receiver's role once per (sender instance, seq)."""
+
+    sender: Endpoint  # the sending rank's inbox, where `Delivered` goes
+    instance: U64  # the sending process (sequence numbers count per process start)
+    seq: U64
+    message: Guarded
+
+
+class Delivered(_Message, tag="delivered", frozen=True):
+    """The receiver got these `Sequenced` messages of `instance` (sent to `receiver`)."""
+
+    receiver: Endpoint  # the acknowledging rank's inbox: only its own deliveries count
+    instance: U64
+    seqs: Annotated[tuple[U64, ...], msgspec.Meta(max_length=MAX_ACKS_PER_FRAME)]
+
+
 Message = (
     ShardRegistration
     | PrefillRequest
@@ -413,6 +439,8 @@ Message = (
     | SubmitPrefill
     | SubmitAck
     | TransferRequest
+    | Sequenced
+    | Delivered
 )
 
 

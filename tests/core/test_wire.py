@@ -465,10 +465,12 @@ def test_peer_text_fields_are_bounded() -> None:
 # sgl_pd version" instead of dropping each frame as malformed): bump PROTOCOL_VERSION,
 # then update this table.
 FIELDS_AT_VERSION = (
-    7,
+    8,
     {
         "abort": ("request_id", "reason", "decoder_instance", "detail", "reply_to"),
         "abort_ack": ("request_id", "prefill_rank", "prefill_instance"),
+        "delivered": ("receiver", "instance", "seqs"),
+        "sequenced": ("sender", "instance", "seq", "message"),
         "chunk": ("request_id", "chunk_index", "token_start", "token_stop", "page_ids",
                   "is_last", "prefill_instance", "num_chunks"),
         "error": ("request_id", "code", "message", "sender_instance"),

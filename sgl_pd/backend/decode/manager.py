@@ -33,7 +33,7 @@ class DecodeKVManager(SglPdKVManager):
             scheme=self.scheme,
             pool=self.pool,
             engine=self.engine,
-            send_to_prefill=self.outbox.send,
+            send_to_prefill=self.reliable.send,
             transfer_timeout_s=self.config.transfer_timeout_s,
             metrics=self.metrics,
             clock=clock,

@@ -66,7 +66,7 @@ from sgl_pd.core.wire import (
     AbortReason,
     ChunkNotice,
     ErrorMsg,
-    Message,
+    Guarded,
     ShardRegistration,
     SlotArea,
     TransferRequest,
@@ -93,7 +93,8 @@ def _refused(room: int, sender: int | None, what: str) -> None:
     )
 
 
-SendFn = Callable[[str, Message], object]  # (inbox endpoint, message): never blocks
+# (inbox endpoint, message): never blocks; sent until acknowledged (`messenger.reliable`)
+SendFn = Callable[[str, Guarded], object]
 _D = DecodeState
 
 

@@ -36,7 +36,7 @@ class PrefillKVManager(SglPdKVManager):
             pool=self.pool,
             engine=self.engine,
             layerwise=layerwise,
-            send_to_decoder=self.outbox.send,
+            send_to_decoder=self.reliable.send,
             metrics=self.metrics,
             timeout_s=self.config.transfer_timeout_s,
             clock=clock,

@@ -48,7 +48,7 @@ from sgl_pd.core.wire import (
     AbortAck,
     ErrorCode,
     ErrorMsg,
-    Message,
+    Guarded,
     TransferRequest,
 )
 from sgl_pd.log_limits import LogLimiter, peer_text
@@ -57,7 +57,8 @@ from sgl_pd.transfer.engine import TransferEngine
 logger = logging.getLogger("sgl_pd.prefill")
 _peer_log = LogLimiter(logger)
 
-SendFn = Callable[[str, Message], object]  # (inbox endpoint, message): never blocks
+# (inbox endpoint, message): never blocks; sent until acknowledged (`messenger.reliable`)
+SendFn = Callable[[str, Guarded], object]
 
 # One INFO line per request when its transfer is done (times: time.monotonic(), seconds).
 TIMING_LINE_PREFIX = "sgl_pd transfer done:"

@@ -30,7 +30,7 @@ from sgl_pd.core.failures import FailureCause
 from sgl_pd.core.plan import AddressedPlan, TransferPlan, plan_transfer
 from sgl_pd.core.regions import RegionTable
 from sgl_pd.core.relayout import ReceivePlacement, Relayout, fragmented, receive_placement
-from sgl_pd.core.wire import ChunkNotice, Message
+from sgl_pd.core.wire import ChunkNotice, Guarded
 from sgl_pd.errors import SglPdError
 from sgl_pd.messenger.keyed_workers import KeyedWorkers
 from sgl_pd.transfer.completion import CompletionWordWriter
@@ -62,7 +62,8 @@ class MetadataJob:
 
 
 Job = LayersJob | MetadataJob
-SendFn = Callable[[str, Message], object]  # (inbox endpoint, message): never blocks
+# (inbox endpoint, message): never blocks; sent until acknowledged (`messenger.reliable`)
+SendFn = Callable[[str, Guarded], object]
 FailFn = Callable[[int, str, FailureCause], None]  # (room, reason, cause)
 AckFn = Callable[[int, set[str]], None]  # (room, decoder inboxes owed a drain ack)
 BytesFn = Callable[[int], None]
