@@ -169,7 +169,14 @@ class Heartbeats:
                         exc_info=True,
                     )
             # Requests first, beat after: a writer that wakes from a freeze before this
-            # thread sees the old beat and holds off (`FreezeWatch.frozen`).
+            # thread sees the old beat and holds off (`FreezeWatch.frozen`). A freeze
+            # inside this loop, after its check, is caught before the beat hides it.
+            try:
+                self._check_freeze()
+            except Exception:
+                self._log.log(
+                    logging.ERROR, "freeze", "liveness: freeze check failed", exc_info=True
+                )
             self.freeze.beat()
 
     def _check_freeze(self) -> None:
@@ -186,6 +193,7 @@ class Heartbeats:
                     self._liveness.heard(endpoint)
             self._on_lost("frozen")
             self._watched.resumed_after_freeze(gap_s)
+            self.freeze.beat()  # what it held has failed: this gap is reported once
 
     def _tick(self) -> None:
         active = self._watched.active_peers()

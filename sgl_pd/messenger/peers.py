@@ -9,6 +9,12 @@ old failure stands until an answer replaces it. `invalidate` forgets what is kno
 server that restarted or failed a request, so the next lookup asks afresh; the caller
 also drops its links to that server's old inboxes.
 
+A table is trusted for `max_age_s` after the registry sent it: a prefill server that
+restarts while this decoder sends it nothing is noticed by no liveness check, and its
+old table names inboxes nobody listens at. An older table is not returned; the lookup
+asks again (see `TABLE_MAX_AGE_S`). A table in use is asked for again from half that
+age on, in the background, so steady traffic never waits for a query.
+
 Threading: `workers` named threads take addresses from a queue and call the registry
 client; the tables, failures and in-flight set belong to the directory and are only
 touched under its lock. Each worker decodes with a codec of its own.
@@ -34,6 +40,12 @@ from sgl_pd.messenger.registry import QUERY_TIMEOUT_S, RETRY_INTERVAL_S, Registr
 logger = logging.getLogger(__name__)
 
 RETRY_BACKOFF_S = 5.0  # a failed address is asked again at most this often
+# Seconds a prefill table is used after the registry sent it. A restart (process start,
+# model load, every rank registering again) takes longer than this, so a table fetched
+# before the old process stopped is never returned once the new ranks registered: the
+# first request after an idle restart reaches them. An idle decoder pays one registry
+# round trip (milliseconds) per request at most; a busy one refreshes in the background.
+TABLE_MAX_AGE_S = 5.0
 WORKERS = 2  # concurrent queries: an unreachable server holds one for QUERY_TIMEOUT_S
 
 
@@ -61,6 +73,12 @@ class PrefillTable:
         return len(self.shards)
 
 
+@dataclass(frozen=True)
+class _Cached:
+    table: PrefillTable
+    at_s: float  # clock time the registry's answer arrived
+
+
 @dataclass
 class _Failure:
     error: SglPdError
@@ -79,13 +97,17 @@ class PeerDirectory:
         query_timeout_s: float = QUERY_TIMEOUT_S,
         retry_interval_s: float = RETRY_INTERVAL_S,
         retry_backoff_s: float = RETRY_BACKOFF_S,
+        max_age_s: float = TABLE_MAX_AGE_S,
         workers: int = WORKERS,
         name: str = "decode",
         auth: ClusterAuth | None = None,
     ) -> None:
         """`layout_hash`: this decoder's `KvLayout.compat_hash()`; registrations of another
         layout fail with `LayoutMismatch`. Without `client` the directory makes (and
-        closes) a `RegistryClient` of its own, authenticated with `auth`."""
+        closes) a `RegistryClient` of its own, authenticated with `auth`. A table is
+        returned for `max_age_s` after the registry sent it."""
+        if max_age_s <= 0:
+            raise ValueError(f"a prefill table's max age must be positive, got {max_age_s} s")
         self._layout_hash = layout_hash
         self._own_client = client is None
         self._client: RegistryQuerier = client or RegistryClient(f"{name}-peers", auth=auth)
@@ -93,8 +115,9 @@ class PeerDirectory:
         self._query_timeout_s = query_timeout_s
         self._retry_interval_s = retry_interval_s
         self._retry_backoff_s = retry_backoff_s
+        self._max_age_s = max_age_s
         self._cond = threading.Condition()  # guards the four fields below
-        self._tables: dict[str, PrefillTable] = {}
+        self._tables: dict[str, _Cached] = {}
         self._failures: dict[str, _Failure] = {}
         self._in_flight: dict[str, int] = {}  # addr -> its generation when the query began
         self._generation: dict[str, int] = {}  # bumped by invalidate: late answers are stale
@@ -137,7 +160,9 @@ class PeerDirectory:
         """Forget every prefill server one of whose ranks listens at `inbox` (a rank that
         stopped answering: the server may have restarted with new endpoints)."""
         with self._cond:
-            stale = [a for a, t in self._tables.items() if any(s.inbox == inbox for s in t.shards)]
+            stale = [
+                a for a, c in self._tables.items() if any(s.inbox == inbox for s in c.table.shards)
+            ]
         for addr in stale:
             self.invalidate(addr)
 
@@ -182,15 +207,29 @@ class PeerDirectory:
     def _lookup_locked(self, addr: str) -> PrefillTable | None:
         if self._stop.is_set():
             raise MessengerClosed("peer directory is closed")
-        table = self._tables.get(addr)
-        if table is not None or addr in self._in_flight:
-            return table
-        f = self._failures.get(addr)
-        if f is not None and self._clock.monotonic() < f.at_s + self._retry_backoff_s:
+        now = self._clock.monotonic()
+        cached = self._tables.get(addr)
+        if cached is not None:
+            age = now - cached.at_s
+            if age < self._max_age_s:
+                if age >= self._max_age_s / 2:
+                    self._ask(addr)  # in use: refreshed before it is too old to return
+                return cached.table
+            # Too old: the server may have restarted unnoticed. Kept only to tell whether
+            # the next answer names other instances.
+        if addr in self._in_flight:
             return None
-        self._in_flight[addr] = self._generation.get(addr, 0)
-        self._todo.put(addr)
+        f = self._failures.get(addr)
+        if f is not None and now < f.at_s + self._retry_backoff_s:
+            return None
+        self._ask(addr)
         return None
+
+    def _ask(self, addr: str) -> None:
+        """Queue a query of `addr` unless one is under way (under the lock)."""
+        if addr not in self._in_flight:
+            self._in_flight[addr] = self._generation.get(addr, 0)
+            self._todo.put(addr)
 
     def _work(self) -> None:
         codec = FrameCodec(self._layout_hash)  # this worker's own: codecs are not thread-safe
@@ -223,13 +262,21 @@ class PeerDirectory:
             if began != self._generation.get(addr, 0):
                 pass  # invalidated meanwhile: the answer may predate a restart
             elif table is not None:
-                self._tables[addr] = table
+                old = self._tables.get(addr)
+                self._tables[addr] = _Cached(table, self._clock.monotonic())
                 self._failures.pop(addr, None)
-                logger.info("prefill server %s: %d ranks", addr, table.tp_size)
+                if old is None:
+                    logger.info("prefill server %s: %d ranks", addr, table.tp_size)
+                elif _instances(old.table) != _instances(table):
+                    logger.info("prefill server %s restarted: %d ranks", addr, table.tp_size)
             elif error is not None:
                 self._failures[addr] = _Failure(error, self._clock.monotonic())
                 logger.warning("prefill server %s: %s", addr, error)
             self._cond.notify_all()
+
+
+def _instances(table: PrefillTable) -> tuple[int, ...]:
+    return tuple(s.instance for s in table.shards)
 
 
 def _decode_table(addr: str, frames: list[bytes], codec: FrameCodec) -> PrefillTable:

@@ -63,6 +63,7 @@ from sgl_pd.messenger.errors import (
     RegistryRefused,
 )
 from sgl_pd.messenger.probe import listener_gone
+from sgl_pd.messenger.submissions import RecentSubmissions, digest
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,10 @@ class RegistryServer(RouterThread):
     process, or a second server pointed at the same port by mistake) replaces it only
     once the holder's inbox refuses connections, i.e. the old process is gone; until
     then it is refused with `CONFLICT`. The same rule guards a change of TP size.
+
+    Direct mode: a room is handed to the prefill server once within `SUBMISSION_MEMORY_S`.
+    A resent copy of a submission (its client stopped waiting for the answer) is answered
+    as the first copy was; another submission of a room already taken gets `CONFLICT`.
     """
 
     def __init__(
@@ -102,12 +107,14 @@ class RegistryServer(RouterThread):
         is_gone: Callable[[str], bool] = listener_gone,
         submit: SubmitFn | None = None,
         refusals: RefusalsFn | None = None,
+        clock: Clock | None = None,
     ) -> None:
         """Binds tcp://host:port (0: a free port). Raises `AddressInUse` / `BindError`.
         With `auth`, only members of the cluster can register or query. With `submit`,
         decoders may also hand it requests to prefill (direct mode): `submit` queues one
         and returns None, or returns why it cannot (never blocks); `refusals` names the
-        asker's submissions that were taken and then refused, for its next query."""
+        asker's submissions that were taken and then refused, for its next query. Each
+        room is handed to `submit` once: a resent copy gets the first copy's answer."""
         super().__init__(host, port, context, max_message_bytes=MAX_REGISTRY_FRAME_BYTES, auth=auth)
         self._host = host
         self._is_gone = is_gone
@@ -115,7 +122,9 @@ class RegistryServer(RouterThread):
         self._refusals = refusals
         self._codec = FrameCodec(REGISTRY_LAYOUT_HASH)  # registry thread only
         self._shards: dict[int, _Shard] = {}  # by rank; registry thread only
+        self._submissions = RecentSubmissions(clock or SystemClock())  # registry thread only
         self._bad_frames = 0  # written by the registry thread only
+        self._resent_submissions = 0  # written by the registry thread only
         self._log = LogLimiter(logger)
         self._start(f"sgl-pd-registry-{self._port}")
 
@@ -131,6 +140,11 @@ class RegistryServer(RouterThread):
     @property
     def bad_frames(self) -> int:
         return self._bad_frames
+
+    @property
+    def resent_submissions(self) -> int:
+        """Copies of submissions already answered, answered again and not handed over."""
+        return self._resent_submissions
 
     # -- registry thread ---------------------------------------------------------------
 
@@ -207,14 +221,31 @@ class RegistryServer(RouterThread):
                 ErrorCode.BAD_REQUEST,
                 "this prefill server does not take requests from decoders (direct mode)",
             )
+        # A client that waited too long for an answer sends the same submission again; a
+        # second hand-off would give two prefill requests one bootstrap room.
+        seen = self._submissions.recall(msg)
+        if seen is not None:
+            if seen.digest != digest(msg):
+                return ErrorMsg(
+                    request_id=msg.request_id,
+                    code=ErrorCode.CONFLICT,
+                    message=f"room {msg.request_id} is taken by another request on this"
+                    " prefill server: submit this one under a fresh room",
+                )
+            self._resent_submissions += 1
+            logger.debug(
+                "registry %s: room %d from %s resent; answered as before",
+                self.address,
+                msg.request_id,
+                peer_text(msg.sender),
+            )
+            return _submit_answer(msg.request_id, seen.refusal)
         not_ready = self._not_ready()
         if not_ready is not None:
-            return not_ready  # its ranks are still starting
+            return not_ready  # its ranks are still starting; nothing taken, nothing kept
         refusal = self._submit(msg)
-        if refusal is not None:
-            code, why = refusal
-            return ErrorMsg(request_id=msg.request_id, code=code, message=why[:500])
-        return SubmitAck(request_id=msg.request_id)
+        self._submissions.remember(msg, refusal)
+        return _submit_answer(msg.request_id, refusal)
 
     def _register(self, msg: RegisterShard) -> RegisterAck | ErrorMsg:
         try:
@@ -291,6 +322,13 @@ class _Shard:
     instance: int
     inbox: str
     frame: bytes  # its ShardRegistration frame, passed on to decoders as is
+
+
+def _submit_answer(room: int, refusal: tuple[ErrorCode, str] | None) -> SubmitAck | ErrorMsg:
+    if refusal is None:
+        return SubmitAck(request_id=room)
+    code, why = refusal
+    return ErrorMsg(request_id=room, code=code, message=why[:500])
 
 
 def _refusal(code: ErrorCode, why: str) -> ErrorMsg:

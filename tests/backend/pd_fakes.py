@@ -18,6 +18,7 @@ from sgl_pd.backend.staging_area import Staging, StagingArea
 from sgl_pd.backend.tracing import RequestTracing
 from sgl_pd.core.clock import ManualClock
 from sgl_pd.core.layout import KvLayout, PageLayout
+from sgl_pd.core.liveness import FreezeWatch
 from sgl_pd.core.page_ids import PageIds
 from sgl_pd.core.regions import Region, RegionTable
 from sgl_pd.core.sharding import ShardingScheme
@@ -140,6 +141,7 @@ class Rig:
     registries: dict[str, Any] = field(default_factory=dict)
     tracing: RequestTracing = field(default_factory=lambda: RequestTracing(False))
     gather_bytes: int = 0  # the prefill rank's gather area (none when 0)
+    freeze: FreezeWatch | None = None  # the prefill process's freeze watch
 
     def _metrics(self, role: str) -> TransferMetrics:
         if not self.metered:
@@ -168,6 +170,7 @@ class Rig:
             timeout_s=30.0,
             clock=self.clock,
             tracing=self.tracing,
+            freeze=self.freeze,
             staging=(
                 None
                 if self.gather_area is None

@@ -265,3 +265,27 @@ def test_a_long_transfer_that_keeps_moving_does_not_time_out() -> None:
     assert "no progress" in (rig.prefill.state(3)[2] or "")  # type: ignore[index]
     assert "no progress" in (d.messenger.poll(3)[1] or "")
     rig.prefill.writers.close()
+
+
+# -- a writer that finds its process (nearly) frozen ----------------------------------------
+
+
+def test_a_write_job_found_frozen_fails_its_request_instead_of_vanishing() -> None:
+    """The prefill process stops for about the hang timeout and a writer runs before the
+    liveness thread noticed (or the freeze fell inside the liveness thread's own loop,
+    which then never notices): the job must not vanish with the request still healthy -
+    its count would never complete and both sides would wait their whole timeout."""
+    from sgl_pd.core.clock import ManualClock
+    from sgl_pd.core.liveness import FreezeWatch
+
+    clock = ManualClock()
+    rig = Rig(clock=clock, freeze=FreezeWatch(clock, hang_timeout_s=20.0))
+    d = rig.add_decoder("decode-a")
+    rig.request(d, 21, list(range(30, 34)), slot=5)
+    rig.clock.advance(19.0)  # no liveness beat for 19 s: a near-freeze
+    rig.prefill_all(21, list(range(10, 14)))
+    wait_state(d, 21, DecodeState.FAILED)
+    state, _, error = rig.prefill.state(21) or (None, None, None)
+    assert state is PrefillState.FAILED and "did not run" in (error or "")
+    assert "did not run" in _errors(rig, "decode-a", 21)[0].message
+    rig.prefill.writers.close()

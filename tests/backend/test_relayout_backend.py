@@ -38,6 +38,7 @@ class Decoder:
         pool = memory.pool()
         self.area = StagingArea(AREA_BYTES, "cpu", self.engine)
         self.sent: list[tuple[str, Message]] = []
+        self.clock = ManualClock()
         self.messenger = DecodeMessenger(
             rank=0,
             instance=7,
@@ -47,7 +48,7 @@ class Decoder:
             send_to_prefill=lambda inbox, m: self.sent.append((inbox, m)) or True,
             transfer_timeout_s=30.0,
             metrics=TransferMetrics(False, "decode"),
-            clock=ManualClock(),
+            clock=self.clock,
             staging=Staging(self.area, PoolCopies(pool, "cpu")),
         )
         metadata = MetadataBuffers(regions=pool.aux, row_bytes=(AUX_ITEM,), rows=AUX_ROWS)
@@ -108,6 +109,72 @@ def test_requests_wait_for_receive_staging_and_go_with_their_grant() -> None:
     d.messenger.poll(3)
     (granted,) = {m.staging_base for m in d.requests_sent(3)}
     assert granted in grants[1]  # the space request 1 gave back
+
+
+def test_staging_is_granted_in_arrival_order() -> None:
+    """A request that needs more than is free waits, and a later, smaller one waits
+    behind it rather than take the space first-fit (which could starve the large one)."""
+    d = Decoder()
+    d.request(1, pages=4, slot=1)  # 512 of the 1,024 bytes
+    d.request(2, pages=8, slot=2)  # 1,024: waits
+    d.request(3, pages=4, slot=3)  # 512 would fit, but request 2 came first
+    assert d.requests_sent(2) == d.requests_sent(3) == []
+    d.messenger.poll(3)
+    assert d.requests_sent(3) == []
+    d.messenger.fail(1, "aborted by the client")
+    for rank in range(2):
+        d.messenger.on_abort_ack(
+            AbortAck(request_id=1, prefill_rank=rank, prefill_instance=100 + rank)
+        )
+    d.messenger.forget(1)
+    d.messenger.poll(3)
+    assert d.requests_sent(3) == []
+    d.messenger.poll(2)
+    assert len(d.requests_sent(2)) == 2
+
+
+def test_decode_ranks_grant_a_prefix_of_the_same_order_and_cannot_deadlock() -> None:
+    """Two decode ranks of one server see requests A (1,024 bytes) then B (512) while
+    rank 0 still holds 512 bytes of an earlier request's staging. First-fit had rank 0
+    grant B and rank 1 grant A: each request then waits for the other rank, and each
+    rank's space for the other request - until both time out."""
+    rank0, rank1 = Decoder(), Decoder()
+    held = rank0.area.try_take(512)  # an earlier request, still transferring on rank 0
+    for rank in (rank0, rank1):
+        rank.request(10, pages=8, slot=1)  # A
+        rank.request(11, pages=4, slot=2)  # B
+        rank.messenger.poll(11)
+    assert rank1.requests_sent(10) and not rank1.requests_sent(11)
+    assert not rank0.requests_sent(10) and not rank0.requests_sent(11)  # B waits behind A
+    assert held is not None
+    rank0.area.give_back(held)  # the earlier request completes on rank 0
+    rank0.messenger.poll(10)
+    assert rank0.requests_sent(10)  # A goes on both ranks
+
+
+def test_waiting_for_staging_is_not_a_stall() -> None:
+    """A request queued for staging fails only when no staging came free for the
+    transfer timeout; once sent, its deadline counts from the send."""
+    d = Decoder()
+    d.request(1, pages=8, slot=1)  # the whole area
+    d.request(2, pages=8, slot=2)  # waits
+    d.clock.advance(20.0)
+    d.messenger.fail(1, "aborted by the client")
+    for rank in range(2):
+        d.messenger.on_abort_ack(
+            AbortAck(request_id=1, prefill_rank=rank, prefill_instance=100 + rank)
+        )
+    d.messenger.forget(1)  # staging came free after 20 s of waiting
+    d.clock.advance(20.0)  # 40 s since request 2 arrived, 20 s since staging moved
+    d.messenger.housekeeping()
+    assert d.messenger.poll(2)[1] is None
+    assert len(d.requests_sent(2)) == 2  # granted and sent now
+    d.clock.advance(25.0)  # 25 s since it was sent: within the 30 s
+    d.messenger.housekeeping()
+    assert d.messenger.poll(2)[1] is None
+    d.clock.advance(10.0)
+    d.messenger.housekeeping()
+    assert "no progress" in (d.messenger.poll(2)[1] or "")
 
 
 def test_a_request_larger_than_the_area_is_sent_without_a_grant() -> None:

@@ -21,6 +21,7 @@ from sgl_pd.messenger import (
     RegistryClient,
     RegistryServer,
 )
+from sgl_pd.messenger.peers import TABLE_MAX_AGE_S
 
 
 def test_restarted_rank_is_seen_after_invalidate() -> None:
@@ -38,11 +39,39 @@ def test_restarted_rank_is_seen_after_invalidate() -> None:
 
         restarted = register_msg(1, 2, instance=2, inbox=f"tcp://{HOST}:19999")
         prefill.register(server.address, restarted)
-        assert peers.lookup(server.address) is table  # cached until told otherwise
+        assert peers.lookup(server.address) is table  # cached until told otherwise, or old
         peers.invalidate(server.address)
         table = peers.wait(server.address, timeout_s=10.0)
         assert table.shards[1].instance == 2
         assert table.shards[1].inbox == f"tcp://{HOST}:19999"
+
+
+def test_a_prefill_restarted_while_idle_is_found_by_the_next_request() -> None:
+    clock = ManualClock()
+    with (
+        RegistryServer(HOST, 0) as server,
+        RegistryClient("prefill") as prefill,
+        PeerDirectory(CODEC_HASH, clock=clock, retry_interval_s=0.05) as peers,
+    ):
+        for rank in range(2):
+            prefill.register(server.address, register_msg(rank, 2, instance=1))
+        old = peers.wait(server.address, timeout_s=10.0)
+        assert {s.instance for s in old.shards} == {1}
+
+        # The server restarts while this decoder sends it nothing: no liveness check sees
+        # it, nobody invalidates. A restart takes longer than a table is trusted.
+        new_inboxes = [f"tcp://{HOST}:{free_port()}" for _ in range(2)]
+        for rank in range(2):
+            prefill.register(
+                server.address, register_msg(rank, 2, instance=2, inbox=new_inboxes[rank])
+            )
+        clock.advance(TABLE_MAX_AGE_S)
+
+        first = peers.lookup(server.address)  # the receiver's init, then its polls
+        assert first is None
+        table = peers.wait(server.address, timeout_s=10.0)
+        assert {s.instance for s in table.shards} == {2}
+        assert [s.inbox for s in table.shards] == new_inboxes
 
 
 def test_layout_mismatch_surfaces_from_the_directory() -> None:
@@ -157,3 +186,37 @@ def test_registrations_that_do_not_fit_are_rejected() -> None:
             peers.wait(f"{HOST}:1", timeout_s=5.0)
         with pytest.raises(BootstrapError, match="of 2"):
             peers.wait(f"{HOST}:2", timeout_s=5.0)
+
+
+def test_a_table_in_use_is_refreshed_ahead_and_an_old_one_is_not_returned() -> None:
+    addr = f"{HOST}:1"
+    codec = FrameCodec(CODEC_HASH)
+    fake = FakeClient()
+    clock = ManualClock()
+    with pytest.raises(ValueError, match="max age"):
+        PeerDirectory(CODEC_HASH, client=fake, max_age_s=0.0)
+    with PeerDirectory(CODEC_HASH, client=fake, clock=clock, max_age_s=4.0) as peers:
+        fake.answers = [[codec.encode(registration(0, 1, instance=i))] for i in (1, 2, 3)]
+        assert peers.wait(addr, timeout_s=5.0).shards[0].instance == 1
+        _settle(peers, addr, fake, 1)
+
+        clock.advance(1.9)
+        assert peers.lookup(addr) is not None
+        _settle(peers, addr, fake, 1)  # young: no query
+        clock.advance(0.1)
+        table = peers.lookup(addr)  # half the age: still returned, asked again meanwhile
+        assert table is not None and table.shards[0].instance == 1
+        _settle(peers, addr, fake, 2)
+        table = peers.lookup(addr)
+        assert table is not None and table.shards[0].instance == 2
+
+        clock.advance(3.9)  # the refreshed table's age counts from its answer
+        fake.go.clear()
+        table = peers.lookup(addr)
+        assert table is not None and table.shards[0].instance == 2
+        clock.advance(0.1)
+        assert peers.lookup(addr) is None  # too old, and the refresh has not answered
+        fake.go.set()
+        _settle(peers, addr, fake, 3)
+        table = peers.lookup(addr)
+        assert table is not None and table.shards[0].instance == 3

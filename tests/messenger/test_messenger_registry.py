@@ -12,6 +12,7 @@ import pytest
 import zmq
 from messenger_helpers import HOST, free_port, register_in_child, register_msg
 
+from sgl_pd.core.clock import ManualClock
 from sgl_pd.core.wire import (
     REGISTRY_LAYOUT_HASH,
     ErrorCode,
@@ -31,6 +32,7 @@ from sgl_pd.messenger import (
     RegistryClient,
     RegistryServer,
 )
+from sgl_pd.messenger.submissions import SUBMISSION_MEMORY_S, RecentSubmissions
 
 
 def test_ranks_from_threads_and_a_process_are_returned_by_rank() -> None:
@@ -216,3 +218,91 @@ def test_a_refused_submission_says_why() -> None:
         client.register(router_only.address, register_msg(0, 1, instance=2))
         with pytest.raises(BootstrapError, match="does not take requests from decoders"):
             client.submit(router_only.address, _submission(9), timeout_s=5.0)
+
+
+def test_a_resent_submission_is_handed_over_once_and_acked() -> None:
+    taken: list[int] = []
+
+    def slow_take(msg: SubmitPrefill) -> tuple[ErrorCode, str] | None:
+        taken.append(msg.request_id)
+        if len(taken) == 1:
+            time.sleep(0.6)  # three attempts long: the client gives up on the first copy
+        return None
+
+    with (
+        RegistryServer(HOST, 0, submit=slow_take) as server,
+        RegistryClient("test", attempt_timeout_s=0.2) as client,
+    ):
+        client.register(server.address, register_msg(0, 1, instance=1))
+        client.submit(server.address, _submission(7), timeout_s=5.0)
+        assert server.resent_submissions >= 1  # the registry did see the room again
+    assert taken == [7]
+
+
+def test_a_resent_refusal_is_refused_alike_without_a_second_hand_over() -> None:
+    calls: list[int] = []
+
+    def slow_refuse(msg: SubmitPrefill) -> tuple[ErrorCode, str] | None:
+        calls.append(msg.request_id)
+        time.sleep(0.6)
+        return ErrorCode.OVERLOADED, "1024 submitted requests in flight"
+
+    with (
+        RegistryServer(HOST, 0, submit=slow_refuse) as server,
+        RegistryClient("test", attempt_timeout_s=0.2) as client,
+    ):
+        client.register(server.address, register_msg(0, 1, instance=1))
+        with pytest.raises(BootstrapError, match="overloaded: 1024 submitted"):
+            client.submit(server.address, _submission(7), timeout_s=5.0)
+        assert server.resent_submissions >= 1
+    assert calls == [7]
+
+
+def test_a_taken_room_is_refused_to_another_request_until_forgotten() -> None:
+    taken: list[bytes] = []
+
+    def take(msg: SubmitPrefill) -> tuple[ErrorCode, str] | None:
+        taken.append(msg.request)
+        return None
+
+    clock = ManualClock()
+    other = SubmitPrefill(request_id=7, sender="another decoder", request=b'{"room": 7}')
+    with (
+        RegistryServer(HOST, 0, submit=take, clock=clock) as server,
+        RegistryClient("test") as client,
+    ):
+        client.register(server.address, register_msg(0, 1, instance=1))
+        client.submit(server.address, _submission(7), timeout_s=5.0)
+        with pytest.raises(BootstrapError, match="conflict: room 7 is taken"):
+            client.submit(server.address, other, timeout_s=5.0)
+        clock.advance(SUBMISSION_MEMORY_S)
+        # long after, the room is a new request's: handed over, as is the same body again
+        client.submit(server.address, other, timeout_s=5.0)
+        clock.advance(SUBMISSION_MEMORY_S)
+        client.submit(server.address, _submission(7), timeout_s=5.0)
+    assert taken == [_submission(7).request, other.request, _submission(7).request]
+
+
+def test_recent_submissions_are_bounded_by_age_and_count() -> None:
+    clock = ManualClock()
+    memory = RecentSubmissions(clock, memory_s=10.0, capacity=3)
+    for room in range(5):
+        memory.remember(_submission(room), None)
+        clock.advance(1.0)
+    assert len(memory) == 3  # the two oldest made room
+    assert memory.recall(_submission(1)) is None
+    assert memory.recall(_submission(2)) is not None
+    clock.advance(7.5)  # room 2 answered 10.5 s ago, room 4 8.5 s ago
+    assert memory.recall(_submission(2)) is None
+    assert memory.recall(_submission(4)) is not None
+    assert len(memory) == 2
+    clock.advance(2.0)
+    assert memory.recall(_submission(4)) is None
+    assert len(memory) == 0
+
+
+def test_a_resent_submission_always_finds_the_first_copys_answer() -> None:
+    """A client resends only within its submit timeout: the registry remembers longer."""
+    from sgl_pd.messenger.registry import SUBMIT_TIMEOUT_S
+
+    assert SUBMISSION_MEMORY_S > 2 * SUBMIT_TIMEOUT_S

@@ -39,6 +39,7 @@ class DecodeKVManager(SglPdKVManager):
             clock=clock,
             staging=self.staging,
             tracing=self.tracing,
+            staging_hold_s=self.bounds.staging_hold_s,
         )
         self.registration = self.registration_for(
             layer_group_size=1, completion=self.decode.completion_area

@@ -40,6 +40,7 @@ from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.pool_report import note_live
 from sgl_pd.backend.staging_area import MIB, Staging
 from sgl_pd.backend.tracing import RequestTracing
+from sgl_pd.core.bounds import DEFAULT_DEFERRED_RELEASE_S
 from sgl_pd.core.clock import Clock
 from sgl_pd.core.counting import (
     METADATA_WORD,
@@ -78,8 +79,8 @@ logger = logging.getLogger("sgl_pd.decode")
 _log = LogLimiter(logger)
 MAX_EARLY_NOTICES = 4096  # last-chunk notices kept for requests not tracked yet
 # Seconds the receive staging of a request forgotten before its pages were safe is held:
-# SGLang's deferred release frees the pages themselves after this long at the latest
-ORPHAN_STAGING_HOLD_S = 120.0
+# as long as SGLang's deferred release holds the pages themselves (`core.bounds`)
+ORPHAN_STAGING_HOLD_S = DEFAULT_DEFERRED_RELEASE_S
 SCATTER_LINE_PREFIX = "sgl_pd scatter done:"  # one line per re-laid-out request
 
 
@@ -136,6 +137,7 @@ class _Track:
     seen_s: float | None = None
     found_s: float | None = None
     traced: bool = False  # its timeline went out (once per request)
+    arrival: int = 0  # this rank's count of requests asked before it: grants go in this order
 
 
 class DecodeMessenger:
@@ -153,8 +155,10 @@ class DecodeMessenger:
         clock: Clock,
         staging: Staging | None = None,
         tracing: RequestTracing | None = None,
+        staging_hold_s: float = ORPHAN_STAGING_HOLD_S,
     ) -> None:
         self.rank = rank
+        self._staging_hold_s = staging_hold_s
         self._tracing = tracing if tracing is not None else RequestTracing(False)
         self.instance = instance  # this rank's, named in its aborts
         self._staging = staging
@@ -177,6 +181,7 @@ class DecodeMessenger:
         # the request was tracked here; at most MAX_EARLY_NOTICES, each dropped after the
         # transfer timeout, so that strangers cannot grow it
         self._sealed: dict[int, tuple[int, float, int, int]] = {}
+        self._arrivals = 0  # requests asked for so far (the order staging is granted in)
         # receive staging of requests forgotten before their pages were safe: (until, offset)
         self._orphans: list[tuple[float, int]] = []
 
@@ -308,6 +313,8 @@ class DecodeMessenger:
             held_tokens=held_tokens,
         )
         with self._lock:
+            self._arrivals += 1
+            track.arrival = self._arrivals
             old = self._tracks.get(room)
             if old is not None:
                 self._drop_staging(old)  # a retried room id: its old grant waits out
@@ -355,19 +362,37 @@ class DecodeMessenger:
         return placement
 
     def _grant(self, track: _Track) -> TransferRequest | None:
-        """The request's message, with its staging grant, once it may go (lock held)."""
+        """The request's message, with its staging grant, once it may go (lock held).
+
+        Grants go in arrival order: a request that needs staging waits behind every
+        earlier one that waits for it. The decode ranks of a server ask for the same
+        requests in the same order (SGLang's scheduler is the same on each), so the
+        requests granted on any rank are a prefix of that order: a request holding
+        staging on one rank is granted (or was failed) on every rank, every prefill
+        rank hears from all its decode ranks, it completes or fails, and its staging
+        comes back. First-fit would let rank 0 grant B but not A while rank 1 grants A
+        but not B: each waits for the other rank until both time out (and a large
+        request could starve behind ever smaller later ones)."""
         message = track.unsent
         if message is None or track.error is not None:
             return None
         if track.placement is not None:
             assert self._staging is not None
-            # staging only fragmentation asked for waits behind every request that
-            # cannot go without it
-            behind = track.whole_optional and any(
-                t.unsent is not None and t.placement is not None and not t.whole_optional
+            waiting = [
+                t
                 for t in self._tracks.values()
                 if t is not track
-            )
+                and t.unsent is not None
+                and t.error is None
+                and t.placement is not None
+                and not t.whole_optional
+            ]
+            # staging only fragmentation asked for waits behind every request that
+            # cannot go without it; a request that needs it, behind earlier ones
+            if track.whole_optional:
+                behind = bool(waiting)
+            else:
+                behind = any(t.arrival < track.arrival for t in waiting)
             offset = None if behind else self._staging.area.try_take(track.placement.total)
             if offset is None and track.whole_optional:
                 # only fragmentation asked for staging: sent as it is, a run at a time
@@ -382,6 +407,8 @@ class DecodeMessenger:
                     stage_all=track.whole,
                 )
         track.unsent = None
+        if self._states.state(track.room) is _D.REQUESTED:
+            self._states.progressed(track.room)  # no progress is due before it is sent
         return message
 
     def _send_request(self, track: _Track, message: TransferRequest) -> None:
@@ -613,15 +640,15 @@ class DecodeMessenger:
     def _drop_staging(self, track: _Track) -> None:
         """Gives the request's receive staging back: at once when nothing can land in it
         any more (complete, or every prefill rank asked drained), else after
-        `ORPHAN_STAGING_HOLD_S`."""
+        `staging_hold_s`."""
         offset, track.staging_offset = track.staging_offset, None
         if offset is None:
             return
         assert self._staging is not None
         if track.done_s is not None or len(track.drained) >= len(track.prefills):
-            self._staging.area.give_back(offset)
+            self._give_back(offset)
         else:
-            self._orphans.append((self._now() + ORPHAN_STAGING_HOLD_S, offset))
+            self._orphans.append((self._now() + self._staging_hold_s, offset))
 
     def _release_orphans(self, now: float) -> None:
         if not self._orphans:
@@ -630,7 +657,16 @@ class DecodeMessenger:
         due = [offset for until, offset in self._orphans if until <= now]
         self._orphans = [(until, offset) for until, offset in self._orphans if until > now]
         for offset in due:
-            self._staging.area.give_back(offset)
+            self._give_back(offset)
+
+    def _give_back(self, offset: int) -> None:
+        """Staging came free: requests waiting for it are not stalled, they queue (their
+        deadline bounds how long no staging comes free, not how long they wait)."""
+        assert self._staging is not None
+        self._staging.area.give_back(offset)
+        for waiting in self._tracks.values():
+            if waiting.unsent is not None and self._states.state(waiting.room) is _D.REQUESTED:
+                self._states.progressed(waiting.room)
 
     def _fail(
         self, track: _Track, reason: str, cause: FailureCause, state: DecodeState = _D.FAILED

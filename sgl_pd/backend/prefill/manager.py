@@ -43,6 +43,7 @@ class PrefillKVManager(SglPdKVManager):
             freeze=self.freeze,
             staging=self.staging,
             tracing=self.tracing,
+            quarantine_s=self.bounds.quarantine_s,
         )
         self.streamer: LayerStreamer | None = attach_messenger(self.prefill, layerwise)
         self.registration = self.registration_for(

@@ -32,7 +32,13 @@ import numpy as np
 from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.pool_report import note_live
-from sgl_pd.backend.prefill.rooms import Chunk, Destination, PrefillRooms, Room
+from sgl_pd.backend.prefill.rooms import (
+    FAILED_BATCH_QUARANTINE_S,
+    Chunk,
+    Destination,
+    PrefillRooms,
+    Room,
+)
 from sgl_pd.backend.prefill.writer import DestinationWriters, KvWriter, LayersJob, MetadataJob
 from sgl_pd.backend.staging_area import Staging
 from sgl_pd.backend.tracing import RequestTracing
@@ -83,6 +89,7 @@ class PrefillMessenger:
         freeze: FreezeWatch | None = None,
         staging: Staging | None = None,
         tracing: RequestTracing | None = None,
+        quarantine_s: float = FAILED_BATCH_QUARANTINE_S,
     ) -> None:
         self.rank = rank
         self._tracing = tracing if tracing is not None else RequestTracing(False)
@@ -104,6 +111,7 @@ class PrefillMessenger:
             clock=clock,
             draft_layers=pool.draft_layers,
             freeze=freeze,
+            quarantine_s=quarantine_s,
         )
         self.writers = DestinationWriters(
             self.rooms,

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sgl_pd.core.bounds import TimingBounds
 from sgl_pd.core.clock import Clock
 from sgl_pd.core.counting import links_into
 from sgl_pd.core.layout import KvLayout
@@ -49,9 +50,9 @@ _P = PrefillState
 # A final, drained request SGLang has not forgotten this long after it ended never will
 # be (SGLang dropped it on one of its own paths, or never made a sender for it): dropped.
 UNOWNED_GRACE_S = 60.0
-# Seconds a request stays undrained after one of its write batches failed: Mooncake's
-# transfer timeout (30 s + 1 s/GiB) twice, after which no write of that batch is posted.
-FAILED_BATCH_QUARANTINE_S = 60.0
+# Seconds a request stays undrained after one of its write batches failed: the engine's
+# transfer timeout twice, after which no write of that batch is posted (`core.bounds`).
+FAILED_BATCH_QUARANTINE_S = TimingBounds(hang_timeout_s=20.0, transfer_timeout_s=120.0).quarantine_s
 # Requests decoders asked for that SGLang has not seen (yet): in the router flow both sides
 # get a request at about the same time, so a few; more is a peer flooding this rank.
 MAX_UNOWNED_ROOMS = 4096
@@ -159,6 +160,7 @@ class PrefillRooms:
         draft_layers: int = 0,
         freeze: FreezeWatch | None = None,
         pins: PagePins | None = None,
+        quarantine_s: float = FAILED_BATCH_QUARANTINE_S,
     ) -> None:
         self.rank = rank
         self.scheme = scheme
@@ -168,6 +170,7 @@ class PrefillRooms:
         # at SGLang's send, after the draft forward, and the rest as the target runs
         self.draft_layers = range(layout.num_layers - draft_layers, layout.num_layers)
         self.timeout_s = timeout_s
+        self.quarantine_s = quarantine_s  # a failed batch's writes may land this long
         self._clock = clock
         self._freeze = freeze
         self.pins = pins if pins is not None else PagePins()
@@ -402,10 +405,6 @@ class PrefillRooms:
             room = self._rooms.get(room_id)
             if room is None or room.error is not None:
                 return None
-            if self.frozen():
-                # woken from a freeze before the liveness thread: the decoders may have
-                # freed these pages; the liveness thread fails the request next
-                return None
             room.inflight += 1
             now = self._clock.monotonic()
             if room.first_write_s is None:
@@ -440,7 +439,7 @@ class PrefillRooms:
             if stamps is not None:
                 stamps[1] = now
             if batch_failed:
-                room.quarantine_until_s = now + FAILED_BATCH_QUARANTINE_S
+                room.quarantine_until_s = now + self.quarantine_s
             elif bytes_sent and room.error is None:
                 self._states.progressed(room_id)
             completed = None
@@ -530,10 +529,17 @@ class PrefillRooms:
             out = []
             for e in self._states.poll_timeouts():
                 room = self._rooms[e.request_id]
-                if e.state is _P.WAITING_FOR_DECODER:
+                if e.state is _P.WAITING_FOR_DECODER and room.requests:
                     why = (
-                        f"no decoder asked for request {room.room} within {self.timeout_s:g} s; "
-                        "check that the decode server reaches this prefiller's bootstrap port"
+                        f"{len(room.requests)} of request {room.room}'s {room.decoder_tp} decode"
+                        f" ranks asked for it, the others not within {self.timeout_s:g} s: they"
+                        " wait for receive staging (raise --pd-staging-mb) or are stuck"
+                    )
+                elif e.state is _P.WAITING_FOR_DECODER:
+                    why = (
+                        f"no decoder asked for request {room.room} within {self.timeout_s:g} s:"
+                        " the decode server waits for receive staging (raise --pd-staging-mb),"
+                        " or does not reach this prefiller's bootstrap port"
                     )
                 else:
                     why = (
@@ -615,8 +621,12 @@ class PrefillRooms:
 
     def frozen(self) -> bool:
         """This process was stopped about as long as the hang timeout and the liveness
-        thread has not yet failed what it held: nothing may be written."""
+        thread has not beaten since: nothing may be written (the writers fail the
+        request instead)."""
         return self._freeze is not None and self._freeze.frozen()
+
+    def freeze_limit_s(self) -> float:
+        return 0.0 if self._freeze is None else self._freeze.limit_s
 
     def counts(self) -> tuple[int, int]:
         """(requests known, write jobs in flight), for the gauges and the pool line."""

@@ -345,6 +345,9 @@ class DestinationWriters:
 
     def _execute(self, job: Job) -> None:
         room_id = job.chunk.room if isinstance(job, LayersJob) else job.room
+        if self._rooms.frozen():
+            self._fail_frozen(room_id)
+            return
         room = self._rooms.begin_write(room_id, job.chunk if isinstance(job, LayersJob) else None)
         if room is None:
             return  # failed or gone: nothing more is written for it
@@ -353,8 +356,9 @@ class DestinationWriters:
             if isinstance(job, LayersJob):
                 if job.ready is not None:
                     job.ready.synchronize()
-                    if self._rooms.frozen():  # stopped while waiting: as in begin_write
-                        return  # the liveness thread fails the request before it beats
+                    if self._rooms.frozen():  # stopped while waiting
+                        self._fail_frozen(room_id)
+                        return
                 sent = self._writer.write_layers(job.destination, job.chunk, job.layers)
             else:
                 sent = self._writer.write_metadata(job.destination, room.aux_index, room)
@@ -383,3 +387,15 @@ class DestinationWriters:
                 self._on_drained(room_id, end.acks)
         if end.completed is not None:
             self._on_done(end.completed)
+
+    def _fail_frozen(self, room_id: int) -> None:
+        """This process did not run for about the hang timeout: its decoders may have
+        declared it hung and freed the pages, so nothing more is written - and the job
+        is not dropped quietly either (its count would never complete): the request
+        fails here, and its decoders hear why. The liveness thread, which may have
+        beaten again before it noticed (a freeze inside its own loop), need not."""
+        why = (
+            f"the prefill rank did not run for about {self._rooms.freeze_limit_s():.1f} s"
+            " (stopped or starved): its decoders may have given up on this request"
+        )
+        self._on_failure(room_id, why, FailureCause.PEER_LOST)
