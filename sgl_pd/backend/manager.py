@@ -77,9 +77,17 @@ class _Watching:
     """The role's messenger as the liveness thread sees it, plus: nothing more is resent
     to a peer declared lost (every request it had here fails)."""
 
-    def __init__(self, role: Watched, reliable: ReliableSender) -> None:
+    def __init__(
+        self,
+        role: Watched,
+        reliable: ReliableSender,
+        deliveries: ReliableReceiver,
+        metrics: TransferMetrics,
+    ) -> None:
         self._role = role
         self._reliable = reliable
+        self._deliveries = deliveries
+        self._metrics = metrics
 
     def active_peers(self) -> dict[str, str | None]:
         return self._role.active_peers()
@@ -93,6 +101,14 @@ class _Watching:
 
     def housekeeping(self) -> None:
         self._role.housekeeping()
+        self._metrics.control_totals(
+            {
+                "resent": self._reliable.resent,
+                "given_up": self._reliable.given_up,
+                "duplicate": self._deliveries.duplicates,
+                "injected_drop": self._reliable.faults.dropped + self._deliveries.faults.dropped,
+            }
+        )
 
 
 def cluster_auth(config: SglPdConfig) -> ClusterAuth | None:
@@ -255,7 +271,7 @@ class SglPdKVManager(BaseKVManager):
         self.heartbeats = Heartbeats(
             self.inbox.endpoint,
             self.outbox,
-            _Watching(watched, self.reliable),
+            _Watching(watched, self.reliable, self.deliveries, self.metrics),
             hang_timeout_s=self.config.hang_timeout_s,
             clock=clock,
             name=f"{self.role.value}-{self.rank}",

@@ -8,7 +8,7 @@ Every series is per scheduler rank and summed by the exposition: a TP8 server ob
 request on each rank that takes part in it, so ratios (failures per request) and
 quantiles read the same at any TP size, while plain counts scale with the ranks. Labels
 are bounded: `role` (prefill, decode), `cause` (`FailureCause`), `kind` (how a peer was
-lost).
+lost), `event` (what happened to a guarded control message).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ _SECONDS = (
 _BYTES = tuple(float(1 << shift) for shift in range(16, 38, 2))  # 64 KiB .. 64 GiB, x4
 
 LIVENESS_KINDS = ("gone", "hung", "frozen")  # refused connections, silence, this process
+CONTROL_EVENTS = ("resent", "given_up", "duplicate", "injected_drop")
 
 
 class TransferMetrics:
@@ -132,6 +133,16 @@ class TransferMetrics:
             "sgl_pd_kv_bytes_not_sent",
             "Decode: KV bytes of held prefix tokens this rank did not have to receive",
         )
+        control = Counter(
+            "sgl_pd_control_messages",
+            "Guarded control messages by event (resent: sent again, unacknowledged;"
+            " given_up: dropped unacknowledged; duplicate: a copy received and ignored;"
+            " injected_drop: dropped on purpose by --pd-inject-control-drop-rate)",
+            ["role", "event"],
+            registry=reg,
+        )
+        self._control = {e: control.labels(role=role, event=e) for e in CONTROL_EVENTS}
+        self._control_seen = dict.fromkeys(CONTROL_EVENTS, 0)
         self._rooms = gauge(
             "sgl_pd_rooms",
             "Requests this server's ranks hold transfer state for (live, or draining)",
@@ -191,6 +202,17 @@ class TransferMetrics:
         """`kind`: one of `LIVENESS_KINDS`."""
         if self._enabled:
             self._losses[kind].inc()
+
+    def control_totals(self, totals: dict[str, int]) -> None:
+        """Running totals of `CONTROL_EVENTS` (the reliable sender's and receiver's
+        counts): the counters advance by what is new since the last call."""
+        if not self._enabled:
+            return
+        for event, total in totals.items():
+            new = total - self._control_seen[event]
+            if new > 0:
+                self._control[event].inc(new)
+                self._control_seen[event] = total
 
     def set_live(self, rooms: int, in_flight: int, staging_bytes: int = 0) -> None:
         if self._enabled:

@@ -97,7 +97,7 @@ class ReliableSender:
         self._instance = instance
         self._bounds = bounds
         self._clock = clock
-        self._faults = faults if faults is not None else ControlFaults()
+        self.faults = faults if faults is not None else ControlFaults()
         self._seqs = itertools.count(1)
         self._lock = threading.Lock()
         self._pending: OrderedDict[int, _Pending] = OrderedDict()  # seq -> pending
@@ -187,7 +187,7 @@ class ReliableSender:
                 _log.log(logging.ERROR, "resend", why, exc_info=True)
 
     def _transmit(self, endpoint: str, envelope: Sequenced) -> None:
-        if self._faults.drop():
+        if self.faults.drop():
             return
         self._outbox.send(endpoint, envelope)
 
@@ -217,7 +217,7 @@ class ReliableReceiver:
         self._outbox = outbox
         self._me = my_inbox
         self._clock = clock
-        self._faults = faults if faults is not None else ControlFaults()
+        self.faults = faults if faults is not None else ControlFaults()
         # longer than any sender resends a message: a copy never outlives its record
         self.window_s = 2 * bounds.give_up_s
         self._lock = threading.Lock()
@@ -226,7 +226,7 @@ class ReliableReceiver:
 
     def accept(self, envelope: Sequenced) -> Guarded | None:
         """Acknowledges `envelope`; its message the first time, None for a copy."""
-        if not self._faults.drop():
+        if not self.faults.drop():
             self._outbox.send(
                 envelope.sender,
                 Delivered(receiver=self._me, instance=envelope.instance, seqs=(envelope.seq,)),

@@ -11,6 +11,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from sgl_pd.backend.prefill.rooms import FAILED_BATCH_QUARANTINE_S, UNOWNED_GRACE_S
 from sgl_pd.core.page_ids import PageIds
@@ -288,4 +289,39 @@ def test_a_write_job_found_frozen_fails_its_request_instead_of_vanishing() -> No
     state, _, error = rig.prefill.state(21) or (None, None, None)
     assert state is PrefillState.FAILED and "did not run" in (error or "")
     assert "did not run" in _errors(rig, "decode-a", 21)[0].message
+    rig.prefill.writers.close()
+
+
+# -- a bootstrap room reused while its earlier request is being released -------------------
+
+
+def test_a_room_reused_while_its_pages_are_released_keeps_the_old_release_intact() -> None:
+    """A request ends early and waits for its prefill rank's drain ack; a new request
+    arrives with the same bootstrap room. Taking the room would let the old ack count
+    for the new request (whose pages could then be freed under its writes) and leave the
+    old pages waiting for an ack that went elsewhere. The new one is refused instead."""
+    from sgl_pd.core.errors import DuplicateRequest
+
+    rig = Rig()
+    d = rig.add_decoder("decode-a")
+    old_receiver, new_receiver = object(), object()
+    rig.prefill_engine.gate.clear()  # the old request's writes stay in flight
+    d.messenger.request(
+        31, [rig.prefill_registration], d.registration, np.arange(30, 34), 3,
+        owner=old_receiver,
+    )  # fmt: skip
+    rig.prefill_all(31, list(range(10, 14)))
+    assert rig.prefill_engine.waiting.wait(5)
+    d.messenger.fail(31, "aborted by the client", AbortReason.CLIENT)
+    assert not d.messenger.is_release_safe(31, 1)
+    with pytest.raises(DuplicateRequest, match="fresh room"):
+        d.messenger.request(
+            31, [rig.prefill_registration], d.registration, np.arange(40, 44), 4,
+            owner=new_receiver,
+        )  # fmt: skip
+    d.messenger.forget(31, owner=new_receiver)  # SGLang clears the refused receiver
+    rig.prefill_engine.gate.set()
+    _wait(lambda: bool(_acks(rig, 31)))
+    assert d.messenger.is_release_safe(31, 1)  # the old request's ack reached it
+    d.messenger.forget(31, owner=old_receiver)
     rig.prefill.writers.close()

@@ -62,6 +62,7 @@ def test_names_and_labels_follow_prometheus_conventions() -> None:
         "sgl_pd_transfer_requests_total": "counter",
         "sgl_pd_transfer_failures_total": "counter",
         "sgl_pd_liveness_losses_total": "counter",
+        "sgl_pd_control_messages_total": "counter",
         "sgl_pd_decode_prefix_tokens_total": "counter",
         "sgl_pd_decode_received_tokens_total": "counter",
         "sgl_pd_kv_bytes_not_sent_total": "counter",
@@ -80,7 +81,7 @@ def test_names_and_labels_follow_prometheus_conventions() -> None:
         assert (kind == "counter") == name.endswith("_total"), name
     # bounded labels: role everywhere, cause and kind only from their closed sets
     labels = set(re.findall(r"(\w+)=\"", text))
-    assert labels <= {"role", "cause", "kind", "le"}
+    assert labels <= {"role", "cause", "kind", "event", "le"}
     causes = set(re.findall(r'cause="(\w+)"', text))
     assert causes == {c.value for c in FailureCause}  # all exported at 0 from the start
     assert set(re.findall(r'kind="(\w+)"', text)) == set(LIVENESS_KINDS)
@@ -259,3 +260,17 @@ def test_the_prefill_side_counts_its_own_abort() -> None:
     rig.prefill.abort(12, "aborted by SGLang")
     assert _failures(rig, "prefill", _C.ABORT) == 1
     rig.prefill.writers.close()
+
+
+def test_control_message_counters_follow_running_totals() -> None:
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    metrics = TransferMetrics(True, "decode", registry)
+    metrics.control_totals({"resent": 3, "duplicate": 1})
+    metrics.control_totals({"resent": 5, "duplicate": 1, "injected_drop": 2})
+    assert _value(registry, "sgl_pd_control_messages_total", role="decode", event="resent") == 5
+    assert _value(registry, "sgl_pd_control_messages_total", role="decode", event="duplicate") == 1
+    assert (
+        _value(registry, "sgl_pd_control_messages_total", role="decode", event="injected_drop") == 2
+    )

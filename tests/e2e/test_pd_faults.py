@@ -1,6 +1,7 @@
 """Faults against a real PD pair (SGLang on CPU, Mooncake TCP, SGLang's router): the
 prefiller's KV writes are slowed on purpose (and a few fail), so requests can be aborted
-mid-transfer. Whatever ends early, no page is written after it went back to the pool:
+mid-transfer, and 5% of control frames are dropped both ways (each is sent again until
+acknowledged). Whatever ends early, no page is written after it went back to the pool:
 every request that completes has the monolithic tokens, and both pools end empty. A
 server stopped (SIGSTOP) for less than the hang timeout fails nothing; one stopped past
 it fails what it was part of and serves again once it runs; a killed one fails its
@@ -49,8 +50,11 @@ FAILURE_RATE = 0.004  # of write batches: a few campaign requests fail on their 
 DECODE_POOL_TOKENS = 1536  # small: an aborted long prompt's pages are reused at once
 LONG = 1024
 PROMPTS_IN_CAMPAIGN = 100
-HANG_S = 10  # --pd-hang-timeout on both sides
-PAUSE_S = 5  # a pause well under it: nothing may fail
+HANG_S = 16  # --pd-hang-timeout on both sides
+# a pause under it, past ZMQ's heartbeat (10 s: a connection silent that long is dropped
+# with what it queued): nothing may fail, every control message is sent again
+PAUSE_S = 12
+CONTROL_DROP_RATE = 0.05  # of control frames, both ways: resent until acknowledged
 SHARED_PREFIX_ROUNDS = 12  # 96 requests: 5 to 6 of them were wrong before pages were pinned
 LIVENESS_LINES = ("hung:", "is gone:", "did not run for")  # what a liveness failure logs
 
@@ -58,7 +62,12 @@ LIVENESS_LINES = ("hung:", "is gone:", "did not run for")  # what a liveness fai
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdCluster]:
     # metrics on: the failure counters are checked per injected cause
-    args = [*COMMON_ARGS, "--pd-hang-timeout", str(HANG_S), "--enable-metrics"]
+    args = [
+        *COMMON_ARGS,
+        "--pd-hang-timeout", str(HANG_S),
+        "--enable-metrics",
+        "--pd-inject-control-drop-rate", str(CONTROL_DROP_RATE),
+    ]  # fmt: skip
     with pd_cluster(
         tmp_path_factory.mktemp("pd-faults"),
         prefill_extra=[
@@ -169,6 +178,23 @@ def test_campaign_with_aborts_and_failures(mono: Server, faulty: PdCluster) -> N
     assert result.count("ok") + result.count("near_tie") >= PROMPTS_IN_CAMPAIGN * 0.6
     assert result.aborts_sent >= 5
     _pools_idle(faulty)
+
+
+def test_dropped_control_frames_were_resent_and_none_given_up(faulty: PdCluster) -> None:
+    """The campaign ran with control frames dropped on both sides: they were sent again
+    (nothing above failed for it), and no message was given up on a live peer."""
+    from .metrics_reading import sample
+
+    for server, role in ((faulty.prefill, "prefill"), (faulty.decode, "decode")):
+
+        def control(event: str, server: Server = server, role: str = role) -> float:
+            return sample(server.url, "sgl_pd_control_messages_total", role=role, event=event)
+
+        deadline = time.monotonic() + 10  # the counters follow the liveness tick
+        while control("injected_drop") == 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert control("injected_drop") > 0 and control("resent") > 0, role
+        assert control("given_up") == 0, role
 
 
 def test_concurrent_requests_on_a_new_shared_prefix_get_monolithic_tokens(

@@ -158,8 +158,8 @@ def test_dropped_frames_delay_messages_but_lose_none() -> None:
     exactly once, and nothing is left pending."""
     net = Network()
     for me in (PREFILL, DECODE):
-        net.senders[me]._faults = ControlFaults(0.3, seed=1)
-        net.receivers[me]._faults = ControlFaults(0.3, seed=2)
+        net.senders[me].faults = ControlFaults(0.3, seed=1)
+        net.receivers[me].faults = ControlFaults(0.3, seed=2)
     sent = [AbortAck(request_id=i, prefill_rank=0, prefill_instance=1) for i in range(200)]
     for message in sent:
         net.senders[PREFILL].send(DECODE, message)
@@ -167,7 +167,7 @@ def test_dropped_frames_delay_messages_but_lose_none() -> None:
     handled = sorted(net.handled[DECODE], key=lambda m: m.request_id or 0)
     assert handled == sent  # each once (a resent message may overtake others)
     assert net.senders[PREFILL].pending == 0
-    assert net.senders[PREFILL]._faults.dropped > 30
+    assert net.senders[PREFILL].faults.dropped > 30
 
 
 def test_the_receiver_remembers_longer_than_any_sender_resends() -> None:

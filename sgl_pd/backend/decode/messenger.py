@@ -53,7 +53,7 @@ from sgl_pd.core.counting import (
     parse_count_word,
     source_word_index,
 )
-from sgl_pd.core.errors import CountingError
+from sgl_pd.core.errors import CountingError, DuplicateRequest
 from sgl_pd.core.failures import FailureCause
 from sgl_pd.core.layout import PageLayout
 from sgl_pd.core.regions import Region
@@ -137,6 +137,7 @@ class _Track:
     seen_s: float | None = None
     found_s: float | None = None
     traced: bool = False  # its timeline went out (once per request)
+    owner: object | None = None  # the receiver that asked for it (SGLang's)
     arrival: int = 0  # this rank's count of requests asked before it: grants go in this order
 
 
@@ -255,6 +256,7 @@ class DecodeMessenger:
         slot: int,
         bootstrap: tuple[float, float] | None = None,
         held_tokens: int = 0,
+        owner: object | None = None,
     ) -> None:
         """Sends one request's destination pages to every prefill rank of its prefiller.
         `bootstrap`: when its receiver was made and when the prefiller's ranks were known
@@ -312,10 +314,19 @@ class DecodeMessenger:
             completion_slot=slot,
             held_tokens=held_tokens,
         )
+        track.owner = owner
         with self._lock:
+            old = self._tracks.get(room)
+            if old is not None and not self._release_safe(old, len(old.prefills)):
+                # Its drain acks name only the room: taken by a new track, they would
+                # count for the new request, and the old one's pages would wait for acks
+                # that went elsewhere (or the new one's be freed under its writes).
+                raise DuplicateRequest(
+                    f"request {room} reuses the bootstrap room of an earlier request whose"
+                    " pages are still being released here: send it with a fresh room"
+                )
             self._arrivals += 1
             track.arrival = self._arrivals
-            old = self._tracks.get(room)
             if old is not None:
                 self._drop_staging(old)  # a retried room id: its old grant waits out
             self._tracks[room] = track
@@ -511,21 +522,27 @@ class DecodeMessenger:
         `PrefillRooms._settle`) or is provably gone (its inbox and its transfer engine
         both refuse connections: the process, and its posted writes, ended). A rank that
         is only hung is neither: the pages wait for its ack, or for SGLang's deferred
-        release to give up (120 s, set by the launcher: past Mooncake's transfer timeout
-        and the hang timeout, so a write posted before the hang has ended).
+        release to give up (`core.bounds`, held there by the backend: past the engine's
+        transfer timeout and the hang timeout, so a write posted before the hang ended).
         `required_acks`: the prefill ranks SGLang expects to hear from."""
         with self._lock:
             track = self._tracks.get(room)
-            if track is None or track.done_s is not None or track.unsent is not None:
-                return True  # (unsent: no prefill rank ever learnt where to write)
-            safe = len(track.drained) >= min(required_acks, len(track.prefills))
+            if track is None:
+                return True
+            safe = self._release_safe(track, required_acks)
             if safe:
                 self._drop_staging(track)
             return safe
 
-    def forget(self, room: int) -> None:
+    def forget(self, room: int, owner: object | None = None) -> None:
+        """SGLang let go of the request. `owner`: the receiver that asked for it - a
+        receiver that was refused its room (an earlier request still holds it) forgets
+        nothing of the earlier one."""
         with self._lock:
-            track = self._tracks.pop(room, None)
+            track = self._tracks.get(room)
+            if track is not None and owner is not None and track.owner is not owner:
+                return
+            self._tracks.pop(room, None)
             if track is not None:
                 self._states.forget(room)
                 self._drop_staging(track)
@@ -633,6 +650,12 @@ class DecodeMessenger:
         note_live(rooms, arriving, staged)
 
     # -- helpers (lock held) --------------------------------------------------------------
+
+    def _release_safe(self, track: _Track, required_acks: int) -> bool:
+        """Nothing can land in the request's pages any more (see `is_release_safe`)."""
+        if track.done_s is not None or track.unsent is not None:
+            return True  # (unsent: no prefill rank ever learnt where to write)
+        return len(track.drained) >= min(required_acks, len(track.prefills))
 
     def _now(self) -> float:
         return self._clock.monotonic()

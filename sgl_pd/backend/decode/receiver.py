@@ -112,6 +112,7 @@ class SglPdKVReceiver(BaseKVReceiver):
                 int(aux_index),
                 bootstrap=(self._created_s, self._found_s or self._created_s),
                 held_tokens=held,
+                owner=self,
             )
         except SglPdError as e:
             self._fail(str(e), cause=cause_of(e))
@@ -137,7 +138,7 @@ class SglPdKVReceiver(BaseKVReceiver):
             self.abort_notified = True
 
     def clear(self) -> None:
-        self.kv_mgr.decode.forget(self.bootstrap_room)
+        self.kv_mgr.decode.forget(self.bootstrap_room, owner=self)
 
     def _fail(
         self,
