@@ -63,6 +63,9 @@ class SglPdConfig:
     inject_write_delay_ms: float = 0.0  # added before every KV write batch
     inject_write_failure_rate: float = 0.0  # probability that a KV write batch fails
     inject_control_drop_rate: float = 0.0  # probability that a control frame is dropped
+    inject_kv_corruption_rate: float = 0.0  # probability that a KV write batch is corrupted
+    # keyed checksums of every request's KV, verified by the decoder before it decodes
+    kv_checksum: bool = False
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -84,6 +87,11 @@ class SglPdConfig:
             raise ConfigError(
                 "--pd-inject-write-failure-rate must be within [0, 1], got "
                 f"{self.inject_write_failure_rate}"
+            )
+        if not 0 <= self.inject_kv_corruption_rate <= 1:
+            raise ConfigError(
+                "--pd-inject-kv-corruption-rate must be within [0, 1], got "
+                f"{self.inject_kv_corruption_rate}"
             )
         if not 0 <= self.inject_control_drop_rate < 1:
             raise ConfigError(
@@ -323,6 +331,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Fault injection for testing only: probability that a KV write batch fails.",
     )
     group.add_argument(
+        "--pd-kv-checksum",
+        action="store_true",
+        help="Verify every request's KV before decoding it: the prefiller sums what it"
+        " writes (keyed with the cluster secret), the decoder sums what landed and fails"
+        " the request on a mismatch (cause `checksum`). Set it on both sides.",
+    )
+    group.add_argument(
+        "--pd-inject-kv-corruption-rate",
+        type=float,
+        default=0.0,
+        help="Fault injection for testing only: probability that a KV write batch has 8"
+        " bytes overwritten after it landed (what --pd-kv-checksum must catch).",
+    )
+    group.add_argument(
         "--pd-inject-control-drop-rate",
         type=float,
         default=0.0,
@@ -350,6 +372,8 @@ def config_from_args(
         inject_write_delay_ms=args.pd_inject_write_delay_ms,
         inject_write_failure_rate=args.pd_inject_write_failure_rate,
         inject_control_drop_rate=args.pd_inject_control_drop_rate,
+        inject_kv_corruption_rate=args.pd_inject_kv_corruption_rate,
+        kv_checksum=args.pd_kv_checksum,
         auth_secret_hex="" if args.pd_no_auth else _secret_hex(args, environ),
         no_auth=args.pd_no_auth,
         allow_loopback_advertise=args.pd_allow_loopback_advertise,

@@ -24,6 +24,7 @@ from sglang.srt.disaggregation.base.conn import BaseKVManager
 from sgl_pd.backend import health
 from sgl_pd.backend.addresses import Hosts, resolve_hosts
 from sgl_pd.backend.heartbeats import Heartbeats, Watched
+from sgl_pd.backend.kv_sums import KvSums
 from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription, describe_pool
 from sgl_pd.backend.relayout_copies import PoolCopies
@@ -31,6 +32,7 @@ from sgl_pd.backend.staging_area import MIB, Staging, StagingArea, staging_bytes
 from sgl_pd.backend.tracing import RequestTracing
 from sgl_pd.config import DECODE_HICACHE_REFUSAL, SglPdConfig
 from sgl_pd.core.clock import Clock, SystemClock
+from sgl_pd.core.kv_checksum import checksum_key
 from sgl_pd.core.liveness import FreezeWatch
 from sgl_pd.core.regions import Region
 from sgl_pd.core.sharding import ShardingScheme
@@ -224,6 +226,7 @@ class SglPdKVManager(BaseKVManager):
         faults = WriteFaults(
             delay_s=self.config.inject_write_delay_ms / 1000,
             failure_rate=self.config.inject_write_failure_rate,
+            corruption_rate=self.config.inject_kv_corruption_rate,
             seed=self.tp_rank,
         )
         if faults.active:
@@ -300,9 +303,7 @@ class SglPdKVManager(BaseKVManager):
         )
         if not nbytes:
             return None
-        device = str(getattr(server_args, "device", None) or "cuda")
-        if device == "cuda":  # the pool lives on this rank's GPU
-            device = f"cuda:{int(getattr(self.kv_args, 'gpu_id', 0) or 0)}"
+        device = self._pool_device(server_args)
         staging = Staging(StagingArea(nbytes, device, self.engine), PoolCopies(self.pool, device))
         logger.info(
             "sgl_pd %s rank %d: %.1f MiB of %s staging for KV heads re-laid out under "
@@ -313,6 +314,22 @@ class SglPdKVManager(BaseKVManager):
             "gather" if self.role is Role.PREFILL else "receive",
         )
         return staging
+
+    def _pool_device(self, server_args: Any) -> str:
+        device = str(getattr(server_args, "device", None) or "cuda")
+        if device == "cuda":  # the pool lives on this rank's GPU
+            device = f"cuda:{int(getattr(self.kv_args, 'gpu_id', 0) or 0)}"
+        return device
+
+    def _kv_sums(self, server_args: Any) -> KvSums | None:
+        """--pd-kv-checksum: this rank's keyed sums of its pool (`core.kv_checksum`)."""
+        if not self.config.kv_checksum:
+            return None
+        key = checksum_key(None if self.config.no_auth else self.config.auth_secret())
+        try:
+            return KvSums(self.pool, self._pool_device(server_args), key)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     # -- the role's part ----------------------------------------------------------------
 

@@ -15,3 +15,4 @@ class FailureCause(enum.Enum):
     PEER_LOST = "peer_lost"  # liveness: a peer is gone or hung, or this process froze
     REFUSED = "refused"  # a peer turned the request down (owner, TP, capacity, config)
     WRITE_FAILURE = "write_failure"  # a KV or metadata write failed, or its count is wrong
+    CHECKSUM = "checksum"  # the KV that landed is not what was sent (--pd-kv-checksum)

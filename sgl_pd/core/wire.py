@@ -211,6 +211,9 @@ class ChunkNotice(_Message, tag="chunk", frozen=True):
     is_last: bool
     prefill_instance: U64  # the sending prefill rank: only a rank that was asked counts
     num_chunks: U32  # chunks that carried KV so far (all of them, in the last notice)
+    # --pd-kv-checksum: per region (layer, part), the keyed sum of the KV this prefill rank
+    # wrote into the decode rank over the whole request (`core.kv_checksum`); () when off
+    checksums: Annotated[tuple[U64, ...], msgspec.Meta(max_length=1 << 16)] = ()
 
     def __post_init__(self) -> None:
         if self.token_start >= self.token_stop:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from sgl_pd.backend.decode.messenger import DecodeMessenger
+from sgl_pd.backend.kv_sums import KvSums
 from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.prefill.messenger import PrefillMessenger
@@ -36,6 +37,7 @@ from sgl_pd.core.wire import (
 )
 from sgl_pd.transfer.engine import Writes
 from sgl_pd.transfer.fake import FakeFabric, FakeTransferEngine
+from sgl_pd.transfer.faults import FaultInjectingEngine, WriteFaults
 
 LAYOUT = KvLayout.gqa(
     num_layers=4, num_kv_heads=2, head_dim=8, page_size=1, elem_bytes=1,
@@ -44,6 +46,7 @@ LAYOUT = KvLayout.gqa(
 NUM_PAGES = 64
 AUX_ROWS = 8
 AUX_ITEM = 16  # bytes per metadata row
+CHECKSUM_KEY = 0x5EC2E7  # both sides' key (the cluster secret's, in a served cluster)
 
 
 @dataclass
@@ -142,6 +145,9 @@ class Rig:
     tracing: RequestTracing = field(default_factory=lambda: RequestTracing(False))
     gather_bytes: int = 0  # the prefill rank's gather area (none when 0)
     freeze: FreezeWatch | None = None  # the prefill process's freeze watch
+    checksum: bool = False  # --pd-kv-checksum on both sides
+    decoder_checksum: bool | None = None  # ... on the decoders, when it differs
+    corruption_rate: float = 0.0  # of the prefill rank's data batches
 
     def _metrics(self, role: str) -> TransferMetrics:
         if not self.metered:
@@ -158,12 +164,17 @@ class Rig:
         self.gather_area = None
         if self.gather_bytes:
             self.gather_area = StagingArea(self.gather_bytes, "cpu", self.prefill_engine)
+        engine: Any = self.prefill_engine
+        if self.corruption_rate:
+            engine = FaultInjectingEngine(engine, WriteFaults(corruption_rate=self.corruption_rate))
+        self.faulty_engine = engine
         self.prefill = PrefillMessenger(
             rank=0,
             instance=1,
             scheme=ShardingScheme(1),
             pool=pool,
-            engine=self.prefill_engine,
+            engine=engine,
+            sums=KvSums(pool, "cpu", CHECKSUM_KEY) if self.checksum else None,
             layerwise=self.layerwise,
             send_to_decoder=self._to_decoder,
             metrics=self._metrics("prefill"),
@@ -185,6 +196,10 @@ class Rig:
             metadata=MetadataBuffers(regions=pool.aux, row_bytes=(AUX_ITEM,), rows=AUX_ROWS),
         )  # fmt: skip
 
+    @property
+    def _decoder_checksum(self) -> bool:
+        return self.checksum if self.decoder_checksum is None else self.decoder_checksum
+
     def add_decoder(self, inbox: str) -> Decoder:
         engine = FakeTransferEngine(self.fabric)
         memory = Memory.make(engine, fill=None)
@@ -201,6 +216,7 @@ class Rig:
             metrics=self._metrics("decode"),
             clock=self.clock,
             tracing=self.tracing,
+            sums=KvSums(pool, "cpu", CHECKSUM_KEY) if self._decoder_checksum else None,
         )
         registration = ShardRegistration(
             role=Role.DECODE, rank=0, scheme=ShardingScheme(1), session=engine.session_id,

@@ -472,7 +472,7 @@ FIELDS_AT_VERSION = (
         "delivered": ("receiver", "instance", "seqs"),
         "sequenced": ("sender", "instance", "seq", "message"),
         "chunk": ("request_id", "chunk_index", "token_start", "token_stop", "page_ids",
-                  "is_last", "prefill_instance", "num_chunks"),
+                  "is_last", "prefill_instance", "num_chunks", "checksums"),
         "error": ("request_id", "code", "message", "sender_instance"),
         "heartbeat": ("sender", "seq", "time_s"),
         "heartbeat_ack": ("sender", "seq", "time_s"),

@@ -40,6 +40,7 @@ class DecodeKVManager(SglPdKVManager):
             staging=self.staging,
             tracing=self.tracing,
             staging_hold_s=self.bounds.staging_hold_s,
+            sums=self._kv_sums(server_args),
         )
         self.registration = self.registration_for(
             layer_group_size=1, completion=self.decode.completion_area

@@ -35,6 +35,7 @@ import msgspec
 import numpy as np
 
 from sgl_pd.backend.failure_cause import cause_of_abort, cause_of_code
+from sgl_pd.backend.kv_sums import KvSums, token_slots
 from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.pool_report import note_live
@@ -77,7 +78,8 @@ from sgl_pd.transfer.engine import TransferEngine
 
 logger = logging.getLogger("sgl_pd.decode")
 _log = LogLimiter(logger)
-MAX_EARLY_NOTICES = 4096  # last-chunk notices kept for requests not tracked yet
+MAX_EARLY_NOTICES = 4096  # requests not tracked yet whose last-chunk notices are kept
+MAX_EARLY_PER_ROOM = 1024  # ... notices of one such request (one per prefill rank)
 # Seconds the receive staging of a request forgotten before its pages were safe is held:
 # as long as SGLang's deferred release holds the pages themselves (`core.bounds`)
 ORPHAN_STAGING_HOLD_S = DEFAULT_DEFERRED_RELEASE_S
@@ -138,6 +140,9 @@ class _Track:
     found_s: float | None = None
     traced: bool = False  # its timeline went out (once per request)
     owner: object | None = None  # the receiver that asked for it (SGLang's)
+    # --pd-kv-checksum: prefill rank -> its sums of what it wrote here (per region)
+    sums: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    summed_sources: frozenset[int] = frozenset()  # the prefill ranks with links here
     arrival: int = 0  # this rank's count of requests asked before it: grants go in this order
 
 
@@ -157,9 +162,11 @@ class DecodeMessenger:
         staging: Staging | None = None,
         tracing: RequestTracing | None = None,
         staging_hold_s: float = ORPHAN_STAGING_HOLD_S,
+        sums: KvSums | None = None,
     ) -> None:
         self.rank = rank
         self._staging_hold_s = staging_hold_s
+        self._sums = sums  # --pd-kv-checksum: what landed is verified before hand-off
         self._tracing = tracing if tracing is not None else RequestTracing(False)
         self.instance = instance  # this rank's, named in its aborts
         self._staging = staging
@@ -177,11 +184,10 @@ class DecodeMessenger:
         self._tracks: dict[int, _Track] = {}
         deadlines = {_D.REQUESTED: transfer_timeout_s, _D.TRANSFERRING: transfer_timeout_s}
         self._states: RequestTracker[DecodeState] = RequestTracker(DECODE_TABLE, deadlines, clock)
-        # room -> (chunks, seen at, sender instance, tokens the prefiller computed): a
-        # last-chunk notice that came before
-        # the request was tracked here; at most MAX_EARLY_NOTICES, each dropped after the
-        # transfer timeout, so that strangers cannot grow it
-        self._sealed: dict[int, tuple[int, float, int, int]] = {}
+        # room -> (first seen at, its last-chunk notices): notices that came before the
+        # request was tracked here (one per prefill rank); at most MAX_EARLY_NOTICES
+        # rooms, each dropped after the transfer timeout, so that strangers cannot grow it
+        self._sealed: dict[int, tuple[float, list[ChunkNotice]]] = {}
         self._arrivals = 0  # requests asked for so far (the order staging is granted in)
         # receive staging of requests forgotten before their pages were safe: (until, offset)
         self._orphans: list[tuple[float, int]] = []
@@ -202,19 +208,13 @@ class DecodeMessenger:
         with self._lock:
             track = self._tracks.get(notice.request_id)
             if track is None:
-                if len(self._sealed) < MAX_EARLY_NOTICES:
-                    early = (
-                        notice.num_chunks,
-                        self._now(),
-                        notice.prefill_instance,
-                        notice.token_stop,
-                    )
-                    self._sealed[notice.request_id] = early
+                early = self._sealed.get(notice.request_id)
+                if early is not None and len(early[1]) < MAX_EARLY_PER_ROOM:
+                    early[1].append(notice)
+                elif early is None and len(self._sealed) < MAX_EARLY_NOTICES:
+                    self._sealed[notice.request_id] = (self._now(), [notice])
                 return
-            if notice.prefill_instance not in track.instances.values():
-                _refused(notice.request_id, notice.prefill_instance, "chunk notice")
-                return
-            self._seal(track, notice.num_chunks, notice.token_stop)
+            self._take_notice(track, notice)
 
     def on_error(self, error: ErrorMsg) -> None:
         if error.request_id is None:
@@ -290,6 +290,7 @@ class DecodeMessenger:
             links,
             dst_pages,
             held_tokens=held_tokens,
+            summed_sources=frozenset(link.src_rank for link in links),
         )
         whole = (
             self._staging is not None
@@ -335,8 +336,8 @@ class DecodeMessenger:
             self._states.add(room)
             self._states.transition(room, _D.REQUESTED)
             early = self._sealed.pop(room, None)
-            if early is not None and early[2] in track.instances.values():
-                self._seal(track, early[0], early[3])
+            for notice in [] if early is None else early[1]:
+                self._take_notice(track, notice)
             track.unsent = message
             granted = self._grant(track)
         if granted is not None:
@@ -479,17 +480,18 @@ class DecodeMessenger:
         for inbox in inboxes:
             self._send(inbox, message)
 
-    def hand_off(self, room: int) -> None:
+    def hand_off(self, room: int) -> bool:
         """SGLang takes the complete request into its decode batch: its staged blocks are
-        scattered into its pages first (every write it expects has landed)."""
+        scattered into its pages first (every write it expects has landed), and under
+        --pd-kv-checksum what its pages hold is verified. False: it failed that check
+        (`poll` says why) and must not be decoded."""
         with self._lock:
             track = self._tracks.get(room)
             if room not in self._states or self._states.state(room) is not _D.COMPLETE:
-                return
-            self._states.transition(room, _D.HANDED_OFF)
+                return False
             staged = None if track is None else track.staging_offset
         if track is None:
-            return
+            return False
         if staged is not None:
             assert self._staging is not None and track.placement is not None
             area = self._staging.area
@@ -509,7 +511,50 @@ class DecodeMessenger:
             )
             with self._lock:
                 self._drop_staging(track)
+        mismatch = None if self._sums is None else self._verify(track)
+        with self._lock:
+            if mismatch is None:
+                self._states.transition(room, _D.HANDED_OFF)
+            else:  # every write landed: nothing is in flight, its pages may go
+                track.error = mismatch
+                self._states.transition(room, _D.FAILED)
+                self._metrics.add_failure(FailureCause.CHECKSUM)
+        if mismatch is not None:
+            logger.error("request %d: %s", room, mismatch)
         self._trace(track, self._now())
+        return mismatch is None
+
+    def _verify(self, track: _Track) -> str | None:
+        """Why the request's pages do not hold what its prefill ranks wrote, or None: per
+        prefill rank, the keyed sums of its links' heads over the tokens it sent here
+        (`core.kv_checksum`), against those its last notice carried."""
+        sums = self._sums
+        assert sums is not None
+        layout = self.pool.layout
+        start, stop = track.held_tokens, track.prompt_tokens
+        if stop <= start:
+            return None
+        slots = token_slots(
+            track.dst_pages, start // layout.page_size, start, stop, layout.page_size
+        )
+        regions = list(range(layout.num_regions))
+        for source in sorted(track.summed_sources):
+            found = sums.zeros()
+            for link in track.links:
+                if link.src_rank == source:
+                    offset = link.dst_head_offset
+                    sums.add_link(found, track.room, regions, link, offset, (start, stop), slots)
+            got, sent = sums.read(found), track.sums[source]
+            bad = [r for r in regions if got[r] != sent[r]]
+            if bad:
+                layer, part = divmod(bad[0], len(layout.parts))
+                return (
+                    f"KV checksum mismatch: layer {layer} ({layout.parts[part].value}) of"
+                    f" tokens [{start}, {stop}) from prefill rank {source} into decode rank"
+                    f" {self.rank} ({len(bad)} of {len(regions)} regions differ): the KV"
+                    " that landed is not what was sent"
+                )
+        return None
 
     def is_release_safe(self, room: int, required_acks: int) -> bool:
         """The decode side's one answer to "may this request's pages go back to the
@@ -640,7 +685,7 @@ class DecodeMessenger:
                         "--pd-transfer-timeout or check the prefill server's log"
                     )
             now = self._now()
-            for room in [r for r, (_, t, *_) in self._sealed.items() if now - t > self._timeout_s]:
+            for room in [r for r, (t, _) in self._sealed.items() if now - t > self._timeout_s]:
                 del self._sealed[room]
             rooms = len(self._tracks)
             arriving = sum(t.done_s is None and t.error is None for t in self._tracks.values())
@@ -701,6 +746,25 @@ class DecodeMessenger:
                 self._states.transition(track.room, state)
             self._metrics.add_failure(cause)
 
+    def _take_notice(self, track: _Track, notice: ChunkNotice) -> None:
+        """A prefill rank's last-chunk notice: it seals the count, and under
+        --pd-kv-checksum brings that rank's sums of what it wrote here."""
+        ranks = [r for r, i in track.instances.items() if i == notice.prefill_instance]
+        if not ranks:
+            _refused(notice.request_id, notice.prefill_instance, "chunk notice")
+            return
+        if self._sums is not None and ranks[0] in track.summed_sources:
+            if len(notice.checksums) != self.pool.layout.num_regions:
+                self._fail(
+                    track,
+                    f"prefill rank {ranks[0]} sent no KV checksums: start the prefill server"
+                    " with --pd-kv-checksum too (or neither)",
+                    FailureCause.REFUSED,
+                )
+                return
+            track.sums[ranks[0]] = notice.checksums
+        self._seal(track, notice.num_chunks, notice.token_stop)
+
     def _seal(self, track: _Track, num_chunks: int, prompt_tokens: int) -> None:
         """`prompt_tokens`: the tokens whose KV the prefiller computed (held ones too)."""
         track.prompt_tokens = prompt_tokens
@@ -733,7 +797,8 @@ class DecodeMessenger:
         self._check_done(track)
 
     def _check_done(self, track: _Track) -> None:
-        if track.error is None and track.done_s is None and track.counter.is_complete:
+        summed = self._sums is None or track.summed_sources <= track.sums.keys()
+        if track.error is None and track.done_s is None and track.counter.is_complete and summed:
             track.done_s = self._now()
             state = self._states.state(track.room)
             if state is _D.REQUESTED:

@@ -69,8 +69,10 @@ class SglPdKVReceiver(BaseKVReceiver):
             return KVPoll.Bootstrapping
         state, error = self.kv_mgr.decode.poll(self.bootstrap_room)
         if state is DecodeState.COMPLETE:
-            self.kv_mgr.decode.hand_off(self.bootstrap_room)
-            self._conclude(KVPoll.Success)
+            if self.kv_mgr.decode.hand_off(self.bootstrap_room):
+                self._conclude(KVPoll.Success)
+            else:
+                self._fail(self.kv_mgr.decode.poll(self.bootstrap_room)[1] or "KV not verified")
         elif DECODE_TABLE.is_final(state) or error is not None:
             self._fail(error or "transfer failed")
         return self.conclude_state if self.conclude_state is not None else KVPoll.Transferring

@@ -44,6 +44,7 @@ class PrefillKVManager(SglPdKVManager):
             staging=self.staging,
             tracing=self.tracing,
             quarantine_s=self.bounds.quarantine_s,
+            sums=self._kv_sums(server_args),
         )
         self.streamer: LayerStreamer | None = attach_messenger(self.prefill, layerwise)
         self.registration = self.registration_for(

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from sgl_pd.backend.kv_sums import KvSums
 from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.pool_report import note_live
@@ -90,6 +91,7 @@ class PrefillMessenger:
         staging: Staging | None = None,
         tracing: RequestTracing | None = None,
         quarantine_s: float = FAILED_BATCH_QUARANTINE_S,
+        sums: KvSums | None = None,
     ) -> None:
         self.rank = rank
         self._tracing = tracing if tracing is not None else RequestTracing(False)
@@ -115,7 +117,9 @@ class PrefillMessenger:
         )
         self.writers = DestinationWriters(
             self.rooms,
-            KvWriter(rank, instance, pool, engine, self.layer_group_size, send_to_decoder, staging),
+            KvWriter(
+                rank, instance, pool, engine, self.layer_group_size, send_to_decoder, staging, sums
+            ),
             on_failure=self.fail,
             on_drained=self._ack,
             on_bytes=metrics.add_bytes,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -91,6 +92,9 @@ class Destination:
     # chunk index -> the same chunk's plan without the gathering its fragmented source
     # pages asked for: its layers go out this way while the gather area is full
     ungathered: dict[int, AddressedPlan] = field(default_factory=dict)  # (writer thread only)
+    # --pd-kv-checksum: (regions,) int64 on the pool's device, the keyed sums of what this
+    # rank wrote into the decode rank so far (`backend.kv_sums`; writer thread only)
+    sums: Any = None
 
     @property
     def session(self) -> str:

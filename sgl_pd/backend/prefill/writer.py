@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from sgl_pd.backend.failure_cause import cause_of
+from sgl_pd.backend.kv_sums import KvSums, token_slots
 from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.prefill.rooms import Chunk, Destination, PrefillRooms, Room
 from sgl_pd.backend.staging_area import Staging
@@ -101,6 +102,7 @@ class KvWriter:
         layer_group_size: int,
         send: SendFn,
         staging: Staging | None = None,
+        sums: KvSums | None = None,
     ) -> None:
         self.rank = rank
         self.instance = instance
@@ -111,6 +113,7 @@ class KvWriter:
         self._engine = engine
         self._send = send
         self._staging = staging  # gather blocks for strided source slices; None: per slot
+        self._sums = sums  # --pd-kv-checksum: what this rank writes is summed as it goes
 
     def write_layers(self, dest: Destination, chunk: Chunk, layers: range) -> Sent:
         """Writes `layers` of `chunk` on this rank's links into `dest`."""
@@ -123,6 +126,8 @@ class KvWriter:
             dest.ungathered.pop(chunk.index, None)
         if not groups:
             return Sent()
+        if self._sums is not None:
+            self._sum_layers(dest, chunk, layers)
         # the count covers every group of this batch, written once they all completed
         dest.groups_done += groups
         word = (self._slot_base(dest) + source_word_offset(self.rank),
@@ -292,9 +297,37 @@ class KvWriter:
                 is_last=True,
                 prefill_instance=self.instance,
                 num_chunks=room.chunks,
+                checksums=self._checksums(dest),
             ),
         )
         return sent
+
+    def _sum_layers(self, dest: Destination, chunk: Chunk, layers: range) -> None:
+        """Adds `layers` of `chunk`, on every link this rank writes into `dest`, to the
+        destination's sums (what the decoder will find in its pages, `core.kv_checksum`)."""
+        sums = self._sums
+        assert sums is not None
+        if dest.sums is None:
+            dest.sums = sums.zeros()
+        start, stop = chunk.tokens.start, chunk.tokens.stop
+        slots = token_slots(
+            chunk.src_pages.array(), chunk.src_first_page, start, stop, self.layout.page_size
+        )
+        regions = sums.regions_of(layers)
+        for i in sorted(dest.mine):
+            link = dest.links[i]
+            room = dest.request.request_id
+            offset = link.src_head_offset
+            sums.add_link(dest.sums, room, regions, link, offset, (start, stop), slots)
+
+    def _checksums(self, dest: Destination) -> tuple[int, ...]:
+        """The request's sums into `dest` for its last notice: () without checksums or
+        links into it; zeros when every token it would send was held there."""
+        if self._sums is None or not dest.mine:
+            return ()
+        if dest.sums is None:
+            return (0,) * self.layout.num_regions
+        return self._sums.read(dest.sums)
 
     def _slot_base(self, dest: Destination) -> int:
         area = dest.request.decoder.completion

@@ -1,0 +1,124 @@
+"""Keyed KV checksums (`core.kv_checksum`) computed with torch on the pool's device.
+
+A prefill rank sums each chunk's layers as it writes them, per destination decode rank,
+over the heads its links send there (`Destination.sums`, kept on the device and read
+once, for the request's last notice); a decode rank sums what landed in its pages after
+the request's last write was counted and its staged blocks were scattered, per prefill
+rank it has links from, and compares. Both read the pool through the same views as the
+re-layout copies: region (layer, part) as (token slots, local heads, row bytes).
+
+On CUDA the sums run on a stream of their own (never on the forward's) and are read
+with one synchronisation per request and side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from sgl_pd.backend.device_memory import byte_tensor
+from sgl_pd.backend.pool import PoolDescription
+from sgl_pd.core.kv_checksum import MASK, WORD_BYTES, head_weights, token_weights
+from sgl_pd.core.sharding import ShardLink
+
+I64 = npt.NDArray[np.int64]
+
+
+def token_slots(pages: I64, first_page: int, start: int, stop: int, page_size: int) -> I64:
+    """(stop - start,) the token slot of each token in [start, stop), where `pages[i]`
+    holds the prompt's logical page `first_page + i`."""
+    tokens = np.arange(start, stop, dtype=np.int64)
+    return pages[tokens // page_size - first_page].astype(np.int64) * page_size + (
+        tokens % page_size
+    )
+
+
+class KvSums:
+    def __init__(self, pool: PoolDescription, device: Any, key: int) -> None:
+        import torch
+
+        self.layout = pool.layout
+        self.key = key
+        if self.layout.row_bytes % WORD_BYTES:
+            raise ValueError(
+                f"--pd-kv-checksum sums 64-bit words; a KV row of {self.layout.row_bytes}"
+                " bytes is not whole words"
+            )
+        self.device = torch.device(device)
+        slots, row = pool.num_pages * self.layout.page_size, self.layout.row_bytes
+        self._views = [
+            byte_tensor(r.base, slots * pool.local_heads * row, self.device).view(
+                slots, pool.local_heads, row
+            )
+            for r in pool.kv.regions
+        ]
+        self._stream = (
+            torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            if self.device.type == "cuda"
+            else None
+        )
+
+    def regions_of(self, layers: Iterable[int]) -> list[int]:
+        parts = self.layout.parts
+        return [self.layout.region_index(layer, part) for layer in layers for part in parts]
+
+    def zeros(self) -> Any:
+        """A (regions,) int64 accumulator on the device."""
+        import torch
+
+        return torch.zeros(self.layout.num_regions, dtype=torch.int64, device=self.device)
+
+    def add_link(
+        self,
+        into: Any,
+        room: int,
+        regions: list[int],
+        link: ShardLink,
+        local_head_offset: int,
+        tokens: tuple[int, int],
+        slots: I64,
+    ) -> None:
+        """Adds to `into` (a `zeros` accumulator), for each of `regions`, the sum of
+        `link`'s heads (at `local_head_offset` in this rank's region) over `tokens`
+        ([start, stop), model positions) whose rows are at `slots`."""
+        import torch
+
+        start, stop = tokens
+        if stop <= start or not regions:
+            return
+        words = self.layout.row_bytes // WORD_BYTES
+        nh = link.num_heads
+        with self._on_stream():
+            rows = torch.from_numpy(slots).to(self.device)
+            for region in regions:
+                heads = head_weights(
+                    self.key, room, region, link.head_lo, link.head_hi, self.layout.row_bytes
+                )
+                weights = torch.from_numpy(
+                    token_weights(self.key, room, region, start, stop).view(np.int64)
+                ).to(self.device)
+                picked = torch.index_select(
+                    self._views[region][:, local_head_offset : local_head_offset + nh], 0, rows
+                )
+                x = picked.contiguous().view(torch.int64).view(len(slots), nh, words)
+                h = torch.from_numpy(heads.view(np.int64)).to(self.device)
+                # int64 arithmetic wraps: the same bits as the reference's uint64
+                per_token = (x * h).sum(dim=(1, 2))
+                into[region] += (per_token * weights).sum()
+
+    def read(self, sums: Any) -> tuple[int, ...]:
+        """The accumulator's values as unsigned 64-bit ints (waits for the device)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        return tuple(int(v) & MASK for v in sums.tolist())
+
+    def _on_stream(self) -> Any:
+        import torch
+
+        if self._stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._stream)
