@@ -6,17 +6,28 @@ router cluster whose prefiller slows every KV write batch and fails a few, then:
 1. runs the campaign: N requests at concurrency 16, 10% of them aborted at the decoder
    after a random delay (SGLang's /abort_request, what a client disconnect triggers),
    while the prefill and the decode server are stopped in turn (SIGSTOP, then SIGCONT)
-   for 5 s, well under the hang timeout: a live but stopped server must fail nothing;
-2. kills the prefiller with SIGKILL while a long prompt's layers stream, measures how
+   for 12 s - past ZMQ's own 10 s heartbeat, under the 20 s hang timeout: a live but
+   stopped server must fail nothing - and 5% of control frames are dropped both ways
+   (each control message whose loss matters is sent until acknowledged); every
+   request's KV is verified by checksum (--pd-kv-checksum) before it is decoded;
+2. restarts the idle prefiller and sends one request at once: it must reach the new
+   ranks (a decoder's table of the old ones is never used for it);
+3. kills the prefiller with SIGKILL while a long prompt's layers stream, measures how
    long the client waits for its error, restarts it, and checks a request succeeds;
-3. does the same to the decoder (the prefiller must stop writing and free its pages);
-4. reads both servers' idle-pool lines: every page must be back.
+4. does the same to the decoder (the prefiller must stop writing and free its pages);
+5. reads both servers' idle-pool lines: every page must be back.
 
-    python benchmarks/bench_faults.py [--quick] [--requests N]
+    python benchmarks/bench_faults.py [--quick] [--requests N] [--corruption-rate P]
 
-Prints a table and ends with one JSON line: faults_injected, requests_lost, wrong_tokens,
-pages_leaked, fault_to_error_p99_s, false_failures (requests that failed though no fault
-but a pause hit them: target 0). SGL_PD_LOCAL_PATIENCE scales every start-up wait.
+With --corruption-rate, that share of KV write batches has bytes overwritten after it
+landed: each such request must fail its checksum (never decode), and nothing else.
+
+Prints a table (client answer after each kind of fault, aborts split by whether a server
+was stopped when they were sent) and ends with one JSON line: faults_injected,
+requests_lost, wrong_tokens, pages_leaked, fault_to_error_p99_s, false_failures
+(requests that failed though no fault but a pause or a dropped frame hit them: target 0),
+control_frames_dropped, checksum_mismatches (0 without corruption; with it, the requests
+corrupted). SGL_PD_LOCAL_PATIENCE scales every start-up wait.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import requests
 from tqdm import tqdm
 
 from sgl_pd.cluster.campaign import (
@@ -49,8 +61,13 @@ from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids, varied_prompts
 WRITE_DELAY_MS = 20
 FAILURE_RATE = 0.004
 LONG_PROMPT_TOKENS = 1024
-PAUSE_S = 5.0  # each SIGSTOP; the hang timeout stays at its default (20 s)
-SERVER_ARGS = ["--chunked-prefill-size", "128", "--log-level", "info"]
+PAUSE_S = 12.0  # each SIGSTOP, past ZMQ's 10 s heartbeat; the hang timeout stays at 20 s
+CONTROL_DROP_RATE = 0.05
+SERVER_ARGS = [
+    "--chunked-prefill-size", "128", "--log-level", "info", "--enable-metrics",
+    "--pd-kv-checksum", "--pd-inject-control-drop-rate", str(CONTROL_DROP_RATE),
+]  # fmt: skip
+MISMATCH = "KV checksum mismatch"
 
 
 def kill_round(cluster: PdCluster, mono: Server, victim: str, n: int) -> dict[str, object]:
@@ -64,6 +81,47 @@ def kill_round(cluster: PdCluster, mono: Server, victim: str, n: int) -> dict[st
     expected = generate_ids(mono.url, "Count: 11 12 13", 6)
     recovered = first_success(cluster.router_url, "Count: 11 12 13", 6, budget_s=180) == expected
     return {"victim": victim, "to_error_s": killed.kill_to_answer_s, "recovered": recovered}
+
+
+def idle_prefill_restart(cluster: PdCluster, mono: Server, n: int) -> dict[str, object]:
+    """Restart the prefiller while nothing is in flight, then send one request at once:
+    it must be served (by the new ranks) on its first try."""
+    time.sleep(2.0)  # idle: no liveness check has reason to look at the prefiller
+    cluster.prefill.process.restart(f"idle{n}")
+    cluster.prefill.process.wait_http_ready(
+        f"{cluster.prefill.url}/health", local_patience().server_ready_s
+    )
+    prompt = f"Count: {20 + n} {21 + n} {22 + n}"
+    expected = generate_ids(mono.url, prompt, 6)
+    started = time.monotonic()
+    try:
+        served = generate_ids(cluster.router_url, prompt, 6) == expected
+    except Exception as e:  # the first request after the restart failed
+        print(f"   idle restart {n}: first request failed: {e}")
+        served = False
+    return {"served": served, "answer_s": time.monotonic() - started}
+
+
+def control_counts(cluster: PdCluster) -> dict[str, float]:
+    """Both servers' control-message counters, by event (since their last start)."""
+    counts: dict[str, float] = {}
+    for server, role in ((cluster.prefill, "prefill"), (cluster.decode, "decode")):
+        text = requests.get(f"{server.url}/metrics", timeout=30).text
+        pattern = rf'^sgl_pd_control_messages_total\{{([^}}]*role="{role}"[^}}]*)\}} (\S+)$'
+        for labels, value in re.findall(pattern, text, re.M):
+            event = re.search(r'event="(\w+)"', labels)
+            if event:
+                counts[event.group(1)] = counts.get(event.group(1), 0.0) + float(value)
+    return counts
+
+
+def log_count(server: Server, name: str, needle: str) -> int:
+    logs = sorted(server.process.log_path.parent.glob(f"{name}.log*"))
+    return sum(p.read_text(errors="replace").count(needle) for p in logs)
+
+
+def paused_at(t: float, intervals: list[tuple[str, float, float]]) -> bool:
+    return any(start <= t <= end for _, start, end in intervals)
 
 
 def pages_in_use(cluster: PdCluster, timeout_s: float = 90.0) -> int:
@@ -96,15 +154,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="100 requests, one kill per side")
     parser.add_argument("--requests", type=int, default=None, help="campaign size")
     parser.add_argument("--out", type=Path, default=None, help="unused: no files written")
+    parser.add_argument(
+        "--corruption-rate", type=float, default=0.0, help="of KV write batches, corrupted"
+    )
     args = parser.parse_args(argv)
     count = args.requests or (100 if args.quick else 1000)
     kills = 1 if args.quick else 3
+    idle_restarts = 1 if args.quick else 3
     pause_every_s = 15.0 if args.quick else 30.0
     log_dir = Path(tempfile.mkdtemp(prefix="bench_faults_"))
     print(
         f"[bench] {count} requests, 10% aborted, write delay {WRITE_DELAY_MS} ms, failure "
         f"rate {FAILURE_RATE} per batch, a {PAUSE_S:g} s SIGSTOP every {pause_every_s:g} s, "
-        f"{kills} kill(s) per side; logs in {log_dir}"
+        f"{CONTROL_DROP_RATE:g} of control frames dropped, KV checksums on (corruption rate "
+        f"{args.corruption_rate:g}), {idle_restarts} idle prefill restart(s), {kills} kill(s)"
+        f" per side; logs in {log_dir}"
     )
     prompts = [prompt_ids(p) for p in varied_prompts(count, seed=31)]
     pd_args = list(SERVER_ARGS)
@@ -114,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             *pd_args,
             "--pd-inject-write-delay-ms", str(WRITE_DELAY_MS),
             "--pd-inject-write-failure-rate", str(FAILURE_RATE),
+            "--pd-inject-kv-corruption-rate", str(args.corruption_rate),
         ],
         decode_extra=[*pd_args, "--max-total-tokens", "4096"],
         router_retries=False,
@@ -134,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
 
         started = time.monotonic()
         victims = [cluster.prefill.process, cluster.decode.process]
-        with periodic_pauses(victims, every_s=pause_every_s, pause_s=PAUSE_S) as paused:
+        intervals: list[tuple[str, float, float]] = []
+        with periodic_pauses(
+            victims, every_s=pause_every_s, pause_s=PAUSE_S, intervals=intervals
+        ) as paused:
             result = run_campaign(
                 cluster.router_url,
                 cluster.decode.url,
@@ -148,8 +216,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         bar.close()
         causes = decode_failures(sorted(cluster.decode.process.log_path.parent.glob("decode.log*")))
-        false_failures = result.false_failures(causes, excused=("injected failure",))
+        false_failures = result.false_failures(causes, excused=("injected failure", MISMATCH))
         campaign_s = time.monotonic() - started
+        control = control_counts(cluster)  # before any restart resets them
+        mismatches = log_count(cluster.decode, "decode", MISMATCH)
+        corruptions = log_count(cluster.prefill, "prefill", "injected corruption")
+        restarts = [idle_prefill_restart(cluster, mono, n) for n in range(idle_restarts)]
         rounds = []
         for n in range(kills):
             for victim in ("prefill", "decode"):
@@ -158,16 +230,38 @@ def main(argv: list[str] | None = None) -> int:
         failures = injected_failures(cluster)
 
     abort_to_end = result.fault_to_end_s()
-    kill_to_error = [r["to_error_s"] for r in rounds]
+    kill_to_error = [float(str(r["to_error_s"])) for r in rounds]
     all_to_error = abort_to_end + kill_to_error
-    faults = result.aborts_sent + failures + len(rounds) + len(paused)
-    lost = result.count("lost") + sum(not r["recovered"] for r in rounds)
+    dropped = int(control.get("injected_drop", 0))
+    faults = result.aborts_sent + failures + len(rounds) + len(paused) + len(restarts) + corruptions
+    lost = (
+        result.count("lost")
+        + sum(not r["recovered"] for r in rounds)
+        + sum(not r["served"] for r in restarts)
+    )
     print(f"\ncampaign: {count} requests in {campaign_s:.0f} s")
     print(" fault kind              injected  client answer after fault p50 / p99 (s)")
     p50, p99 = _percentile(abort_to_end, 0.5), _percentile(abort_to_end, 0.99)
     print(f" abort at decoder        {result.aborts_sent:8d}  {p50:6.2f} / {p99:.2f}")
+    for label, hit in (("  ... a server stopped", True), ("  ... none stopped", False)):
+        times = sorted(
+            o.fault_to_end_s
+            for o in result.outcomes
+            if o.fault_to_end_s is not None
+            and o.fault_at_s is not None
+            and paused_at(o.fault_at_s, intervals) == hit
+        )
+        print(f" {label:22s}  {len(times):8d}  "
+              f"{_percentile(times, 0.5):6.2f} / {_percentile(times, 0.99):.2f}")  # fmt: skip
     print(f" injected write failure  {failures:8d}  (client sees an error)")
-    print(f" SIGSTOP {PAUSE_S:g} s (either)    {len(paused):8d}  (nothing may fail)")
+    print(f" SIGSTOP {PAUSE_S:g} s (either)   {len(paused):8d}  (nothing may fail)")
+    print(f" control frame dropped   {dropped:8d}  (resent: {int(control.get('resent', 0))},"
+          f" given up: {int(control.get('given_up', 0))}; nothing may fail)")  # fmt: skip
+    print(f" KV corrupted            {corruptions:8d}  (checksum mismatches: {mismatches})")
+    served = [float(str(r["answer_s"])) for r in restarts]
+    print(f" idle prefill restart    {len(restarts):8d}  first request served:"
+          f" {sum(bool(r['served']) for r in restarts)}/{len(restarts)},"
+          f" p50 {_percentile(served, 0.5):.2f} s")  # fmt: skip
     for victim in ("prefill", "decode"):
         mine = [r["to_error_s"] for r in rounds if r["victim"] == victim]
         print(f" SIGKILL {victim:8s}        {len(mine):8d}  "
@@ -192,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         "fault_to_error_p50_s": round(statistics.median(all_to_error), 3) if all_to_error else 0,
         "false_failures": len(false_failures),
         "pauses": len(paused),
+        "control_frames_dropped": dropped,
+        "checksum_mismatches": mismatches,
+        "corruptions_injected": corruptions,
+        "idle_restarts_served": sum(bool(r["served"]) for r in restarts),
         "requests": count,
     }
     print(json.dumps(summary))

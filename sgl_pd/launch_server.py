@@ -22,7 +22,7 @@ from sgl_pd.config import (
     add_cli_args,
     config_from_args,
 )
-from sgl_pd.core.bounds import DEFAULT_DEFERRED_RELEASE_S, DEFERRED_RELEASE_ENV
+from sgl_pd.core.bounds import DEFAULT_DEFERRED_RELEASE_S, DEFERRED_RELEASE_ENV, TimingBounds
 from sgl_pd.errors import ConfigError
 from sgl_pd.harness.cpu import Harness, flag_value, plan_harness, uses_dp_attention
 
@@ -46,9 +46,11 @@ DEFERRED_RELEASE_TIMEOUT_S = f"{DEFAULT_DEFERRED_RELEASE_S:g}"
 # prefill server was asked for. A server stopped or starved past its keep-alive often loses
 # a request sent to it meanwhile: on waking, the expired timer closes the connection before
 # the request waiting in it is read. So a server keeps an idle connection longer than the
-# router does, plus the longest pause that must fail nothing (the default hang timeout).
+# router does, plus the longest pause that must fail nothing (the hang timeout; see
+# `TimingBounds.required_keep_alive_s`), with a margin.
 KEEP_ALIVE_ENV = "SGLANG_TIMEOUT_KEEP_ALIVE"
 KEEP_ALIVE_S = "75"
+KEEP_ALIVE_MARGIN_S = 5.0
 
 # SGLang settings a server gets unless its environment sets them
 SGLANG_ENV_DEFAULTS = {
@@ -57,9 +59,20 @@ SGLANG_ENV_DEFAULTS = {
 }
 
 
-def server_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment a server starts with: `SGLANG_ENV_DEFAULTS`, then `environ`'s."""
-    return {**SGLANG_ENV_DEFAULTS, **environ}
+def server_env(environ: Mapping[str, str], config: SglPdConfig | None = None) -> dict[str, str]:
+    """The environment a server starts with: `SGLANG_ENV_DEFAULTS` (a keep-alive long
+    enough for `config`'s hang timeout), then `environ`'s. An operator's keep-alive too
+    short for the hang timeout is kept, and named in one warning."""
+    defaults = dict(SGLANG_ENV_DEFAULTS)
+    if config is not None:
+        needed = config.bounds().required_keep_alive_s + KEEP_ALIVE_MARGIN_S
+        defaults[KEEP_ALIVE_ENV] = f"{max(float(KEEP_ALIVE_S), needed):g}"
+        own = environ.get(KEEP_ALIVE_ENV)
+        bounds = TimingBounds(config.hang_timeout_s, config.transfer_timeout_s,
+                              keep_alive_s=float(own) if own else None)  # fmt: skip
+        for problem in bounds.violations():
+            logger.warning("%s=%s: %s", KEEP_ALIVE_ENV, own, problem)
+    return {**defaults, **environ}
 
 
 def _serves_pd(sglang_argv: list[str]) -> bool:
@@ -170,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         plan = plan_harness(requested, sglang_argv)
         logger.info("harness: %s (%s)", plan.harness.value, plan.reason)
         env = {
-            **server_env(os.environ),
+            **server_env(os.environ, config),
             **plan.env,
             CONFIG_ENV: config.to_json(),
             _HARNESS_APPLIED_ENV: "1",

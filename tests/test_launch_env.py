@@ -25,3 +25,13 @@ def test_a_server_keeps_idle_connections_longer_than_the_router(
 
 def test_an_operators_own_setting_wins() -> None:
     assert server_env({KEEP_ALIVE_ENV: "9"})[KEEP_ALIVE_ENV] == "9"
+
+
+def test_a_longer_hang_timeout_keeps_idle_connections_longer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = SglPdConfig(hang_timeout_s=60.0)
+    keep_alive_s = float(server_env({}, config)[KEEP_ALIVE_ENV])
+    assert keep_alive_s > ROUTER_POOL_IDLE_S + 60.0
+    assert server_env({KEEP_ALIVE_ENV: "75"}, config)[KEEP_ALIVE_ENV] == "75"
+    assert "keep-alive" in caplog.text  # the operator's too short a setting is named

@@ -371,6 +371,7 @@ class SglPdKVManager(BaseKVManager):
             inbox=self.inbox.endpoint,
             instance=self.instance,
             decoder_samples_first=self.config.first_token == "decode",
+            writes_end_within_ms=round(1000 * self.bounds.required_deferred_release_s),
             staging=(
                 Region(self.staging.area.base, self.staging.area.capacity)
                 if self.staging is not None and self.role is Role.DECODE

@@ -89,6 +89,7 @@ class Outcome:
     fault_to_end_s: float | None  # from the abort call to the client's answer
     detail: str = ""  # for wrong tokens: what came back against what was expected
     rid: str = ""  # the request id the servers log
+    fault_at_s: float | None = None  # when the abort was sent (time.monotonic())
 
 
 @dataclass(frozen=True)
@@ -124,11 +125,16 @@ class CampaignResult:
 
 @contextlib.contextmanager
 def periodic_pauses(
-    victims: Sequence[ManagedProcess], *, every_s: float, pause_s: float
+    victims: Sequence[ManagedProcess],
+    *,
+    every_s: float,
+    pause_s: float,
+    intervals: list[tuple[str, float, float]] | None = None,
 ) -> Iterator[list[str]]:
     """While the block runs, SIGSTOPs `victims` in turn (each whole process group) for
     `pause_s` seconds every `every_s` seconds: alive and accepting connections, but not
-    running. Yields the names paused so far; every victim runs again when it ends."""
+    running. Yields the names paused so far; every victim runs again when it ends.
+    `intervals` gets (name, stopped at, resumed at) of each pause (time.monotonic())."""
     stop = threading.Event()
     paused: list[str] = []
 
@@ -138,11 +144,14 @@ def periodic_pauses(
             victim = victims[turn % len(victims)]
             turn += 1
             victim.pause()
+            stopped_at = time.monotonic()
             try:
                 stop.wait(pause_s)
             finally:
                 victim.resume()
             paused.append(victim.name)
+            if intervals is not None:
+                intervals.append((victim.name, stopped_at, time.monotonic()))
 
     thread = threading.Thread(target=loop, name="pauses", daemon=True)
     thread.start()
@@ -305,17 +314,25 @@ def run_campaign(
                 timer.cancel()
         fault_to_end = ended - aborted_at[0] if aborted_at else None
         if response.status_code != 200:
-            return Outcome(index, "aborted" if abort else "error", abort, fault_to_end, rid=rid)
+            return Outcome(
+                index, "aborted" if abort else "error", abort, fault_to_end, rid=rid,
+                fault_at_s=aborted_at[0] if aborted_at else None,
+            )  # fmt: skip
         body = response.json()
         finish = (body.get("meta_info") or {}).get("finish_reason") or {}
         if isinstance(finish, dict) and finish.get("type") == "abort":
-            return Outcome(index, "aborted" if abort else "error", abort, fault_to_end, rid=rid)
+            return Outcome(
+                index, "aborted" if abort else "error", abort, fault_to_end, rid=rid,
+                fault_at_s=aborted_at[0] if aborted_at else None,
+            )  # fmt: skip
         ids = [int(t) for t in body["output_ids"]]
         kind = expected[index].judge(ids)
         if kind == "ok":
             return Outcome(index, kind, abort, None, rid=rid)
         detail = f"finish {finish}, got {ids}, expected {expected[index]}"
-        return Outcome(index, kind, abort, fault_to_end, detail, rid)
+        return Outcome(
+            index, kind, abort, fault_to_end, detail, rid, aborted_at[0] if aborted_at else None
+        )
 
     outcomes = []
     with ThreadPoolExecutor(max_workers=concurrency) as pool:

@@ -151,6 +151,10 @@ class ShardRegistration(_Message, tag="register", frozen=True):
     decoder_samples_first: bool = True
     # decode: registered memory that receives re-laid-out KV blocks (`core.relayout`)
     staging: Region | None = None
+    # prefill: once a decoder lost contact with this rank, its writes have ended (or
+    # will never start) within this many ms: its hang timeout plus its transfer engine's
+    # (`core.bounds`); a decoder must hold an ended request's pages at least this long
+    writes_end_within_ms: U32 = 0
 
     def __post_init__(self) -> None:
         if self.rank >= self.scheme.tp_size:

@@ -30,6 +30,7 @@ import logging
 import random
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sgl_pd.core.bounds import TimingBounds
@@ -99,7 +100,9 @@ class ReliableSender:
         self._clock = clock
         self.faults = faults if faults is not None else ControlFaults()
         self._seqs = itertools.count(1)
-        self._lock = threading.Lock()
+        # re-entrant: an outbox that delivers at once (in-process peers) may bring the
+        # acknowledgement back while the message is being queued under it
+        self._lock = threading.RLock()
         self._pending: OrderedDict[int, _Pending] = OrderedDict()  # seq -> pending
         self.resent = 0
         self.given_up = 0
@@ -122,8 +125,23 @@ class ReliableSender:
             if len(self._pending) > MAX_PENDING:
                 _, oldest = self._pending.popitem(last=False)
                 self._give_up(oldest, "too many unacknowledged messages")
-        self._transmit(endpoint, envelope)
+            self._transmit(endpoint, envelope)  # (queued in order: see `withdraw`)
         return True
+
+    def withdraw(self, endpoint: str, match: Callable[[Guarded], bool]) -> int:
+        """Stops resending the messages to `endpoint` that `match`: a message that went
+        stale (a request's TransferRequest once it is aborted). Every copy already queued
+        goes out before anything sent after this call (one queue per peer, filled under
+        this sender's lock), so a copy can never overtake what follows, e.g. the Abort."""
+        with self._lock:
+            seqs = [
+                s
+                for s, p in self._pending.items()
+                if p.endpoint == endpoint and match(p.envelope.message)
+            ]
+            for seq in seqs:
+                del self._pending[seq]
+        return len(seqs)
 
     def on_delivered(self, ack: Delivered) -> None:
         if ack.instance != self._instance:
@@ -168,8 +186,8 @@ class ReliableSender:
                     pending.next_s = now + pending.interval_s
                     due.append(pending)
             self.resent += len(due)
-        for pending in due:
-            self._transmit(pending.endpoint, pending.envelope)
+            for pending in due:
+                self._transmit(pending.endpoint, pending.envelope)
         return len(due)
 
     def close(self) -> None:
@@ -187,6 +205,7 @@ class ReliableSender:
                 _log.log(logging.ERROR, "resend", why, exc_info=True)
 
     def _transmit(self, endpoint: str, envelope: Sequenced) -> None:
+        """Lock held: copies reach the peer's queue in the order they were sent."""
         if self.faults.drop():
             return
         self._outbox.send(endpoint, envelope)

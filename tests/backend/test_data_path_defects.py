@@ -10,13 +10,15 @@ from __future__ import annotations
 import threading
 import time
 
+import msgspec
 import numpy as np
 import pytest
 
 from sgl_pd.backend.prefill.rooms import FAILED_BATCH_QUARANTINE_S, UNOWNED_GRACE_S
 from sgl_pd.core.page_ids import PageIds
+from sgl_pd.core.sharding import ShardingScheme
 from sgl_pd.core.states import DecodeState, PrefillState
-from sgl_pd.core.wire import AbortAck, AbortReason, ErrorMsg
+from sgl_pd.core.wire import Abort, AbortAck, AbortReason, ErrorMsg, TransferRequest
 from sgl_pd.transfer.engine import Writes
 from sgl_pd.transfer.errors import TransferFailed
 from sgl_pd.transfer.fake import FakeFabric, FakeTransferEngine
@@ -324,4 +326,97 @@ def test_a_room_reused_while_its_pages_are_released_keeps_the_old_release_intact
     _wait(lambda: bool(_acks(rig, 31)))
     assert d.messenger.is_release_safe(31, 1)  # the old request's ack reached it
     d.messenger.forget(31, owner=old_receiver)
+    rig.prefill.writers.close()
+
+
+# -- orderings that resent control messages make possible ----------------------------------
+
+
+def _tp2_request(rig: Rig, rank: int, instance: int, room: int) -> TransferRequest:
+    base = rig.decoders.get("decode-base") or rig.add_decoder("decode-base")
+    registration = msgspec.structs.replace(
+        base.registration,
+        rank=rank,
+        scheme=ShardingScheme(2),
+        instance=instance,
+        inbox=f"decode-{rank}",
+    )
+    return TransferRequest(
+        request_id=room, decoder=registration, dst_pages=(30, 31), metadata_slot=1,
+        completion_slot=1,
+    )  # fmt: skip
+
+
+def test_an_abort_that_overtakes_its_ranks_transfer_request_is_acked() -> None:
+    """A TP2 decoder: rank 1's TransferRequest is being resent when the request is
+    aborted, and rank 1's Abort arrives first. It is acked (this rank never wrote to it,
+    and refuses the copy when it comes), not refused - else rank 1's pages would wait
+    for SGLang's deferred-release timeout."""
+    rig = Rig()
+    rig.prefill.track(40)
+    rig.prefill.on_transfer_request(_tp2_request(rig, 0, 100, 40))
+    for rank, instance in ((0, 100), (1, 101)):
+        rig.prefill.on_abort(
+            Abort(
+                request_id=40, reason=AbortReason.CLIENT, decoder_instance=instance,
+                reply_to=f"decode-{rank}",
+            )
+        )  # fmt: skip
+    rig.prefill.on_transfer_request(_tp2_request(rig, 1, 101, 40))  # the late copy
+    acked = {inbox for inbox, m in rig.sent if isinstance(m, AbortAck)}
+    assert acked == {"decode-0", "decode-1"}
+    assert _errors(rig, "decode-1", 40)  # the late copy is refused
+    rig.prefill.writers.close()
+
+
+def test_an_abort_of_a_stranger_instance_stops_nothing() -> None:
+    """Once every decode rank of the request asked, an abort from any other instance is
+    refused: only the owners can stop a request."""
+    rig = Rig()
+    d = rig.add_decoder("decode-a")
+    rig.request(d, 41, list(range(30, 34)), slot=1)
+    rig.prefill.on_abort(
+        Abort(request_id=41, reason=AbortReason.CLIENT, decoder_instance=999, reply_to="x")
+    )
+    assert rig.prefill.state(41)[0] is PrefillState.READY  # type: ignore[index]
+    assert not [m for to, m in rig.sent if to == "x"]
+    rig.prefill.writers.close()
+
+
+def test_an_aborting_decoder_withdraws_its_transfer_request_first() -> None:
+    """A resent copy of an aborted request's TransferRequest must never reach the prefill
+    rank after its Abort: it could find the request forgotten there (acked, its pages
+    freed) and have it written into them. The decoder withdraws it before the Abort."""
+    rig = Rig()
+    d = rig.add_decoder("decode-a")
+    order: list[str] = []
+    d.messenger._withdraw = lambda inbox, room: order.append(f"withdraw {inbox} {room}")
+    send = d.messenger._send
+    d.messenger._send = lambda inbox, m: (
+        order.append(f"{type(m).__name__} {inbox}") or send(inbox, m)
+    )
+    rig.request(d, 42, list(range(30, 34)), slot=2)
+    d.messenger.fail(42, "client went away", AbortReason.CLIENT)
+    assert order == [
+        "TransferRequest prefill-0",
+        "withdraw prefill-0 42",
+        "Abort prefill-0",
+    ]
+    rig.prefill.writers.close()
+
+
+def test_a_copy_of_a_transfer_request_changes_nothing() -> None:
+    """A duplicate that outlived the receiver's memory of it is a no-op: the destination
+    (and its count of groups written) stays as it was."""
+    rig = Rig()
+    d = rig.add_decoder("decode-a")
+    rig.request(d, 43, list(range(30, 34)), slot=3)
+    rig.prefill_all(43, list(range(10, 14)))
+    wait_state(d, 43, DecodeState.COMPLETE)
+    room = rig.prefill.rooms.rooms_of([43])[0]
+    destination, groups = room.destinations[0], room.destinations[0].groups_done
+    copy = next(m for _, m in rig.sent if isinstance(m, TransferRequest) and m.request_id == 43)
+    rig.prefill.on_transfer_request(copy)
+    assert room.destinations[0] is destination and destination.groups_done == groups
+    assert not _errors(rig, "decode-a", 43)
     rig.prefill.writers.close()

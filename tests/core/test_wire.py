@@ -480,7 +480,7 @@ FIELDS_AT_VERSION = (
                     "decoder_sessions", "metadata_slot", "completion_slot"),
         "register": ("role", "rank", "scheme", "session", "inbox", "instance", "layout",
                      "num_pages", "kv_regions", "layer_group_size", "metadata", "completion",
-                     "decoder_samples_first", "staging"),
+                     "decoder_samples_first", "staging", "writes_end_within_ms"),
         "register_ack": ("rank",),
         "register_shard": ("rank", "tp_size", "instance", "registration"),
         "registry_query": ("sender",),

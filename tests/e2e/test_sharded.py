@@ -61,7 +61,8 @@ MODES = {  # page size -> send mode of the TP2 and the TP1 prefill server
 
 
 def _mesh_servers(page: int) -> list[MeshServer]:
-    common = (*COMMON_ARGS, "--page-size", str(page))
+    # every pairing verifies each request's KV by checksum (in model coordinates, across TP)
+    common = (*COMMON_ARGS, "--page-size", str(page), "--pd-kv-checksum")
     slowed = ("--pd-inject-write-delay-ms", str(WRITE_DELAY_MS)) if page == 16 else ()
     return [
         MeshServer(

@@ -5,6 +5,7 @@ that was frozen past the hang timeout notices it."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import socket
 import threading
@@ -246,6 +247,37 @@ def test_a_process_frozen_past_the_hang_timeout_notices_once_it_runs_again() -> 
             watched.ticks.clear()
             assert watched.ticks.wait(5)
             assert watched.freezes.empty()
+        finally:
+            beats.stop()
+            outbox.close()
+
+
+def test_a_slow_probe_of_an_unreachable_peer_is_not_a_freeze(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The liveness loop's own work (a probe of a partitioned host waits up to its
+    budget) is not time this process did not run: with a short hang timeout, counting
+    it would fail every live request of a process that never stopped."""
+    from sgl_pd.backend import heartbeats
+
+    def slow_probe(inbox: str, session: str | None) -> bool:
+        time.sleep(2.0)  # a connection attempt to a host that does not answer
+        return False
+
+    class Silent(_Watched):
+        def active_peers(self) -> dict[str, str | None]:
+            return {"tcp://10.255.255.1:5555": None}
+
+    monkeypatch.setattr(heartbeats, "peer_gone", slow_probe)
+    with LinkPool(CODEC_HASH) as links:
+        outbox = Outbox(links, "hb")
+        watched = Silent(set())
+        beats = Heartbeats(
+            "tcp://127.0.0.1:9", outbox, watched, hang_timeout_s=2.5, clock=SystemClock(),
+            name="p",
+        )  # fmt: skip
+        try:
+            with contextlib.suppress(queue.Empty):
+                frozen_s = watched.freezes.get(timeout=3.0)
+                raise AssertionError(f"a process that never stopped 'froze' for {frozen_s} s")
         finally:
             beats.stop()
             outbox.close()

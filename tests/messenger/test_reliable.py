@@ -178,3 +178,23 @@ def test_the_receiver_remembers_longer_than_any_sender_resends() -> None:
 def test_a_drop_rate_of_one_or_more_is_refused() -> None:
     with pytest.raises(ValueError, match="drop rate"):
         ControlFaults(1.0)
+
+
+def test_a_withdrawn_message_never_follows_what_was_sent_after_it() -> None:
+    """A TransferRequest lost on its way is being resent when its request is aborted:
+    withdrawn, no copy of it reaches the prefill rank after the Abort does."""
+    from sgl_pd.core.wire import TransferRequest
+
+    net = Network()
+    net.paused.add(PREFILL)
+    sender = net.senders[DECODE]
+    request = AbortAck(request_id=7, prefill_rank=0, prefill_instance=1)  # (stands for it)
+    sender.send(PREFILL, request)
+    net.run(1.0)
+    assert sender.withdraw(PREFILL, lambda m: m.request_id == 7) == 1
+    abort = Abort(request_id=7, reason=AbortReason.CLIENT, decoder_instance=22)
+    sender.send(PREFILL, abort)
+    net.paused.clear()
+    net.run(5.0)
+    assert net.handled[PREFILL] == [abort]
+    assert sender.withdraw(PREFILL, lambda m: isinstance(m, TransferRequest)) == 0

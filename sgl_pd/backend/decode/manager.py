@@ -13,7 +13,15 @@ from sgl_pd.backend.first_token import require_decode_patches
 from sgl_pd.backend.heartbeats import Watched
 from sgl_pd.backend.manager import SglPdKVManager
 from sgl_pd.core.clock import Clock
-from sgl_pd.core.wire import AbortAck, AbortReason, ChunkNotice, ErrorMsg, Message, Role
+from sgl_pd.core.wire import (
+    AbortAck,
+    AbortReason,
+    ChunkNotice,
+    ErrorMsg,
+    Message,
+    Role,
+    TransferRequest,
+)
 from sgl_pd.messenger.peers import PeerDirectory, PrefillTable
 
 logger = logging.getLogger("sgl_pd.manager")
@@ -41,6 +49,9 @@ class DecodeKVManager(SglPdKVManager):
             tracing=self.tracing,
             staging_hold_s=self.bounds.staging_hold_s,
             sums=self._kv_sums(server_args),
+            withdraw=lambda inbox, room: self.reliable.withdraw(
+                inbox, lambda m: isinstance(m, TransferRequest) and m.request_id == room
+            ),
         )
         self.registration = self.registration_for(
             layer_group_size=1, completion=self.decode.completion_area

@@ -98,6 +98,8 @@ def _refused(room: int, sender: int | None, what: str) -> None:
 
 # (inbox endpoint, message): never blocks; sent until acknowledged (`messenger.reliable`)
 SendFn = Callable[[str, Guarded], object]
+# (inbox endpoint, room): stop resending that request's TransferRequest to that inbox
+WithdrawFn = Callable[[str, int], object]
 _D = DecodeState
 
 
@@ -163,10 +165,12 @@ class DecodeMessenger:
         tracing: RequestTracing | None = None,
         staging_hold_s: float = ORPHAN_STAGING_HOLD_S,
         sums: KvSums | None = None,
+        withdraw: WithdrawFn | None = None,
     ) -> None:
         self.rank = rank
         self._staging_hold_s = staging_hold_s
         self._sums = sums  # --pd-kv-checksum: what landed is verified before hand-off
+        self._withdraw = withdraw
         self._tracing = tracing if tracing is not None else RequestTracing(False)
         self.instance = instance  # this rank's, named in its aborts
         self._staging = staging
@@ -467,6 +471,11 @@ class DecodeMessenger:
             reply_to=reply_to,
         )
         for inbox in targets.values():
+            # A copy of its TransferRequest sent again after the Abort could reach the
+            # prefill rank after it acked and forgot the request, and ask it to write
+            # into pages freed by then: no copy goes out after the Abort.
+            if self._withdraw is not None:
+                self._withdraw(inbox, room)
             self._send(inbox, message)
 
     def abort_unrequested(

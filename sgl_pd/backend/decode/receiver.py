@@ -10,6 +10,7 @@ import numpy as np
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll
 
 from sgl_pd.backend.failure_cause import cause_of, cause_of_abort
+from sgl_pd.core.errors import DuplicateRequest
 from sgl_pd.core.failures import FailureCause
 from sgl_pd.core.states import DECODE_TABLE, DecodeState
 from sgl_pd.core.wire import AbortReason
@@ -105,6 +106,17 @@ class SglPdKVReceiver(BaseKVReceiver):
                 f" {who[not theirs]}: start both with the same"
             )
             return
+        needed_s = max(s.writes_end_within_ms for s in table.shards) / 1000
+        holds_s = self.kv_mgr.bounds.deferred_release_s or 0.0
+        if needed_s > holds_s:
+            self._fail(
+                f"the prefill server at {self.bootstrap_addr} may still write {needed_s:g} s"
+                " after a decoder lost contact with it (its --pd-hang-timeout and transfer"
+                f" engine timeout), and this decoder frees an ended request's pages after"
+                f" {holds_s:g} s: start both with the same"
+                " --pd-hang-timeout"
+            )
+            return
         try:
             self.kv_mgr.decode.request(
                 self.bootstrap_room,
@@ -116,6 +128,11 @@ class SglPdKVReceiver(BaseKVReceiver):
                 held_tokens=held,
                 owner=self,
             )
+        except DuplicateRequest as e:
+            # the room belongs to an earlier request still here: an Abort naming it
+            # would stop that one, whose prefill ranks this receiver must leave alone
+            self._fail(str(e), cause=cause_of(e), tell_prefill=False)
+            return
         except SglPdError as e:
             self._fail(str(e), cause=cause_of(e))
             return
@@ -147,6 +164,7 @@ class SglPdKVReceiver(BaseKVReceiver):
         reason: str,
         abort: AbortReason = AbortReason.ERROR,
         cause: FailureCause = FailureCause.REFUSED,
+        tell_prefill: bool = True,
     ) -> None:
         """`cause`: what is counted when no page was asked for yet (the decode messenger
         counts requests it tracks); by default a configuration this decoder refuses."""
@@ -161,9 +179,10 @@ class SglPdKVReceiver(BaseKVReceiver):
             self.kv_mgr.metrics.add_failure(cause)
             # no page was asked for, so nothing is in flight; but the prefiller holds the
             # router's copy of the request and would wait for us until its timeout
-            self.kv_mgr.abort_unrequested(
-                self.bootstrap_addr, self._table, self.bootstrap_room, reason, abort
-            )
+            if tell_prefill:
+                self.kv_mgr.abort_unrequested(
+                    self.bootstrap_addr, self._table, self.bootstrap_room, reason, abort
+                )
         logger.warning("request %d: %s", self.bootstrap_room, reason)
 
     def _conclude(self, state: int) -> None:

@@ -128,6 +128,9 @@ class Room:
     quarantine_until_s: float | None = None  # a failed batch may land until then
     error: str | None = None
     acks_owed: set[str] = field(default_factory=set)  # decoder inboxes awaiting a drain ack
+    # decode ranks (instances) that aborted before they asked for pages: their requests
+    # for this room, should a copy still come, are refused (their abort was acked)
+    aborted_early: set[int] = field(default_factory=set)
     ended_s: float | None = None  # when it became final
     # SGLang stopped tracking it (aborted it itself, or cleared it while writes ran): it
     # will not poll again, so `sweep` drops it once drained
@@ -206,7 +209,11 @@ class PrefillRooms:
             room = self._room(request.request_id)
             if room.error is not None:
                 return room.error
+            if decoder.instance in room.aborted_early:
+                return f"decode rank {decoder.rank} aborted request {room.room} before it asked"
             held = room.requests.get(decoder.rank)
+            if held == request:
+                return None  # a copy of what this rank asked: nothing changes
             if held is not None and held.decoder.instance != decoder.instance:
                 return (
                     f"decode rank {decoder.rank} of another instance already asked for"
@@ -477,7 +484,19 @@ class PrefillRooms:
         with self._lock:
             room = self._rooms.get(room_id)
             owners = {q.decoder.instance for q in room.requests.values()} if room else set()
-            if decoder_instance is not None and owners and decoder_instance not in owners:
+            if (
+                room is not None
+                and decoder_instance is not None
+                and owners
+                and decoder_instance not in owners
+            ):
+                if len(room.requests) < (room.decoder_tp or 0):
+                    # Another rank of the request's decoder whose TransferRequest has not
+                    # come (it was resent, and its abort overtook it): this rank never
+                    # wrote to it and never will - the copy is refused when it comes -
+                    # so its abort is acked, and nothing else changes.
+                    room.aborted_early.add(decoder_instance)
+                    return {ack_to} if ack_to else set()
                 return None
             if room is None:
                 # Nothing of it is or will be in flight. Remember it failed, so that the
