@@ -325,18 +325,25 @@ def test_a_prefiller_paused_past_the_hang_timeout_fails_its_request_then_serves(
     decoder fails the request as hung (the process still accepts connections), the
     prefiller, once it runs again, fails what it held and writes nothing more for it,
     both pools go back to idle, and the next request is served."""
-    ids = long_prompt_ids(LONG, start=91)
-    marks = {s.url: _log_size(s) for s in (faulty.prefill, faulty.decode)}
-    answer: list[requests.Response] = []
-    sender = threading.Thread(
-        target=lambda: answer.append(post_generate(faulty.router_url, ids, "hang-1", 4))
-    )
-    with periodic_pauses([faulty.prefill.process], every_s=1.0, pause_s=HANG_S + 4) as paused:
-        sender.start()
-        while not paused:  # one pause, then the block ends
-            time.sleep(0.2)
-    sender.join(120)
-    assert answer and (answer[0].status_code != 200 or _finish(answer[0]) == "abort")
+    for attempt in range(3):  # an injected write failure may end it before the pause
+        ids = long_prompt_ids(LONG, start=91 + 1000 * attempt)
+        rid = f"hang-{attempt}"
+        marks = {s.url: _log_size(s) for s in (faulty.prefill, faulty.decode)}
+        answer: list[requests.Response] = []
+        sender = threading.Thread(
+            target=lambda a=answer, i=ids, r=rid: a.append(
+                post_generate(faulty.router_url, i, r, 4)
+            )
+        )
+        with periodic_pauses([faulty.prefill.process], every_s=1.0, pause_s=HANG_S + 4) as paused:
+            sender.start()
+            while not paused:  # one pause, then the block ends
+                time.sleep(0.2)
+        sender.join(120)
+        assert answer and (answer[0].status_code != 200 or _finish(answer[0]) == "abort")
+        cause = decode_failures([faulty.decode.process.log_path]).get(rid, "")
+        if "injected failure" not in cause:
+            break
     assert "hung:" in _log_tail(faulty.decode, marks[faulty.decode.url])
     deadline = time.monotonic() + 30
     while "did not run for" not in _log_tail(faulty.prefill, marks[faulty.prefill.url]):
