@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import logging
-import random
+import secrets
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -214,7 +214,8 @@ class SglPdKVManager(BaseKVManager):
         self.rank = int(args.engine_rank)
         self.scheme = ShardingScheme(parallel.attn_tp_size)
         self.tp_rank = parallel.tp_rank
-        self.instance = random.getrandbits(63)
+        # from the OS, not `random`: SGLang seeds `random` alike in every rank of a server
+        self.instance = secrets.randbits(63)
         # listeners bind --host; peers are told an address they can reach
         hosts = resolve_hosts(
             str(server_args.host), self.config.advertise_host, self.config.allow_loopback_advertise

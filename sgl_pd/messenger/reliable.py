@@ -15,7 +15,7 @@ decoder is about to free. So every guarded message (`core.wire.Guarded`) goes in
   hung, and every request it had here fails anyway), or `give_up_s` after the first send
   (past the hang timeout and the transfer timeout: its request has ended on both sides).
 - `ReliableReceiver` answers every copy with `Delivered` (the answer may be lost too) and
-  hands the message on only the first time: it remembers (instance, seq) for
+  hands the message on only the first time: it remembers (sender, instance, seq) for
   `window_s`, longer than any sender resends, so a duplicate can never come after it
   forgot. Handlers so see each guarded message exactly once while both peers live.
 
@@ -240,7 +240,8 @@ class ReliableReceiver:
         # longer than any sender resends a message: a copy never outlives its record
         self.window_s = 2 * bounds.give_up_s
         self._lock = threading.Lock()
-        self._seen: OrderedDict[tuple[int, int], float] = OrderedDict()  # -> first seen at
+        # (sender inbox, instance, seq) -> first seen at
+        self._seen: OrderedDict[tuple[str, int, int], float] = OrderedDict()
         self.duplicates = 0
 
     def accept(self, envelope: Sequenced) -> Guarded | None:
@@ -250,7 +251,7 @@ class ReliableReceiver:
                 envelope.sender,
                 Delivered(receiver=self._me, instance=envelope.instance, seqs=(envelope.seq,)),
             )
-        key = (envelope.instance, envelope.seq)
+        key = (envelope.sender, envelope.instance, envelope.seq)
         now = self._clock.monotonic()
         with self._lock:
             while self._seen:

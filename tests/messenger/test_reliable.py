@@ -52,6 +52,8 @@ class Network:
             self.handled[me] = []
 
     def deliver(self, to: str, message: Message) -> None:
+        if to not in self.receivers:
+            return  # (an answer to a rank outside this network)
         if to in self.paused:
             return  # ZMQ dropped it: no connection, or the connection broke
         if isinstance(message, Sequenced):
@@ -198,3 +200,16 @@ def test_a_withdrawn_message_never_follows_what_was_sent_after_it() -> None:
     net.run(5.0)
     assert net.handled[PREFILL] == [abort]
     assert sender.withdraw(PREFILL, lambda m: isinstance(m, TransferRequest)) == 0
+
+
+def test_ranks_that_number_alike_are_told_apart() -> None:
+    """Two ranks of one server whose instance ids and sequence numbers coincide (SGLang
+    seeds `random` alike in every rank): each one's message is handed on."""
+    net = Network()
+    outbox = _Outbox(net, "tcp://decode-rank1:3")
+    twin = ReliableSender(outbox, "tcp://decode-rank1:3", 22, BOUNDS, net.clock, start_thread=False)  # type: ignore[arg-type]
+    first = AbortAck(request_id=1, prefill_rank=0, prefill_instance=1)
+    second = AbortAck(request_id=2, prefill_rank=0, prefill_instance=1)
+    net.senders[DECODE].send(PREFILL, first)
+    twin.send(PREFILL, second)
+    assert net.handled[PREFILL] == [first, second]

@@ -49,6 +49,7 @@ class DecodeKVManager(SglPdKVManager):
             tracing=self.tracing,
             staging_hold_s=self.bounds.staging_hold_s,
             sums=self._kv_sums(server_args),
+            pool_device=self._pool_device(server_args),
             withdraw=lambda inbox, room: self.reliable.withdraw(
                 inbox, lambda m: isinstance(m, TransferRequest) and m.request_id == room
             ),

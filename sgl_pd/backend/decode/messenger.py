@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
+from sgl_pd.backend.device_memory import flush_remote_writes
 from sgl_pd.backend.failure_cause import cause_of_abort, cause_of_code
 from sgl_pd.backend.kv_sums import KvSums, token_slots
 from sgl_pd.backend.metrics import TransferMetrics
@@ -166,11 +167,13 @@ class DecodeMessenger:
         staging_hold_s: float = ORPHAN_STAGING_HOLD_S,
         sums: KvSums | None = None,
         withdraw: WithdrawFn | None = None,
+        pool_device: str | None = None,
     ) -> None:
         self.rank = rank
         self._staging_hold_s = staging_hold_s
         self._sums = sums  # --pd-kv-checksum: what landed is verified before hand-off
         self._withdraw = withdraw
+        self._pool_device = pool_device  # "cuda:N": remote writes are flushed at hand-off
         self._tracing = tracing if tracing is not None else RequestTracing(False)
         self.instance = instance  # this rank's, named in its aborts
         self._staging = staging
@@ -501,6 +504,10 @@ class DecodeMessenger:
             staged = None if track is None else track.staging_offset
         if track is None:
             return False
+        if self._pool_device is not None:
+            # the count words are in host memory, the KV in the GPU's: make every write
+            # that landed visible before anything reads the pages (scatter, sums, decode)
+            flush_remote_writes(self._pool_device)
         if staged is not None:
             assert self._staging is not None and track.placement is not None
             area = self._staging.area
