@@ -22,10 +22,11 @@ import numpy.typing as npt
 
 from sgl_pd.backend.device_memory import byte_tensor
 from sgl_pd.backend.pool import PoolDescription
-from sgl_pd.core.kv_checksum import MASK, WORD_BYTES, head_weights, token_weights
+from sgl_pd.core.kv_checksum import MASK, ROW_ALIGN, WORD_BYTES, head_weights, token_weights
 from sgl_pd.core.sharding import ShardLink
 
 I64 = npt.NDArray[np.int64]
+SUM_BLOCK_TOKENS = 4096  # tokens summed at once (bounds the device memory a sum takes)
 
 
 def token_slots(pages: I64, first_page: int, start: int, stop: int, page_size: int) -> I64:
@@ -43,7 +44,7 @@ class KvSums:
 
         self.layout = pool.layout
         self.key = key
-        if self.layout.row_bytes % WORD_BYTES:
+        if self.layout.row_bytes % ROW_ALIGN:
             raise ValueError(
                 f"--pd-kv-checksum sums 64-bit words; a KV row of {self.layout.row_bytes}"
                 " bytes is not whole words"
@@ -67,10 +68,12 @@ class KvSums:
         return [self.layout.region_index(layer, part) for layer in layers for part in parts]
 
     def zeros(self) -> Any:
-        """A (regions,) int64 accumulator on the device."""
+        """A (regions,) int64 accumulator on the device (made on the sums' stream, which
+        every later use of it runs on)."""
         import torch
 
-        return torch.zeros(self.layout.num_regions, dtype=torch.int64, device=self.device)
+        with self._on_stream():
+            return torch.zeros(self.layout.num_regions, dtype=torch.int64, device=self.device)
 
     def add_link(
         self,
@@ -90,25 +93,28 @@ class KvSums:
         start, stop = tokens
         if stop <= start or not regions:
             return
-        words = self.layout.row_bytes // WORD_BYTES
+        pieces = self.layout.row_bytes // WORD_BYTES
         nh = link.num_heads
         with self._on_stream():
-            rows = torch.from_numpy(slots).to(self.device)
             for region in regions:
                 heads = head_weights(
                     self.key, room, region, link.head_lo, link.head_hi, self.layout.row_bytes
                 )
-                weights = torch.from_numpy(
-                    token_weights(self.key, room, region, start, stop).view(np.int64)
-                ).to(self.device)
-                picked = torch.index_select(
-                    self._views[region][:, local_head_offset : local_head_offset + nh], 0, rows
-                )
-                x = picked.contiguous().view(torch.int64).view(len(slots), nh, words)
                 h = torch.from_numpy(heads.view(np.int64)).to(self.device)
-                # int64 arithmetic wraps: the same bits as the reference's uint64
-                per_token = (x * h).sum(dim=(1, 2))
-                into[region] += (per_token * weights).sum()
+                view = self._views[region][:, local_head_offset : local_head_offset + nh]
+                # a block of tokens at a time: the int64 products take 4x the KV's bytes
+                for lo in range(0, stop - start, SUM_BLOCK_TOKENS):
+                    hi = min(lo + SUM_BLOCK_TOKENS, stop - start)
+                    rows = torch.from_numpy(slots[lo:hi]).to(self.device)
+                    weights = torch.from_numpy(
+                        token_weights(self.key, room, region, start + lo, start + hi).view(np.int64)
+                    ).to(self.device)
+                    picked = torch.index_select(view, 0, rows).contiguous()
+                    x = picked.view(torch.int32).view(hi - lo, nh, pieces).to(torch.int64)
+                    x &= 0xFFFFFFFF  # unsigned pieces
+                    # int64 arithmetic wraps: the same bits as the reference's uint64
+                    per_token = (x * h).sum(dim=(1, 2))
+                    into[region] += (per_token * weights).sum()
 
     def read(self, sums: Any) -> tuple[int, ...]:
         """The accumulator's values as unsigned 64-bit ints (waits for the device)."""
@@ -117,8 +123,10 @@ class KvSums:
         return tuple(int(v) & MASK for v in sums.tolist())
 
     def _on_stream(self) -> Any:
+        """Work on the sums' own stream, after what the caller's stream queued."""
         import torch
 
         if self._stream is None:
             return contextlib.nullcontext()
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
         return torch.cuda.stream(self._stream)

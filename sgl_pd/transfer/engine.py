@@ -103,6 +103,13 @@ class Writes:
         return int(self.nbytes.sum())  # bytes
 
 
+class MetadataWrites(Writes):
+    """A batch of a request's metadata rows (D9), not its KV: what --pd-kv-checksum does
+    not cover, so fault injection leaves it whole (`transfer.faults`)."""
+
+    __slots__ = ()
+
+
 class BatchStatus(enum.Enum):
     """The state of a submitted batch. PENDING -> DONE or PENDING -> FAILED, nothing else."""
 

@@ -17,7 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sgl_pd.transfer.engine import BatchHandle, BatchStatus, TransferEngine, Writes
+from sgl_pd.transfer.engine import (
+    BatchHandle,
+    BatchStatus,
+    MetadataWrites,
+    TransferEngine,
+    Writes,
+)
 from sgl_pd.transfer.errors import TransferFailed
 
 logger = logging.getLogger("sgl_pd.faults")
@@ -72,7 +78,8 @@ class FaultInjectingEngine:
                     peer, len(writes), writes.total_bytes, "injected failure", may_still_land=False
                 )
             self._inner.write(peer, writes)
-            self._maybe_corrupt(peer, writes)
+            if not isinstance(writes, MetadataWrites):  # (the KV checksums cover KV only)
+                self._maybe_corrupt(peer, writes)
             return
         self._inner.write(peer, writes)
 

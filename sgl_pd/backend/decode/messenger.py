@@ -527,7 +527,13 @@ class DecodeMessenger:
             )
             with self._lock:
                 self._drop_staging(track)
-        mismatch = None if self._sums is None else self._verify(track)
+        mismatch = None
+        if self._sums is not None:
+            try:
+                mismatch = self._verify(track)
+            except Exception as e:  # (device memory, a bug): fail it, never the scheduler
+                logger.exception("request %d: KV checksum not computed", room)
+                mismatch = f"the KV checksum could not be computed: {e!r}"[:500]
         with self._lock:
             if mismatch is None:
                 self._states.transition(room, _D.HANDED_OFF)

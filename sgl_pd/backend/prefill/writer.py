@@ -35,7 +35,7 @@ from sgl_pd.core.wire import ChunkNotice, Guarded
 from sgl_pd.errors import SglPdError
 from sgl_pd.messenger.keyed_workers import KeyedWorkers
 from sgl_pd.transfer.completion import CompletionWordWriter
-from sgl_pd.transfer.engine import TransferEngine, Writes
+from sgl_pd.transfer.engine import MetadataWrites, TransferEngine, Writes
 from sgl_pd.transfer.errors import TransferFailed
 
 logger = logging.getLogger("sgl_pd.prefill")
@@ -281,7 +281,7 @@ class KvWriter:
                 src.append(mine.base + aux_index * item)
                 dst.append(theirs.base + request.metadata_slot * item)
                 lengths.append(item)
-            writes = Writes.of(src, dst, lengths)
+            writes = MetadataWrites.of(src, dst, lengths)
             self._words.send(
                 decoder.session, writes, self._slot_base(dest), metadata_word(request.request_id)
             )
