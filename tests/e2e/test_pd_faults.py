@@ -253,18 +253,25 @@ def test_each_injected_failure_counts_once_under_its_cause(mono: Server, faulty:
     def failures(server: Server, role: str, cause: str) -> float:
         return sample(server.url, "sgl_pd_transfer_failures_total", role=role, cause=cause)
 
-    aborts = failures(faulty.decode, "decode", "abort")
-    prefill_aborts = failures(faulty.prefill, "prefill", "abort")
-    answer: list[requests.Response] = []
-    ids = long_prompt_ids(LONG, start=9000)
-    sender = threading.Thread(
-        target=lambda: answer.append(post_generate(faulty.router_url, ids, "m1", 4))
-    )
-    sender.start()
-    time.sleep(1.0)  # the writes stream for over a second: the abort lands mid-transfer
-    abort_at_decoder(faulty.decode.url, "m1")
-    sender.join(60)
-    time.sleep(1.0)
+    for attempt in range(3):  # an injected write failure may end it before the abort
+        aborts = failures(faulty.decode, "decode", "abort")
+        prefill_aborts = failures(faulty.prefill, "prefill", "abort")
+        rid = f"m1-{attempt}"
+        answer: list[requests.Response] = []
+        ids = long_prompt_ids(LONG, start=9000 + 1000 * attempt)
+        sender = threading.Thread(
+            target=lambda a=answer, i=ids, r=rid: a.append(
+                post_generate(faulty.router_url, i, r, 4)
+            )
+        )
+        sender.start()
+        time.sleep(1.0)  # the writes stream for over a second: the abort lands mid-transfer
+        abort_at_decoder(faulty.decode.url, rid)
+        sender.join(60)
+        time.sleep(1.0)
+        cause = decode_failures([faulty.decode.process.log_path]).get(rid, "")
+        if "injected failure" not in cause:
+            break
     assert failures(faulty.decode, "decode", "abort") == aborts + 1
     assert failures(faulty.prefill, "prefill", "abort") == prefill_aborts
 
