@@ -14,10 +14,11 @@ request", without failing healthy ones).
   gives up on it.
 - Frozen itself: when this thread wakes after a gap close to the hang timeout, this
   process was stopped while its peers gave up on it; the messenger fails what it still
-  holds before any writer may write again (`FreezeWatch`). A freeze that falls between
-  a writer's check and its post to the engine lets that one batch go out on waking;
-  decoders keep a hung prefiller's pages until SGLang's deferred release gives up
-  (120 s, set by the launcher), so only a freeze longer than that could land it in
+  holds before any writer may write again (`FreezeWatch`; a writer that finds the beat
+  stale fails its request itself). A freeze that falls between a writer's check and its
+  post to the engine lets that one batch go out on waking; decoders keep a hung
+  prefiller's pages until SGLang's deferred release gives up (`core.bounds`: past the
+  hang timeout and the engine's), so only a freeze longer than that could land it in
   pages given to another request.
 
 It also gives the messenger a steady tick for deadlines and bounded memory.
