@@ -230,14 +230,18 @@ def kill_during_request(
     rid: str,
     restart: Callable[[], None],
     waits_s: Sequence[float] = (1.0, 0.5, 0.25),
+    ended_early: Callable[[str], bool] | None = None,
 ) -> KillResult:
     """`kill_mid_transfer`, again sooner while the request finished before the kill (a
-    transfer is only as long as its write batches, which fewer writes shorten): `restart`
+    transfer is only as long as its write batches, which fewer writes shorten) or, per
+    `ended_early(rid)`, ended on its own before it (an injected write failure): `restart`
     brings the victim back, and each attempt sends `prompt_for(attempt)`, a prompt no
     prefix cache holds yet. Raises AssertionError when every attempt finished first."""
     for attempt, after_s in enumerate(waits_s):
-        result = kill_mid_transfer(url, victim, prompt_for(attempt), f"{rid}-{attempt}", after_s)
-        if not result.completed:
+        attempt_rid = f"{rid}-{attempt}"
+        result = kill_mid_transfer(url, victim, prompt_for(attempt), attempt_rid, after_s)
+        early = ended_early is not None and ended_early(attempt_rid)
+        if not result.completed and not early:
             return result
         restart()
     raise AssertionError(f"every request finished before its kill (waits {list(waits_s)} s)")

@@ -82,3 +82,22 @@ def test_a_kill_is_tried_again_sooner_while_the_request_finishes_first(
             "k",
             lambda: None,  # type: ignore[arg-type]
         )
+
+
+def test_a_request_that_ended_on_its_own_before_the_kill_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request an injected write failure ended before the kill answers with an error,
+    as a killed one does: `ended_early` tells them apart, and the kill is tried again."""
+    calls: list[str] = []
+
+    def kill(url: str, victim: object, ids: list[int], rid: str, after_s: float) -> KillResult:
+        calls.append(rid)
+        return KillResult(_answer(500, "abort"), 0.5)
+
+    monkeypatch.setattr(campaign, "kill_mid_transfer", kill)
+    result = campaign.kill_during_request(
+        "http://r", object(), lambda n: [n], "k", lambda: None,  # type: ignore[arg-type]
+        ended_early=lambda rid: rid == "k-0",
+    )  # fmt: skip
+    assert calls == ["k-0", "k-1"] and not result.completed

@@ -234,6 +234,11 @@ def test_concurrent_requests_on_a_new_shared_prefix_get_monolithic_tokens(
     _pools_idle(faulty)
 
 
+def _injected(cluster: PdCluster, rid: str) -> bool:
+    """The request ended on an injected write failure (not a fault a test caused)."""
+    return "injected failure" in decode_failures([cluster.decode.process.log_path]).get(rid, "")
+
+
 def _log_tail(server: Server, since: int) -> str:
     return server.process.log_path.read_bytes()[since:].decode(errors="replace")
 
@@ -378,7 +383,7 @@ def test_killed_prefiller_fails_its_requests_with_a_clear_error(
 
     response = kill_during_request(
         faulty.router_url, victim.process, lambda n: long_prompt_ids(LONG, start=77 + 3000 * n),
-        "k1", restart,
+        "k1", restart, ended_early=lambda rid: _injected(faulty, rid),
     ).response  # fmt: skip
     if response is not None:  # the router may also just drop the connection
         assert response.status_code != 200 or _finish(response) == "abort"
