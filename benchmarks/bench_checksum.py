@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{reps} repetition(s), 1 thread, device cpu")  # fmt: skip
     rows = []
     print(
-        " layout                                         KiB..MiB  prefill s  decode s"
+        " layout                                           KV MiB  prefill s  decode s"
         "  copy s  prefill/copy  decode/copy"
     )
     for model in models:
