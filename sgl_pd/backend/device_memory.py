@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from sgl_pd.backend.pool import PoolDescription
+
 
 class _CudaBytes:
     """The CUDA array interface of `nbytes` bytes at `addr` (what `torch.as_tensor` reads)."""
@@ -83,3 +85,25 @@ def flush_remote_writes(device: Any) -> None:
         code = int(_flush_fn(_FLUSH_TARGET_CURRENT_DEVICE, _FLUSH_TO_OWNER))
     if code != 0:
         raise RuntimeError(f"cudaDeviceFlushGPUDirectRDMAWrites failed with CUDA error {code}")
+
+
+def pool_region_views(pool: PoolDescription, device: Any) -> list[Any]:
+    """Per KV region (layer, part) of `pool`, a (token slots, local heads, row bytes)
+    uint8 view of its memory on `device` (SGLang's NHD buffers: slot after slot)."""
+    slots, row = pool.num_pages * pool.layout.page_size, pool.layout.row_bytes
+    return [
+        byte_tensor(r.base, slots * pool.local_heads * row, device).view(
+            slots, pool.local_heads, row
+        )
+        for r in pool.kv.regions
+    ]
+
+
+def side_stream(device: Any) -> Any:
+    """A CUDA stream of its own on `device` (never the forward's), None on the CPU."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]

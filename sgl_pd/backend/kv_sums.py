@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from sgl_pd.backend.device_memory import byte_tensor
+from sgl_pd.backend.device_memory import pool_region_views, side_stream
 from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.core.kv_checksum import MASK, ROW_ALIGN, WORD_BYTES, head_weights, token_weights
 from sgl_pd.core.sharding import ShardLink
@@ -50,18 +50,8 @@ class KvSums:
                 " bytes is not whole words"
             )
         self.device = torch.device(device)
-        slots, row = pool.num_pages * self.layout.page_size, self.layout.row_bytes
-        self._views = [
-            byte_tensor(r.base, slots * pool.local_heads * row, self.device).view(
-                slots, pool.local_heads, row
-            )
-            for r in pool.kv.regions
-        ]
-        self._stream = (
-            torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-            if self.device.type == "cuda"
-            else None
-        )
+        self._views = pool_region_views(pool, self.device)
+        self._stream = side_stream(self.device)
 
     def regions_of(self, layers: Iterable[int]) -> list[int]:
         parts = self.layout.parts

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from sgl_pd.backend.device_memory import byte_tensor
+from sgl_pd.backend.device_memory import pool_region_views, side_stream
 from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.core.relayout import ReceivePlacement, block_bytes, page_slots
 from sgl_pd.core.sharding import ShardLink
@@ -36,19 +36,8 @@ class PoolCopies:
 
         self.layout = pool.layout
         self.device = torch.device(device)
-        slots, row = pool.num_pages * self.layout.page_size, self.layout.row_bytes
-        # per region: (token slots, local heads, row bytes)
-        self._views = [
-            byte_tensor(r.base, slots * pool.local_heads * row, self.device).view(
-                slots, pool.local_heads, row
-            )
-            for r in pool.kv.regions
-        ]
-        self._stream = (
-            torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-            if self.device.type == "cuda"
-            else None
-        )
+        self._views = pool_region_views(pool, self.device)
+        self._stream = side_stream(self.device)
 
     def gather(self, out: Any, regions: range, link: ShardLink, pages: I64) -> None:
         """Into `out` ((len(regions) * block,) uint8): for each region, the link's heads
