@@ -88,6 +88,7 @@ def idle_prefill_restart(cluster: PdCluster, mono: Server, n: int) -> dict[str, 
     """Restart the prefiller while nothing is in flight, then send one request at once:
     it must be served (by the new ranks) on its first try."""
     time.sleep(2.0)  # idle: no liveness check has reason to look at the prefiller
+    cluster.prefill.process.stop()
     cluster.prefill.process.restart(f"idle{n}")
     cluster.prefill.process.wait_http_ready(
         f"{cluster.prefill.url}/health", local_patience().server_ready_s
