@@ -11,8 +11,9 @@ one of its writes fails, while others may still be posted: the request stays und
 for `FAILED_BATCH_QUARANTINE_S`, the engine's transfer timeout, after such a failure).
 No job starts once a request is final (`begin_write` refuses). Then, and only then:
 - its source pages are unpinned (`core.pins`): SGLang may reuse them, however and
-  whenever it freed them (radix de-duplication, its own aborts);
-- SGLang's `poll` may report Failed (SGLang frees the pages it still holds);
+  whenever it freed them (radix de-duplication, its own aborts, a failed request's
+  release: SGLang's `poll` reports Failed at once, so its client hears without waiting
+  for a failed batch's quarantine, and the pins keep the pages meanwhile);
 - the `AbortAck`s owed to decoders go out, which is what lets a decoder free its own
   pages (so a decoder never frees pages a write of ours may still land in).
 

@@ -78,8 +78,11 @@ class SglPdKVSender(BaseKVSender):
         self._messenger.submit_chunk(self.bootstrap_room, pages, tokens, ready=ready)
 
     def poll(self) -> int:
-        """A failed request reads as Transferring until its writes in flight have ended:
-        SGLang frees the source pages on Failed, and a write may still be reading them."""
+        """A failed request reads as Failed at once, writes in flight or not: SGLang then
+        frees its source pages, but every page a queued, running or possibly still
+        landing write names stays pinned until the request drained (`core.pins`: the
+        allocator holds such pages back), so the client hears now rather than after a
+        failed batch's quarantine."""
         if self._concluded is not None:
             return self._concluded
         seen = self._messenger.state(self.bootstrap_room)
@@ -87,10 +90,8 @@ class SglPdKVSender(BaseKVSender):
             self._error = self._error or "the request is no longer known to this rank"
             self._conclude(KVPoll.Failed)
             return KVPoll.Failed
-        state, drained, error = seen
+        state, _drained, error = seen
         if PREFILL_TABLE.is_final(state) and state is not PrefillState.DONE:
-            if not drained:
-                return KVPoll.Transferring
             self._error = error
             self._conclude(KVPoll.Failed)
             return KVPoll.Failed
