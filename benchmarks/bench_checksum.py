@@ -51,14 +51,20 @@ MODELS = (
 )
 
 
-def _pool(model: Model, pages: int) -> tuple[PoolDescription, list[torch.Tensor]]:
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _pool(model: Model, pages: int, device: str) -> tuple[PoolDescription, list[torch.Tensor]]:
     layout = KvLayout.gqa(
         num_layers=model.layers, num_kv_heads=model.kv_heads, head_dim=model.head_dim,
         page_size=1, elem_bytes=2, page_layout=PageLayout.NHD,
     )  # fmt: skip
     row = layout.page_bytes(model.kv_heads)
     buffers = [
-        torch.randint(0, 255, (pages * row,), dtype=torch.uint8) for _ in range(layout.num_regions)
+        torch.randint(0, 255, (pages * row,), dtype=torch.uint8, device=device)
+        for _ in range(layout.num_regions)
     ]
     regions = tuple(Region(int(b.data_ptr()), b.numel()) for b in buffers)
     pool = PoolDescription(
@@ -68,9 +74,9 @@ def _pool(model: Model, pages: int) -> tuple[PoolDescription, list[torch.Tensor]
     return pool, buffers
 
 
-def measure(model: Model, reps: int) -> dict[str, float | str]:
-    pool, buffers = _pool(model, TOKENS + 64)
-    sums = KvSums(pool, "cpu", checksum_key(b"benchmark secret, 16+ bytes"))
+def measure(model: Model, reps: int, device: str) -> dict[str, float | str]:
+    pool, buffers = _pool(model, TOKENS + 64, device)
+    sums = KvSums(pool, device, checksum_key(b"benchmark secret, 16+ bytes"))
     link = ShardLink(0, 0, 0, model.kv_heads, 0, model.kv_heads, 0, model.kv_heads)
     pages = np.random.default_rng(0).permutation(TOKENS + 64)[:TOKENS].astype(np.int64)
     regions = list(range(pool.layout.num_regions))
@@ -94,10 +100,12 @@ def measure(model: Model, reps: int) -> dict[str, float | str]:
         assert sums.read(acc) == sent
         decode.append(time.perf_counter() - started)
 
-        rows = torch.from_numpy(pages)
+        rows = torch.from_numpy(pages).to(device)
+        _sync(device)
         started = time.perf_counter()
         for b in buffers:  # one copy of the request's rows: what a transfer reads at least
             b.view(TOKENS + 64, -1).index_select(0, rows)
+        _sync(device)
         copy.append(time.perf_counter() - started)
     p, d, c = (statistics.median(x) for x in (prefill, decode, copy))
     return {
@@ -115,24 +123,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two layouts, one repetition")
     parser.add_argument("--out", default=None, help="unused: no files written")
+    parser.add_argument("--device", default="cpu", help="where the pool lives (cpu, cuda)")
     args = parser.parse_args(argv)
     models = MODELS[:2] if args.quick else MODELS
     reps = 1 if args.quick else 3
     torch.set_num_threads(1)  # as one scheduler process of a served server
     print(f"[bench] keyed KV sums of one {TOKENS}-token request ({CHUNK}-token chunks), "
-          f"{reps} repetition(s), 1 thread, device cpu")  # fmt: skip
+          f"{reps} repetition(s), 1 thread, device {args.device}")  # fmt: skip
     rows = []
     print(
         " layout                                           KV MiB  prefill s  decode s"
         "  copy s  prefill/copy  decode/copy"
     )
     for model in models:
-        row = measure(model, reps)
+        row = measure(model, reps, args.device)
         rows.append(row)
         print(f" {row['model']:46s} {row['kv_mib']:8} {row['prefill_s']:10} "
               f"{row['decode_s']:9} {row['copy_s']:7} {row['prefill_over_copy']:13} "
               f"{row['decode_over_copy']:12}")  # fmt: skip
-    print(json.dumps({"tokens": TOKENS, "rows": rows}))
+    print(json.dumps({"tokens": TOKENS, "device": args.device, "rows": rows}))
     return 0
 
 
