@@ -4,7 +4,6 @@ prefix, layer-wise and after-forward, draft layers, gather and receive staging a
 fragmented source pages: each decode rank verifies correct KV (no false mismatch), and
 a corruption - even sign bits alone, which cancel in a plain 64-bit sum - is caught."""
 
-# ruff: noqa: E501
 from __future__ import annotations
 
 import time
