@@ -261,7 +261,6 @@ class SglPdKVManager(BaseKVManager):
         control_faults = ControlFaults(drop_rate, seed=self.tp_rank)
         if control_faults.active:
             logger.warning("fault injection: control frames dropped at %g", drop_rate)
-        self.control_faults = control_faults
         name = f"{self.role.value}-{self.rank}"
         self.reliable = ReliableSender(
             self.outbox, self.inbox.endpoint, self.instance, self.bounds, clock,
@@ -326,7 +325,7 @@ class SglPdKVManager(BaseKVManager):
         """--pd-kv-checksum: this rank's keyed sums of its pool (`core.kv_checksum`)."""
         if not self.config.kv_checksum:
             return None
-        key = checksum_key(None if self.config.no_auth else self.config.auth_secret())
+        key = checksum_key(self.config.auth_secret())  # (None with --pd-no-auth)
         try:
             return KvSums(self.pool, self._pool_device(server_args), key)
         except ValueError as e:

@@ -57,6 +57,21 @@ def engine_transfer_timeout_s(environ: Mapping[str, str] = os.environ) -> float:
     return max(base, ENGINE_MIN_TIMEOUT_S) + LARGEST_BATCH_GIB
 
 
+DEFAULT_ENGINE_TRANSFER_TIMEOUT_S = ENGINE_DEFAULT_TIMEOUT_S + LARGEST_BATCH_GIB
+
+
+def failed_batch_quarantine_s(engine_transfer_timeout_s: float) -> float:
+    """How long a request with a failed batch stays undrained: twice the engine's
+    timeout, after which none of that batch's writes is still posted."""
+    return 2 * engine_transfer_timeout_s
+
+
+def freeze_limit_s(hang_timeout_s: float, margin_s: float = FREEZE_MARGIN_S) -> float:
+    """A gap in a process's liveness beats longer than this is a freeze (`FreezeWatch`):
+    `margin_s` before the hang timeout, never before half of it."""
+    return max(hang_timeout_s / 2, hang_timeout_s - margin_s)
+
+
 def deferred_release_s(environ: Mapping[str, str] = os.environ) -> float:
     """SGLang's deferred-release timeout as its decode scheduler reads it."""
     try:
@@ -69,7 +84,7 @@ def deferred_release_s(environ: Mapping[str, str] = os.environ) -> float:
 class TimingBounds:
     hang_timeout_s: float  # a peer silent this long is hung (--pd-hang-timeout)
     transfer_timeout_s: float  # a request making no progress this long fails
-    engine_transfer_timeout_s: float = ENGINE_DEFAULT_TIMEOUT_S + LARGEST_BATCH_GIB
+    engine_transfer_timeout_s: float = DEFAULT_ENGINE_TRANSFER_TIMEOUT_S
     # what SGLang's decode scheduler will wait (its setting, after the backend raised it);
     # None on a prefill server, which frees nothing on a peer's behalf
     deferred_release_s: float | None = DEFAULT_DEFERRED_RELEASE_S
@@ -77,7 +92,7 @@ class TimingBounds:
 
     @property
     def quarantine_s(self) -> float:
-        return 2 * self.engine_transfer_timeout_s
+        return failed_batch_quarantine_s(self.engine_transfer_timeout_s)
 
     @property
     def required_deferred_release_s(self) -> float:
@@ -93,7 +108,7 @@ class TimingBounds:
     def freeze_limit_s(self) -> float:
         """A gap in this process's liveness beats longer than this is a freeze: its
         peers may be about to declare it hung, so its writers hold off."""
-        return max(self.hang_timeout_s / 2, self.hang_timeout_s - FREEZE_MARGIN_S)
+        return freeze_limit_s(self.hang_timeout_s)
 
     @property
     def resend_interval_s(self) -> float:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from sgl_pd.core.bounds import FREEZE_MARGIN_S, freeze_limit_s
 from sgl_pd.core.clock import Clock
 from sgl_pd.core.errors import StateError
 
@@ -125,10 +126,12 @@ class FreezeWatch:
     requests before it beats, has run again.
     """
 
-    def __init__(self, clock: Clock, hang_timeout_s: float, margin_s: float = 1.5) -> None:
+    def __init__(
+        self, clock: Clock, hang_timeout_s: float, margin_s: float = FREEZE_MARGIN_S
+    ) -> None:
         self._clock = clock
         self.hang_timeout_s = hang_timeout_s
-        self.limit_s = max(hang_timeout_s / 2, hang_timeout_s - margin_s)
+        self.limit_s = freeze_limit_s(hang_timeout_s, margin_s)
         self._last_beat_s = clock.monotonic()
 
     def gap_s(self) -> float:

@@ -165,10 +165,6 @@ class ReliableSender:
         with self._lock:
             return len(self._pending)
 
-    def pending_to(self, endpoint: str) -> list[Guarded]:
-        with self._lock:
-            return [p.envelope.message for p in self._pending.values() if p.endpoint == endpoint]
-
     def resend_due(self) -> int:
         """Sends again what is due; gives up what is past `give_up_s`. Returns how many
         were sent."""

@@ -298,6 +298,7 @@ class DecodeMessenger:
             dst_pages,
             held_tokens=held_tokens,
             summed_sources=frozenset(link.src_rank for link in links),
+            owner=owner,
         )
         whole = (
             self._staging is not None
@@ -322,7 +323,6 @@ class DecodeMessenger:
             completion_slot=slot,
             held_tokens=held_tokens,
         )
-        track.owner = owner
         with self._lock:
             old = self._tracks.get(room)
             if old is not None and not self._release_safe(old, len(old.prefills)):

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from sgl_pd.core.bounds import TimingBounds
+from sgl_pd.core.bounds import DEFAULT_ENGINE_TRANSFER_TIMEOUT_S, failed_batch_quarantine_s
 from sgl_pd.core.clock import Clock
 from sgl_pd.core.counting import links_into
 from sgl_pd.core.layout import KvLayout
@@ -54,7 +54,7 @@ _P = PrefillState
 UNOWNED_GRACE_S = 60.0
 # Seconds a request stays undrained after one of its write batches failed: the engine's
 # transfer timeout twice, after which no write of that batch is posted (`core.bounds`).
-FAILED_BATCH_QUARANTINE_S = TimingBounds(hang_timeout_s=20.0, transfer_timeout_s=120.0).quarantine_s
+FAILED_BATCH_QUARANTINE_S = failed_batch_quarantine_s(DEFAULT_ENGINE_TRANSFER_TIMEOUT_S)
 # Requests decoders asked for that SGLang has not seen (yet): in the router flow both sides
 # get a request at about the same time, so a few; more is a peer flooding this rank.
 MAX_UNOWNED_ROOMS = 4096

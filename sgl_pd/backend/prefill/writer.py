@@ -313,10 +313,9 @@ class KvWriter:
         slots = token_slots(
             chunk.src_pages.array(), chunk.src_first_page, start, stop, self.layout.page_size
         )
-        regions = sums.regions_of(layers)
+        regions, room = sums.regions_of(layers), dest.request.request_id
         for i in sorted(dest.mine):
             link = dest.links[i]
-            room = dest.request.request_id
             offset = link.src_head_offset
             sums.add_link(dest.sums, room, regions, link, offset, (start, stop), slots)
 
