@@ -13,11 +13,12 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
+from types import SimpleNamespace
 
+from sgl_pd.backend.server_options import unsupported_option
 from sgl_pd.config import (
     BACKEND_NAME,
     CONFIG_ENV,
-    DECODE_HICACHE_REFUSAL,
     SglPdConfig,
     add_cli_args,
     config_from_args,
@@ -92,36 +93,33 @@ def _unsupported(sglang_argv: list[str], config: SglPdConfig) -> str | None:
             "DP attention runs on decode servers only for now: start the prefill server "
             "without --enable-dp-attention / --attn-dp-size (TP is fine)"
         )
-    if mode == "decode" and "--enable-hierarchical-cache" in sglang_argv:
-        return DECODE_HICACHE_REFUSAL
     for flag in ("--pp-size", "--pipeline-parallel-size"):
         if flag_value(sglang_argv, flag) not in (None, "1"):
             return f"pipeline parallelism is not served yet: drop {flag}"
-    # Two-batch overlap runs each layer's attention for micro-batch A, then B: the hook
-    # that marks "layer L done" fires after A's o_proj, before B wrote layer L's KV.
-    if (
-        mode == "prefill"
-        and config.kv_send == "layerwise"
-        and "--enable-two-batch-overlap" in (sglang_argv)
-    ):
-        return (
-            "--enable-two-batch-overlap is not served with layer-wise streaming (a layer "
-            "counts as done after the first micro-batch): add --pd-kv-send after-forward"
-        )
-    # Optimistic prefill runs the forward while the decoder is still bootstrapping, so
-    # chunks would be counted with no destination to write them to.
-    attempts = flag_value(sglang_argv, "--optimistic-prefill-attempts")
-    if attempts not in (None, "0"):
-        return (
-            f"--optimistic-prefill-attempts {attempts} is not served: sgl_pd sends a chunk "
-            "only to a decoder that has asked for it; drop the flag"
-        )
-    if flag_value(sglang_argv, "--disaggregation-decode-allocation-policy") == "prefill_complete":
-        return (
-            "--disaggregation-decode-allocation-policy prefill_complete is not served "
-            "(it turns on optimistic prefill): keep the default, early"
-        )
-    return None
+    return unsupported_option(
+        _option_view(sglang_argv),
+        str(mode),
+        kv_send=config.kv_send,
+        first_token=config.first_token,
+    )
+
+
+def _option_view(sglang_argv: list[str]) -> SimpleNamespace:
+    """The SGLang options `server_options` reads, from the command line (SGLang has not
+    parsed it yet: its ranks would each refuse with a traceback of their own)."""
+    switches = (
+        "--enable-hierarchical-cache", "--enable-two-batch-overlap", "--enable-prefill-cp",
+        "--enable-multi-layer-eagle",
+    )  # fmt: skip
+    view: dict[str, object] = {flag[2:].replace("-", "_"): flag in sglang_argv for flag in switches}
+    for flag in (
+        "--optimistic-prefill-attempts", "--disaggregation-decode-allocation-policy",
+        "--attn-cp-size",
+    ):  # fmt: skip
+        value = flag_value(sglang_argv, flag)
+        if value is not None:
+            view[flag[2:].replace("-", "_")] = value
+    return SimpleNamespace(**view)
 
 
 def _split_args(argv: list[str]) -> tuple[SglPdConfig, list[str]]:

@@ -28,9 +28,10 @@ from sgl_pd.backend.kv_sums import KvSums
 from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription, describe_pool
 from sgl_pd.backend.relayout_copies import PoolCopies
+from sgl_pd.backend.server_options import unsupported_option
 from sgl_pd.backend.staging_area import MIB, Staging, StagingArea, staging_bytes
 from sgl_pd.backend.tracing import RequestTracing
-from sgl_pd.config import DECODE_HICACHE_REFUSAL, SglPdConfig
+from sgl_pd.config import SglPdConfig
 from sgl_pd.core.clock import Clock, SystemClock
 from sgl_pd.core.kv_checksum import checksum_key
 from sgl_pd.core.liveness import FreezeWatch
@@ -184,12 +185,19 @@ class SglPdKVManager(BaseKVManager):
         server_args: Any,
         is_mla_backend: bool | None = False,
     ) -> None:
-        # options sgl_pd cannot serve, refused by the backend itself (also when SGLang's
-        # own launcher started the server with the plugin loaded)
-        if self.role is Role.DECODE and server_args.enable_hierarchical_cache:
-            raise ConfigError(DECODE_HICACHE_REFUSAL)
         self.kv_args = args
         self.config = SglPdConfig.from_environment()
+        # options sgl_pd cannot serve, refused by the backend itself (also when SGLang's
+        # own launcher started the server with the plugin loaded)
+        refusal = unsupported_option(
+            server_args,
+            self.role.value,
+            kv_send=self.config.kv_send,
+            first_token=self.config.first_token,
+            state_kinds=[getattr(t, "name", str(t)) for t in getattr(args, "state_types", ())],
+        )
+        if refusal is not None:
+            raise ConfigError(refusal)
         self.auth = cluster_auth(self.config)
         parallel = Parallelism.of(server_args)
         for flag, value in (("--dp-size", parallel.dp_size), ("--pp-size", parallel.pp_size)):

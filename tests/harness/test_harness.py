@@ -117,6 +117,11 @@ def test_a_dp_attention_decoder_keeps_the_lm_head_on_all_gather_on_cpu() -> None
             ],
             "decode HiCache) is not served yet",
         ),
+        (["--disaggregation-mode", "prefill", "--enable-prefill-cp"], "context parallelism"),
+        (
+            ["--disaggregation-mode", "decode", "--enable-multi-layer-eagle"],
+            "--pd-first-token prefill",
+        ),
     ],
 )
 def test_launcher_refuses_unserved_options_without_a_traceback(flags: list[str], says: str) -> None:

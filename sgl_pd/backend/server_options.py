@@ -1,0 +1,88 @@
+"""SGLang server options an sgl_pd server cannot serve, each with the reason.
+
+(The parallel layout - DP, PP, DP attention on a prefill server - is checked apart, on
+SGLang's resolved layout: `backend.manager.Parallelism`.)
+
+One list, read in two places: the backend's manager refuses them when a scheduler
+starts (however SGLang was launched: its own launcher with the plugin loaded refuses
+them too), and ``sgl_pd.launch_server`` asks the same question of the command line
+before any rank starts, so the operator reads one line instead of one traceback per rank.
+
+`options` is SGLang's ``ServerArgs`` (or anything with its attribute names); a missing
+attribute reads as SGLang's default. Pure: no SGLang import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sgl_pd.config import DECODE_HICACHE_REFUSAL
+
+# Two-batch overlap runs each layer's attention for micro-batch A, then B: the hook that
+# marks "layer L done" fires after A's o_proj, before B wrote layer L's KV.
+TWO_BATCH_OVERLAP = (
+    "--enable-two-batch-overlap is not served with layer-wise streaming (a layer counts as"
+    " done after the first micro-batch, before the second wrote its KV): add --pd-kv-send"
+    " after-forward"
+)
+# Optimistic prefill runs the forward while the decoder is still bootstrapping, so chunks
+# would be counted with no destination to write them to.
+OPTIMISTIC_PREFILL = (
+    "--optimistic-prefill-attempts {attempts} is not served: sgl_pd sends a chunk only to a"
+    " decoder that has asked for it; drop the flag"
+)
+PREFILL_COMPLETE_POLICY = (
+    "--disaggregation-decode-allocation-policy prefill_complete is not served (it turns on"
+    " optimistic prefill): keep the default, early"
+)
+HYBRID_STATE = (
+    "this model keeps state besides the paged KV cache ({kinds}: Mamba / linear attention,"
+    " sliding-window or sparse-attention pools), which sgl_pd does not transfer yet"
+)
+PREFILL_CONTEXT_PARALLEL = (
+    "prefill context parallelism (--enable-prefill-cp / --attn-cp-size) is not served yet:"
+    " each rank would hold part of the tokens of every page sgl_pd sends whole"
+)
+# The multi-layer draft extends the prompt without `_eagle_prefill_tail_tokens`, the one
+# place the pinned patch feeds the prompt's last token as the draft's tail (D16).
+MULTI_LAYER_EAGLE = (
+    "--enable-multi-layer-eagle does not take the decoder-sampled first token's draft tail:"
+    " start both servers with --pd-first-token prefill to run it"
+)
+
+
+def _int(options: Any, name: str, default: int = 0) -> int:
+    value = getattr(options, name, default)
+    return default if value is None else int(value)
+
+
+def unsupported_option(
+    options: Any,
+    role: str,
+    *,
+    kv_send: str,
+    first_token: str,
+    state_kinds: Sequence[str] = (),
+) -> str | None:
+    """Why a server of `role` ("prefill" or "decode") cannot run with `options`, or None.
+    `kv_send`, `first_token`: sgl_pd's settings (`SglPdConfig`); `state_kinds`: the
+    kinds of extra per-request state the model's pools keep (SGLang's
+    ``KVArgs.state_types``), known once the pools exist."""
+    prefill = role == "prefill"
+    if not prefill and getattr(options, "enable_hierarchical_cache", False):
+        return DECODE_HICACHE_REFUSAL
+    if prefill and kv_send == "layerwise" and getattr(options, "enable_two_batch_overlap", False):
+        return TWO_BATCH_OVERLAP
+    attempts = _int(options, "optimistic_prefill_attempts")
+    if attempts:
+        return OPTIMISTIC_PREFILL.format(attempts=attempts)
+    if getattr(options, "disaggregation_decode_allocation_policy", None) == "prefill_complete":
+        return PREFILL_COMPLETE_POLICY
+    if getattr(options, "enable_prefill_cp", False) or _int(options, "attn_cp_size", 1) > 1:
+        return PREFILL_CONTEXT_PARALLEL
+    if first_token == "decode" and getattr(options, "enable_multi_layer_eagle", False):
+        return MULTI_LAYER_EAGLE
+    if state_kinds:
+        return HYBRID_STATE.format(kinds=", ".join(sorted({str(k) for k in state_kinds})))
+    return None
