@@ -23,8 +23,14 @@ output token, and the decoder's first step verifies that proposal while it feeds
 n-1: the draft's KV, top-k and hidden state come from the prefill (the MTP hand-off),
 nothing is re-prefilled.
 
-A one-token prompt has nothing to prefill without its last token, so it goes the upstream
-way on both sides (both decide from n alone, so they always agree).
+Some requests go the upstream way on both sides (`whole_prompt_reason`): a one-token
+prompt (nothing to prefill without its last token), and requests whose answer holds
+something computed over the whole prompt - input logprobs (and any logprob request, so
+that the first token's logprob comes with it as upstream), hidden states, routed experts -
+or whose prompt is not plain token ids (input embeddings, multimodal inputs, sessions).
+Each side decides from the same fields of the same request; should they still read the
+prompt differently, the decoder's `TransferRequest.kv_tokens` makes the request fail at
+once with both numbers rather than decode from the wrong token.
 `--pd-first-token prefill` keeps upstream's behaviour for every request, for comparison.
 """
 
@@ -56,9 +62,71 @@ def decoder_samples_first() -> bool:
     return _Process.decode_first
 
 
-def samples_on_decoder(num_prompt_tokens: int) -> bool:
-    """Whether the decoder samples the first token of a prompt of this length."""
-    return decoder_samples_first() and num_prompt_tokens >= 2
+def whole_prompt_reason(
+    num_prompt_tokens: int,
+    *,
+    logprobs: bool = False,
+    hidden_states: bool = False,
+    routed_experts: bool = False,
+    embeddings: bool = False,
+    multimodal: bool = False,
+    session: bool = False,
+) -> str | None:
+    """Why the prefill server must prefill this request's whole prompt and sample its
+    first token (the upstream way), or None: the decoder samples it (D16)."""
+    if num_prompt_tokens < 2:
+        return "a one-token prompt"
+    for wanted, why in (
+        (logprobs, "logprobs"),
+        (hidden_states, "hidden states"),
+        (routed_experts, "routed experts"),
+        (embeddings, "input embeddings"),
+        (multimodal, "multimodal inputs"),
+        (session, "a session"),
+    ):
+        if wanted:
+            return why
+    return None
+
+
+def samples_on_decoder(num_prompt_tokens: int, **request: bool) -> bool:
+    """Whether the decoder samples the first token of a prompt of this length, for a
+    request with these properties (`whole_prompt_reason`'s flags)."""
+    return decoder_samples_first() and whole_prompt_reason(num_prompt_tokens, **request) is None
+
+
+def _tokenized_request(recv_req: Any) -> dict[str, bool]:
+    """`whole_prompt_reason`'s flags of a request as the prefill scheduler receives it
+    (SGLang's ``TokenizedGenerateReqInput``)."""
+    return {
+        "logprobs": bool(getattr(recv_req, "return_logprob", False)),
+        "hidden_states": bool(getattr(recv_req, "return_hidden_states", False)),
+        "routed_experts": bool(getattr(recv_req, "return_routed_experts", False)),
+        "embeddings": getattr(recv_req, "input_embeds", None) is not None,
+        "multimodal": getattr(recv_req, "mm_inputs", None) is not None,
+        "session": getattr(recv_req, "session_params", None) is not None,
+    }
+
+
+def _queued_request(req: Any) -> dict[str, bool]:
+    """The same flags of the same request as the decode scheduler queues it (a ``Req``)."""
+    return {
+        "logprobs": bool(getattr(req, "return_logprob", False)),
+        "hidden_states": bool(getattr(req, "return_hidden_states", False)),
+        "routed_experts": bool(getattr(req, "return_routed_experts", False)),
+        "embeddings": getattr(req, "input_embeds", None) is not None,
+        "multimodal": getattr(req, "multimodal_inputs", None) is not None,
+        "session": getattr(req, "session", None) is not None,
+    }
+
+
+def expected_kv_tokens(req: Any) -> int:
+    """The prompt tokens whose KV a decode request needs from its prefill: all but the
+    last when this decoder samples the first token, else the prompt and any output
+    already kept (a request recomputed after a retraction, `decode_retract`)."""
+    if getattr(req, MARK, False) and not req.output_ids:
+        return len(req.origin_input_ids) - 1
+    return len(req.origin_input_ids) + len(req.output_ids)
 
 
 def _ours(transfer_backend: Any) -> bool:
@@ -77,7 +145,7 @@ def before_handle_generate_request(scheduler: Any, recv_req: Any, *args: Any, **
     if getattr(recv_req, "bootstrap_host", None) == FAKE_BOOTSTRAP_HOST:
         return  # SGLang's own warm-up and health checks: no decoder behind them
     input_ids = getattr(recv_req, "input_ids", None)
-    if input_ids is None or not samples_on_decoder(len(input_ids)):
+    if input_ids is None or not samples_on_decoder(len(input_ids), **_tokenized_request(recv_req)):
         return
     recv_req.input_ids = input_ids[:-1]
     if not scheduler.spec_algorithm.is_none():
@@ -97,9 +165,15 @@ def before_decode_prealloc_add(queue: Any, req: Any, *args: Any, **kw: Any) -> N
         return
     if getattr(req, "bootstrap_host", None) == FAKE_BOOTSTRAP_HOST:
         return  # SGLang's own warm-up and health checks: no prefill behind them
-    if req.output_ids or not samples_on_decoder(len(req.origin_input_ids)):
-        return  # a retracted request resumes with its own tokens
-    setattr(req, MARK, True)
+    # a retracted request resumes with its own tokens (its first one was sampled)
+    resumed = (
+        bool(req.output_ids) or getattr(req, "pd_rebootstrap_forced_output_id", None) is not None
+    )
+    if not resumed and samples_on_decoder(len(req.origin_input_ids), **_queued_request(req)):
+        setattr(req, MARK, True)
+    retracted = kw.get("is_retracted", args[0] if args else False)
+    if not retracted:  # (a retracted request resumes from its host copy: no transfer)
+        queue.kv_manager.expect_prompt(req.bootstrap_room, expected_kv_tokens(req))
 
 
 def after_handle_generate_request(

@@ -45,7 +45,8 @@ from sgl_pd.errors import SglPdError
 # 7: decoders name the prefix they hold (held_tokens); last notices carry the chunk count;
 #    a decoder with fragmented pages asks for every link into its staging (stage_all)
 # 8: control messages whose loss matters travel in `Sequenced` envelopes until `Delivered`
-PROTOCOL_VERSION = 8
+# 9: decoders say how many prompt tokens' KV they expect (kv_tokens)
+PROTOCOL_VERSION = 9
 MAGIC = b"SGPD"
 MAX_BODY_BYTES = 64 << 20  # a 1M-token prompt with its page table stays far below this
 _HEADER = struct.Struct("<4sHHQII")
@@ -366,11 +367,19 @@ class TransferRequest(_Message, tag="transfer", frozen=True):
     # the decoder's pages are fragmented: every link writes into its receive staging
     # (`core.relayout.fragmented`), not only those strided on the decoder
     stage_all: bool = False
+    # the prompt tokens whose KV the decoder expects, held ones included: the prefill
+    # must compute exactly these (`backend.first_token`), or the request fails at once
+    # rather than decode from the wrong token; None: the decoder did not say
+    kv_tokens: U32 | None = None
 
     def __post_init__(self) -> None:
         decoder = self.decoder
         if self.stage_all and self.staging_base is None:
             raise InvalidMessage("a request staged whole needs a staging grant")
+        if self.kv_tokens is not None and self.held_tokens > self.kv_tokens:
+            raise InvalidMessage(
+                f"held prefix of {self.held_tokens} tokens past the {self.kv_tokens} expected"
+            )
         if self.held_tokens % decoder.layout.page_size:
             raise InvalidMessage(
                 f"held prefix of {self.held_tokens} tokens is not whole pages of"

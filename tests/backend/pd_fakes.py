@@ -230,11 +230,18 @@ class Rig:
         return decoder
 
     def request(
-        self, decoder: Decoder, room: int, dst_pages: list[int], slot: int, held_tokens: int = 0
+        self,
+        decoder: Decoder,
+        room: int,
+        dst_pages: list[int],
+        slot: int,
+        held_tokens: int = 0,
+        kv_tokens: int | None = None,
     ) -> None:
         """The decode rank's side: its receiver made and the prefiller found (the
         bootstrap, stamped as the receiver does), then its pages asked for. `held_tokens`:
-        the prefix its cache holds (`dst_pages` are the pages after it)."""
+        the prefix its cache holds (`dst_pages` are the pages after it); `kv_tokens`: the
+        prompt tokens whose KV the request needs (None: unchecked)."""
         seen_s = self.clock.monotonic()
         bootstrap = (seen_s, self.clock.monotonic())
         decoder.messenger.request(
@@ -245,6 +252,7 @@ class Rig:
             slot,
             bootstrap=bootstrap,
             held_tokens=held_tokens,
+            kv_tokens=kv_tokens,
         )
 
     def prefill_all(

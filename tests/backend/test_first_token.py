@@ -93,24 +93,79 @@ def test_what_the_prefill_hook_leaves_alone(recv: SimpleNamespace, scheduler: ob
     assert list(recv.input_ids) == before and recv.sampling_params.json_schema is not None
 
 
-def _req(ids: list[int], output: list[int] | None = None) -> SimpleNamespace:
-    return SimpleNamespace(origin_input_ids=ids, output_ids=output or [], bootstrap_host="h")
+def _req(ids: list[int], output: list[int] | None = None, **more: object) -> SimpleNamespace:
+    return SimpleNamespace(
+        origin_input_ids=ids, output_ids=output or [], bootstrap_host="h",
+        bootstrap_room=len(ids) * 100 + len(output or []), **more,
+    )  # fmt: skip
+
+
+class _Expected:
+    """The decode manager's record of the KV each queued request needs."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[int, int] = {}
+
+    def expect_prompt(self, room: int, kv_tokens: int) -> None:
+        self.tokens[room] = kv_tokens
+
+
+def _decode_queue() -> SimpleNamespace:
+    return SimpleNamespace(transfer_backend=OURS, kv_manager=_Expected())
 
 
 def test_the_decode_copy_is_marked_unless_it_cannot_be() -> None:
-    queue = SimpleNamespace(transfer_backend=OURS)
+    queue = _decode_queue()
     marked, one_token, resumed = _req([1, 2]), _req([1]), _req([1, 2], output=[9])
-    for req in (marked, one_token, resumed):
+    recomputed = _req([1, 2, 3], pd_rebootstrap_forced_output_id=8)  # its one output popped
+    for req in (marked, one_token, resumed, recomputed):
         first_token.before_decode_prealloc_add(queue, req)
     assert getattr(marked, first_token.MARK, False)
-    assert not hasattr(one_token, first_token.MARK) and not hasattr(resumed, first_token.MARK)
+    for req in (one_token, resumed, recomputed):
+        assert not hasattr(req, first_token.MARK)
+    expected = queue.kv_manager.tokens
+    assert expected[marked.bootstrap_room] == 1 and expected[one_token.bootstrap_room] == 1
+    assert expected[resumed.bootstrap_room] == 3 and expected[recomputed.bootstrap_room] == 3
+
+
+def test_a_request_resumed_from_its_host_copy_expects_no_transfer() -> None:
+    queue = _decode_queue()
+    first_token.before_decode_prealloc_add(queue, _req([1, 2], output=[9]), is_retracted=True)
+    assert not queue.kv_manager.tokens
+
+
+WHOLE_PROMPT = [
+    ({"return_logprob": True}, {"return_logprob": True}),
+    ({"return_hidden_states": True}, {"return_hidden_states": True}),
+    ({"return_routed_experts": True}, {"return_routed_experts": True}),
+    ({"input_embeds": [[0.0]] * 3}, {"input_embeds": [[0.0]] * 3}),
+    ({"mm_inputs": object()}, {"multimodal_inputs": object()}),
+    ({"session_params": object()}, {"session": object()}),
+]
+
+
+@pytest.mark.parametrize(("tokenized", "queued"), WHOLE_PROMPT)
+def test_requests_whose_answer_needs_the_whole_prompt_go_the_upstream_way_on_both_sides(
+    tokenized: dict[str, object], queued: dict[str, object]
+) -> None:
+    """Each side reads the same request's fields: the prefill keeps every prompt token,
+    the decoder samples nothing itself and expects the KV of all of them."""
+    recv = _recv([5, 6, 7])
+    for name, value in tokenized.items():
+        setattr(recv, name, value)
+    first_token.before_handle_generate_request(_prefill_scheduler(), recv)
+    assert list(recv.input_ids) == [5, 6, 7]
+    queue, req = _decode_queue(), _req([5, 6, 7], **queued)
+    first_token.before_decode_prealloc_add(queue, req)
+    assert not hasattr(req, first_token.MARK)
+    assert queue.kv_manager.tokens[req.bootstrap_room] == len(recv.input_ids)
 
 
 def test_upstream_mode_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(first_token._Process, "decode_first", False)
     recv, req = _recv([5, 6, 7]), _req([1, 2])
     first_token.before_handle_generate_request(_prefill_scheduler(), recv)
-    first_token.before_decode_prealloc_add(SimpleNamespace(transfer_backend=OURS), req)
+    first_token.before_decode_prealloc_add(_decode_queue(), req)
     assert list(recv.input_ids) == [5, 6, 7] and not hasattr(req, first_token.MARK)
 
 

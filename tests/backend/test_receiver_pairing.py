@@ -32,6 +32,7 @@ def _receiver(prefill_writes_end_s: float, decoder_holds_s: float) -> tuple[SglP
         decode=SimpleNamespace(request=lambda room, *a, **k: asked.append(room)),
         metrics=TransferMetrics(False, "decode"),
         abort_unrequested=lambda addr, table, room, *a: aborted.append(room),
+        expected_prompt=lambda room: None,
     )
     receiver = SglPdKVReceiver(mgr, "prefill:8998", 17)
     receiver._table = PrefillTable("prefill:8998", (shard,))

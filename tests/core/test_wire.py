@@ -465,7 +465,7 @@ def test_peer_text_fields_are_bounded() -> None:
 # sgl_pd version" instead of dropping each frame as malformed): bump PROTOCOL_VERSION,
 # then update this table.
 FIELDS_AT_VERSION = (
-    8,
+    9,
     {
         "abort": ("request_id", "reason", "decoder_instance", "detail", "reply_to"),
         "abort_ack": ("request_id", "prefill_rank", "prefill_instance"),
@@ -488,7 +488,7 @@ FIELDS_AT_VERSION = (
         "submit_ack": ("request_id",),
         "submit_prefill": ("request_id", "sender", "request"),
         "transfer": ("request_id", "decoder", "dst_pages", "metadata_slot", "completion_slot",
-                     "staging_base", "held_tokens", "stage_all"),
+                     "staging_base", "held_tokens", "stage_all", "kv_tokens"),
     },
 )  # fmt: skip
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from typing import Any
 
 from sgl_pd.backend.decode.messenger import DecodeMessenger
@@ -25,6 +26,9 @@ from sgl_pd.core.wire import (
 from sgl_pd.messenger.peers import PeerDirectory, PrefillTable
 
 logger = logging.getLogger("sgl_pd.manager")
+
+# requests SGLang queued but refused before making their receiver, remembered at most
+MAX_EXPECTED_PROMPTS = 4096
 
 
 class DecodeKVManager(SglPdKVManager):
@@ -61,6 +65,9 @@ class DecodeKVManager(SglPdKVManager):
         self._parked_aborts: list[tuple[str, int, str, AbortReason, float]] = []
         self._parked_lock = threading.Lock()
         self._clock = clock
+        # room -> prompt tokens whose KV its request needs, from its queueing until its
+        # receiver is made (both on the scheduler thread, in one `DecodePreallocQueue.add`)
+        self._expected_prompts: OrderedDict[int, int] = OrderedDict()
         self.peers = PeerDirectory(
             self.codec.layout_hash,
             query_timeout_s=self.config.bootstrap_timeout_s,
@@ -68,6 +75,17 @@ class DecodeKVManager(SglPdKVManager):
             auth=self.auth,
         )
         return self
+
+    def expect_prompt(self, room: int, kv_tokens: int) -> None:
+        """The request queued in `room` needs the KV of `kv_tokens` prompt tokens
+        (`first_token.expected_kv_tokens`); its receiver takes it with `expected_prompt`."""
+        self._expected_prompts[room] = kv_tokens
+        self._expected_prompts.move_to_end(room)
+        while len(self._expected_prompts) > MAX_EXPECTED_PROMPTS:  # queued, then refused
+            self._expected_prompts.popitem(last=False)
+
+    def expected_prompt(self, room: int) -> int | None:
+        return self._expected_prompts.pop(room, None)
 
     # -- what the liveness thread watches -------------------------------------------------
 

@@ -132,6 +132,7 @@ class _Track:
     # rather than wait for staging space
     whole_optional: bool = False
     prompt_tokens: int = 0  # tokens whose KV the prefiller computed, from its last notice
+    kv_tokens: int | None = None  # tokens whose KV this request needs (None: not known)
     error: str | None = None
     metadata_seen: bool = False
     abort_sent: bool = False
@@ -264,12 +265,15 @@ class DecodeMessenger:
         bootstrap: tuple[float, float] | None = None,
         held_tokens: int = 0,
         owner: object | None = None,
+        kv_tokens: int | None = None,
     ) -> None:
         """Sends one request's destination pages to every prefill rank of its prefiller.
         `bootstrap`: when its receiver was made and when the prefiller's ranks were known
         (monotonic s), for its timeline. `held_tokens`: the prompt's first tokens this
         rank's prefix cache holds (whole pages); `dst_pages` are the pages after them,
         and none at all when the cache holds every token the prefiller computes.
+        `kv_tokens`: the prompt tokens whose KV the request needs, held ones included;
+        a prefiller that computes another number fails the request at once.
 
         Every rank gets the request, also those that send nothing to this rank: a prefill
         rank only starts once every decoder rank has asked, so none waits forever. The
@@ -297,6 +301,7 @@ class DecodeMessenger:
             links,
             dst_pages,
             held_tokens=held_tokens,
+            kv_tokens=kv_tokens,
             summed_sources=frozenset(link.src_rank for link in links),
             owner=owner,
         )
@@ -322,6 +327,7 @@ class DecodeMessenger:
             metadata_slot=slot,
             completion_slot=slot,
             held_tokens=held_tokens,
+            kv_tokens=kv_tokens,
         )
         with self._lock:
             old = self._tracks.get(room)
@@ -788,8 +794,18 @@ class DecodeMessenger:
         self._seal(track, notice.num_chunks, notice.token_stop)
 
     def _seal(self, track: _Track, num_chunks: int, prompt_tokens: int) -> None:
-        """`prompt_tokens`: the tokens whose KV the prefiller computed (held ones too)."""
+        """`prompt_tokens`: the tokens whose KV the prefiller computed (held ones too):
+        any other number than the request needs would have it decode from a wrong token."""
         track.prompt_tokens = prompt_tokens
+        if track.kv_tokens is not None and prompt_tokens != track.kv_tokens:
+            self._fail(
+                track,
+                f"the prefill server computed the KV of {prompt_tokens} prompt tokens and"
+                f" this decoder expects {track.kv_tokens}: the two servers read the"
+                " request's prompt differently",
+                FailureCause.REFUSED,
+            )
+            return
         try:
             track.counter.seal(num_chunks)
         except CountingError as e:

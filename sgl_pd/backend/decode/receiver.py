@@ -44,6 +44,8 @@ class SglPdKVReceiver(BaseKVReceiver):
         self._error: str | None = None
         self._created_s = time.monotonic()  # seconds; the bootstrap wait starts here
         self._found_s: float | None = None  # the prefiller's ranks known
+        # the prompt tokens whose KV this request needs (None: SGLang queued it unseen)
+        self._kv_tokens: int | None = mgr.expected_prompt(self.bootstrap_room)
 
     def init(self, prefill_dp_rank: int) -> None:
         if prefill_dp_rank != 0:
@@ -127,6 +129,7 @@ class SglPdKVReceiver(BaseKVReceiver):
                 bootstrap=(self._created_s, self._found_s or self._created_s),
                 held_tokens=held,
                 owner=self,
+                kv_tokens=self._kv_tokens,
             )
         except DuplicateRequest as e:
             # the room belongs to an earlier request still here: an Abort naming it

@@ -132,6 +132,9 @@ class PrefillMessenger:
         failed_before = any(r.error for r in self.rooms.rooms_of([request.request_id]))
         refused = self.rooms.add_request(request)
         if refused is None:
+            mismatch = self.rooms.prompt_mismatch(request.request_id)
+            if mismatch is not None:  # a decode rank that asked after SGLang fixed the prompt
+                self.fail(request.request_id, mismatch, FailureCause.REFUSED)
             return
         if failed_before:  # counted when it failed; the late decode rank only hears why
             self._tell_decoders([request], refused)
@@ -171,8 +174,9 @@ class PrefillMessenger:
 
     def prompt_known(self, room_id: int, prompt_tokens: int) -> None:
         """SGLang fixed where the request's sends start: its prefill computes
-        `prompt_tokens` tokens. A held prefix past them fails the request now."""
-        why = self.rooms.held_past_prompt(room_id, prompt_tokens)
+        `prompt_tokens` tokens. A decoder that holds more, or expects the KV of another
+        number of tokens, fails the request now (`PrefillRooms.prompt_mismatch`)."""
+        why = self.rooms.prompt_known(room_id, prompt_tokens)
         if why is not None:
             self.fail(room_id, why, FailureCause.REFUSED)
 

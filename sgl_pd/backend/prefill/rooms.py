@@ -118,6 +118,7 @@ class Room:
     num_pages: int | None = None  # pages SGLang will send in all
     pages_sent: int = 0  # pages SGLang has handed to `send` so far
     tokens_planned: int = 0  # tokens covered by chunks so far
+    prompt_tokens: int | None = None  # tokens this prefill computes, once SGLang fixed them
     src_pages: list[int] = field(default_factory=list)  # after-forward mode
     chunks: int = 0
     # What the metadata job waits for (`core.states.MetadataWait`): the draft model's
@@ -277,19 +278,24 @@ class PrefillRooms:
             room.held_read = True
             return room.held_tokens
 
-    def held_past_prompt(self, room_id: int, prompt_tokens: int) -> str | None:
-        """Why the held prefix cannot be served for a prompt of `prompt_tokens` tokens
-        (what this prefill computes), or None. A decoder can hold at most all of them:
-        holding more, SGLang would never make the request's last send."""
+    def prompt_known(self, room_id: int, prompt_tokens: int) -> str | None:
+        """SGLang fixed the tokens this prefill computes (`prompt_tokens`); returns why
+        the decoders cannot be served them, or None (see `prompt_mismatch`)."""
         with self._lock:
             room = self._rooms.get(room_id)
-            if room is None or room.held_tokens <= prompt_tokens:
+            if room is None:
                 return None
-            return (
-                f"the decoder holds {room.held_tokens} tokens of a prompt whose prefill"
-                f" computes {prompt_tokens}: start the decode server through"
-                " sgl_pd.launch_server with the installed patches (launch/install.sh)"
-            )
+            room.prompt_tokens = prompt_tokens
+            return _prompt_mismatch(room)
+
+    def prompt_mismatch(self, room_id: int) -> str | None:
+        """Why the decode ranks that asked cannot be served the prompt this prefill
+        computes, or None (also while that is not known yet): a decoder expecting the KV
+        of other tokens would decode from the wrong one (`TransferRequest.kv_tokens`),
+        and one holding more than are computed would never get the last send."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+            return None if room is None else _prompt_mismatch(room)
 
     # -- chunks -----------------------------------------------------------------------------
 
@@ -735,3 +741,23 @@ class PrefillRooms:
             return set()
         acks, room.acks_owed = room.acks_owed, set()
         return acks
+
+
+def _prompt_mismatch(room: Room) -> str | None:
+    computed = room.prompt_tokens
+    if computed is None:
+        return None
+    if room.held_tokens > computed:
+        return (
+            f"the decoder holds {room.held_tokens} tokens of a prompt whose prefill computes"
+            f" {computed}: start the decode server through sgl_pd.launch_server with the"
+            " installed patches (launch/install.sh)"
+        )
+    expected = {r.kv_tokens for r in room.requests.values() if r.kv_tokens is not None}
+    if expected and expected != {computed}:
+        return (
+            f"the prefill server computes the KV of {computed} prompt tokens and the decoder"
+            f" expects {', '.join(str(t) for t in sorted(expected))}: the two servers read"
+            " the request's prompt differently"
+        )
+    return None
