@@ -89,7 +89,28 @@ def register_backend() -> None:
         release_bound.after_transfer_queue_init,
         HookType.AFTER,
     )
-    from sgl_pd.backend.prefill import layerwise_glue
+    from sgl_pd.backend.prefill import layerwise_glue, refusals
+
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.retire_unadmitted_request",
+        refusals.before_retire_unadmitted_request,
+        HookType.BEFORE,
+    )
+    HookRegistry.register(
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._check_if_req_exceed_kv_capacity",
+        refusals.after_exceed_kv_capacity,
+        HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
+        refusals.around_generate_request,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.abort_request",
+        refusals.around_abort_request,
+        HookType.AROUND,
+    )
 
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",

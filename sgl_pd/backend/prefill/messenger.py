@@ -137,7 +137,7 @@ class PrefillMessenger:
                 self.fail(request.request_id, mismatch, FailureCause.REFUSED)
             return
         if failed_before:  # counted when it failed; the late decode rank only hears why
-            self._tell_decoders([request], refused)
+            self._tell_decoders([request], refused, self.rooms.error_code(request.request_id))
             return
         self._metrics.add_failure(FailureCause.REFUSED)
         self._tell_decoders([request], refused, ErrorCode.BAD_REQUEST)
@@ -171,6 +171,15 @@ class PrefillMessenger:
 
     def expect(self, room_id: int, num_pages: int, aux_index: int | None) -> None:
         self.rooms.expect(room_id, num_pages, aux_index)
+
+    def refuse(self, room_id: int, why: str) -> None:
+        """SGLang refused the request at its door (`backend.prefill.refusals`): every
+        decode rank that asked, or asks, hears `why` instead of waiting for KV."""
+        requests = self.rooms.refuse(room_id, why)
+        if requests is None:
+            return
+        self._metrics.add_failure(FailureCause.REFUSED)
+        self._tell_decoders(requests, why, ErrorCode.BAD_REQUEST)
 
     def prompt_known(self, room_id: int, prompt_tokens: int) -> None:
         """SGLang fixed where the request's sends start: its prefill computes

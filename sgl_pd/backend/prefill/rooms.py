@@ -46,7 +46,7 @@ from sgl_pd.core.states import (
     PrefillState,
     RequestTracker,
 )
-from sgl_pd.core.wire import TransferRequest
+from sgl_pd.core.wire import ErrorCode, TransferRequest
 
 _P = PrefillState
 # A final, drained request SGLang has not forgotten this long after it ended never will
@@ -129,6 +129,7 @@ class Room:
     inflight: int = 0  # write jobs between begin_write and end_write
     quarantine_until_s: float | None = None  # a failed batch may land until then
     error: str | None = None
+    refused: bool = False  # SGLang refused the request as sent: decoders hear BAD_REQUEST
     acks_owed: set[str] = field(default_factory=set)  # decoder inboxes awaiting a drain ack
     # decode ranks (instances) that aborted before they asked for pages: their requests
     # for this room, should a copy still come, are refused (their abort was acked)
@@ -277,6 +278,28 @@ class PrefillRooms:
                 return 0
             room.held_read = True
             return room.held_tokens
+
+    def refuse(self, room_id: int, why: str) -> list[TransferRequest] | None:
+        """SGLang refused this server's copy of the request before it made a sender: no
+        prefill of it will run here. Returns the decode ranks to tell now (None when it
+        had ended already); those that ask later are refused with `why` as they ask,
+        until the room is swept (`UNOWNED_GRACE_S` after this)."""
+        with self._lock:
+            if room_id not in self._rooms and self._unowned() >= MAX_UNOWNED_ROOMS:
+                return None  # no decoder asked: none is waiting for it
+            room = self._room(room_id)
+            if room.error is not None or room.owned:
+                return None  # ended already, or SGLang holds it (its own abort applies)
+            room.refused = True
+            self._stop(room, why, _P.FAILED)
+            return list(room.requests.values())
+
+    def error_code(self, room_id: int) -> ErrorCode:
+        """What a decode rank that asks for an ended request is told it ended with."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+            refused = room is not None and room.refused
+            return ErrorCode.BAD_REQUEST if refused else ErrorCode.TRANSFER_FAILED
 
     def prompt_known(self, room_id: int, prompt_tokens: int) -> str | None:
         """SGLang fixed the tokens this prefill computes (`prompt_tokens`); returns why
