@@ -89,7 +89,14 @@ def register_backend() -> None:
         release_bound.after_transfer_queue_init,
         HookType.AFTER,
     )
-    from sgl_pd.backend.prefill import layerwise_glue, refusals
+    from sgl_pd.backend import refusals
+    from sgl_pd.backend.prefill import layerwise_glue
+
+    HookRegistry.register(
+        "sglang.srt.disaggregation.decode.prepare_abort",
+        refusals.around_decode_prepare_abort,
+        HookType.AROUND,
+    )
 
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.retire_unadmitted_request",
@@ -182,6 +189,11 @@ def register_backend() -> None:
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner.load_model",
         layerwise_glue.after_load_model,
+        HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.init_lora_manager",
+        layerwise_glue.after_init_lora_manager,
         HookType.AFTER,
     )
     HookRegistry.register(

@@ -24,6 +24,12 @@ GPUs, so a 20 us interval adds a small fraction of a layer. Linux rounds sleeps 
 thread's timer slack (50 us by default), so the thread lowers its own slack to 1 us.
 `poll_interval_s=0` gives a spin that still yields the GIL at every poll.
 
+A forward that ended (`ForwardJob.ended`) while the counter still shows fewer layers has
+hooks that did not fire (a module swapped after they were attached, a model whose layers
+run without them): its KV is all written, so the job completes as at its last layer, and
+`on_silent_layers` says how many layers reported - the waits are bounded by the forward
+itself, never by the next forward or a timer.
+
 Tests drive `step()` directly, one poll at a time, with a `ManualClock`; the thread's
 loop is `step()` plus the waits above.
 """
@@ -63,10 +69,13 @@ class StreamerError(LayerwiseError):
 @dataclass(frozen=True)
 class ForwardJob:
     """One forward to follow. `payload` is the glue's (e.g. the batch's chunk notices);
-    the streamer only hands it back in the callbacks."""
+    the streamer only hands it back in the callbacks. `ended`: whether the forward has
+    finished on its device (every kernel, the progress records included); None when the
+    glue cannot tell."""
 
     generation: int
     payload: object
+    ended: Callable[[], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +146,7 @@ class LayerStreamer:
         on_forward_done: Callable[[ForwardJob], None],
         *,
         clock: Clock,
+        on_silent_layers: Callable[[ForwardJob, int], None] | None = None,
         poll_interval_s: float = 20e-6,
         idle_timeout_s: float = 0.1,
         name: str = "sgl-pd-layer-streamer",
@@ -156,6 +166,7 @@ class LayerStreamer:
         self._num_layers = check_num_layers(counter.num_layers)
         self._on_layers = on_layers
         self._on_forward_done = on_forward_done
+        self._on_silent_layers = on_silent_layers
         self._clock = clock
         self._poll_interval_s = poll_interval_s
         self._idle_timeout_s = idle_timeout_s
@@ -254,8 +265,14 @@ class LayerStreamer:
             self._publish(active.timeline(None, False))
             took = True
 
+        ended = active.job.ended
+        # read before the counter: a forward seen ended has published all it ever will
+        forward_ended = ended is not None and ended()
         generation, layers_done = decode(self._counter.read())
         target = active.job.generation
+        if forward_ended and (generation, layers_done) < (target, self._num_layers):
+            self._silent(active, layers_done if generation == target else 0)
+            generation, layers_done = target, self._num_layers
         if generation < target:
             return StepOutcome.PROGRESS if took else StepOutcome.WAITING
         by_newer = generation > target
@@ -284,6 +301,15 @@ class LayerStreamer:
         else:
             self._publish(active.timeline(None, False))
         return StepOutcome.PROGRESS
+
+    def _silent(self, active: _Active, reported: int) -> None:
+        _log.debug("generation %d ended with %d layers reported", active.job.generation, reported)
+        if self._on_silent_layers is not None:
+            try:
+                self._on_silent_layers(active.job, reported)
+            except Exception:
+                self._errors += 1
+                _log.exception("on_silent_layers(generation %d) raised", active.job.generation)
 
     def _report_layers(self, active: _Active, layers_done: int) -> None:
         if active.first_layers_s is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from sgl_pd.backend.prefill import refusals
+from sgl_pd.backend import refusals
 from sgl_pd.config import BACKEND_NAME
 from sgl_pd.core.states import DecodeState, PrefillState
 
@@ -69,3 +69,25 @@ def test_the_schedulers_refusal_hook_names_the_room_and_the_reason() -> None:
     assert refused[-1] == (78, "the prefill server refused the request: embeds")
     other = SimpleNamespace(rid="abc", abort_message=None)
     assert refusals.around_abort_request(lambda *a: "sglang's", scheduler, other) == "sglang's"
+
+
+def test_the_client_gets_the_prefill_servers_reason_as_a_bad_request() -> None:
+    from http import HTTPStatus
+
+    ended: list[tuple[str, object]] = []
+    message = (
+        "Decode transfer failed for request rank=0 with exception KV of request 5 from"
+        " h:1 did not arrive: prefill reports bad_request: the prefill server refused the"
+        " request: input_embeds is provided while disable_radix_cache is False"
+    )
+    refusals.around_decode_prepare_abort(
+        lambda req, msg, status_code=None: ended.append((msg, status_code)),
+        object(), message, status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
+    )  # fmt: skip
+    assert ended == [
+        (
+            "the prefill server refused the request: input_embeds is provided while"
+            " disable_radix_cache is False",
+            HTTPStatus.BAD_REQUEST,
+        )
+    ]

@@ -138,4 +138,114 @@ def test_each_generation_is_published_on_its_forward_stream(
     glue.before_run_batch(normal, extend)
 
     assert counter.begun == [(1, forward_stream), (2, None)]
-    assert streamer.jobs == [ForwardJob(1, ["chunk"]), ForwardJob(2, ["chunk"])]
+    assert [(j.generation, j.payload) for j in streamer.jobs] == [(1, ["chunk"]), (2, ["chunk"])]
+    assert all(isinstance(j.ended, glue.ForwardEnd) for j in streamer.jobs)
+
+
+class _Projection:
+    """A stand-in for SGLang's attention output projection."""
+
+
+def _model(num_layers: int) -> Any:
+    import torch
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.o_proj = torch.nn.Linear(2, 2)
+
+        def forward(self, x: Any) -> Any:
+            return self.o_proj(x)
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.self_attn = Attention()
+
+        def forward(self, x: Any) -> Any:
+            return self.self_attn(x)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Layer() for _ in range(num_layers))
+
+        def forward(self, x: Any) -> Any:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    return Model()
+
+
+def _lora_wrapped(model: Any) -> None:
+    """What SGLang's LoRA manager does to each adapted projection: a new module in its
+    place that calls the base layer's ``forward`` directly (its hooks never run)."""
+    import torch
+
+    class WithLoRA(torch.nn.Module):
+        def __init__(self, base_layer: Any) -> None:
+            super().__init__()
+            self.base_layer = base_layer
+
+        def forward(self, x: Any) -> Any:
+            return self.base_layer.forward(x)
+
+    for layer in model.layers:
+        layer.self_attn.o_proj = WithLoRA(layer.self_attn.o_proj)
+
+
+def _one_forward(model: Any, counter: HostProgress, generation: int) -> int:
+    import torch
+
+    from sgl_pd.layerwise.progress import decode
+
+    counter.begin_forward(generation)
+    model(torch.zeros(1, 2))
+    published, layers_done = decode(counter.read())
+    return layers_done if published == generation else 0  # layers this forward reported
+
+
+def test_the_progress_hooks_follow_the_modules_lora_puts_in_place(
+    process: glue._Process,
+) -> None:
+    model = _model(3)
+    counter = glue.install_progress_hooks(model, HostProgress)
+    assert _one_forward(model, counter, 1) == 3
+    _lora_wrapped(model)
+    assert _one_forward(model, counter, 2) == 0  # the hooks sit on modules that never run
+    glue.after_init_lora_manager(None, SimpleNamespace(model=model))
+    process.counter = counter
+    glue.after_init_lora_manager(None, SimpleNamespace(model=model))
+    assert _one_forward(model, counter, 3) == 3
+
+
+def test_a_forward_that_ends_with_layers_unreported_fails_health_and_still_sends(
+    process: glue._Process,
+) -> None:
+    """Hooks that did not fire cannot stall a request: the streamer completes the job
+    once the forward ended (its KV is written), and the server says so, once."""
+    from sgl_pd.core.clock import ManualClock
+
+    counter = process.counter = HostProgress(3)
+    messenger = FakeMessenger(num_layers=3)
+    streamer = LayerStreamer(
+        counter,
+        lambda job, layers: messenger.write_layers(job.payload, layers),
+        lambda job: messenger.forward_done(job.payload),
+        clock=ManualClock(),
+        on_silent_layers=glue.silent_layers,
+    )
+    end = glue.ForwardEnd()
+    streamer.submit(ForwardJob(1, "chunks", ended=end))
+    counter.begin_forward(1)
+    counter.record_layer(0)
+    for _ in range(3):
+        streamer.step()
+    assert not messenger.done.is_set() and glue.layerwise_problem() is None
+    end.launched(None, on_gpu=False)  # run_batch returned: the forward ended on the CPU
+    streamer.step()
+    assert messenger.done.is_set()
+    assert messenger.written == [("chunks", range(0, 1)), ("chunks", range(1, 3))]
+    problem = glue.layerwise_problem()
+    assert problem is not None and "1 of 3 layers" in problem

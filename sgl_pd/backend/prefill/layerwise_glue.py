@@ -42,6 +42,11 @@ class _Process:
     streamer: LayerStreamer | None = None
     messenger: Any = None  # PrefillMessenger, once the KV manager exists
     generation = 0
+    hooks: dict[int, tuple[Any, Any]] = {}  # noqa: RUF012  # layer -> (module, handle)
+    # the next forward's end, between `before_run_batch` and `after_run_batch`
+    forward_end: ForwardEnd | None = None
+    # set once a forward ended with layers its hooks never reported: /health fails
+    problem: str | None = None
     # seconds between counter polls during a forward: a GPU layer takes ~0.4 ms, so poll
     # often; a CPU layer takes milliseconds, and each poll takes the GIL from the forward
     poll_interval_s = 20e-6
@@ -56,23 +61,49 @@ def layerwise_enabled(server_args: Any) -> bool:
     )
 
 
-def install_progress_hooks(model: Any, counter_for: Any) -> ProgressCounter:
-    """Registers a forward hook on each layer's o_proj; returns the counter they feed."""
-    hooked: dict[int, Any] = {}
+def _o_proj_modules(model: Any) -> dict[int, Any]:
+    """Layer -> the module now at its attention output projection's path (after a swap,
+    e.g. SGLang's LoRA wrapper, the wrapper: the base module inside it is named
+    ``...o_proj.base_layer`` and may not run through its own forward)."""
+    found: dict[int, Any] = {}
     for name, module in model.named_modules():
         match = _O_PROJ.search(name)
         if match:
-            hooked[int(match.group(1))] = module
-    if not hooked or sorted(hooked) != list(range(len(hooked))):
+            found[int(match.group(1))] = module
+    if not found or sorted(found) != list(range(len(found))):
         raise RuntimeError(
             f"layer-wise streaming found attention output projections for layers "
-            f"{sorted(hooked)}; serve with --pd-kv-send after-forward for this model"
+            f"{sorted(found)}; serve with --pd-kv-send after-forward for this model"
         )
-    counter: ProgressCounter = counter_for(len(hooked))
-    for layer, module in hooked.items():
-        module.register_forward_hook(
+    return found
+
+
+def attach_progress_hooks(model: Any, counter: ProgressCounter) -> None:
+    """Hooks each layer's o_proj, as the model holds it now, to record into `counter`;
+    a layer whose module was replaced since (LoRA) moves its hook to the new one."""
+    found = _o_proj_modules(model)
+    if len(found) != counter.num_layers:
+        raise RuntimeError(
+            f"the model's attention output projections changed from {counter.num_layers}"
+            f" to {len(found)} layers"
+        )
+    for layer, module in found.items():
+        held = _process.hooks.get(layer)
+        if held is not None and held[0] is module:
+            continue
+        if held is not None:
+            held[1].remove()
+        handle = module.register_forward_hook(
             lambda _m, _inputs, _output, layer=layer: counter.record_layer(layer)
         )
+        _process.hooks[layer] = (module, handle)
+
+
+def install_progress_hooks(model: Any, counter_for: Any) -> ProgressCounter:
+    """Registers a forward hook on each layer's o_proj; returns the counter they feed."""
+    counter: ProgressCounter = counter_for(len(_o_proj_modules(model)))
+    _process.hooks = {}
+    attach_progress_hooks(model, counter)
     return counter
 
 
@@ -99,6 +130,60 @@ def after_load_model(result: Any, model_runner: Any, *args: Any, **kwargs: Any) 
         "host" if on_cpu else "pinned host memory, CUDA-graph safe",
     )
     return result
+
+
+def after_init_lora_manager(result: Any, model_runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER hook of ``ModelRunner.init_lora_manager``: SGLang has replaced each adapted
+    projection with its LoRA module, which runs the base layer without its forward hooks;
+    the progress hooks move to the modules that now run."""
+    if _process.counter is not None and not getattr(model_runner, "is_draft_worker", False):
+        attach_progress_hooks(model_runner.model, _process.counter)
+        logger.info("layer-wise KV streaming: progress hooks follow the LoRA modules")
+    return result
+
+
+class ForwardEnd:
+    """Whether a launched forward has finished on its device: on a CPU when
+    ``run_batch`` returned; on a GPU when an event recorded after its launch on the
+    forward stream completed (its progress records are written by then)."""
+
+    def __init__(self) -> None:
+        self._returned = False
+        self._event: Any = None
+
+    def launched(self, stream: Any, on_gpu: bool) -> None:
+        if not on_gpu:
+            self._returned = True
+            return
+        import torch
+
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+        self._event = event
+
+    def __call__(self) -> bool:
+        event = self._event
+        return self._returned or (event is not None and bool(event.query()))
+
+
+def silent_layers(job: ForwardJob, reported: int) -> None:
+    """The streamer's word that a forward ended with layers its hooks never reported:
+    the KV went after the forward (correct, no longer layer by layer); the server says
+    so in its log and fails /health, since every later forward would do the same."""
+    if _process.problem is None:
+        counter = _process.counter
+        total = counter.num_layers if counter is not None else "?"
+        _process.problem = (
+            f"layer-wise streaming: a forward ended with {reported} of {total} layers"
+            " reported by the progress hooks (a module they follow was replaced or is"
+            " not run); serve this model with --pd-kv-send after-forward"
+        )
+        logger.error("%s", _process.problem)
+
+
+def layerwise_problem() -> str | None:
+    """Why layer-wise streaming is not working in this process, or None."""
+    return _process.problem
 
 
 def check_layer_counts(hooked: int, kv_layers: int) -> None:
@@ -131,6 +216,7 @@ def attach_messenger(messenger: Any, layerwise: bool) -> LayerStreamer | None:
         lambda job, layers: messenger.write_layers(job.payload, layers),
         lambda job: messenger.forward_done(job.payload),
         clock=SystemClock(),
+        on_silent_layers=silent_layers,
         poll_interval_s=_process.poll_interval_s,
     )
     streamer.start()
@@ -228,12 +314,13 @@ def before_run_batch(scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> N
         return None
     chunks = _chunk_notices(scheduler, batch, messenger)
     _process.generation += 1
+    _process.forward_end = end = ForwardEnd()
     # On a GPU, stream order is what keeps the previous forward's last layers under its
     # own generation: the overlap scheduler queues this forward behind the previous one on
     # forward_stream, so the generation must go there too, not on schedule_stream, where
     # it would overtake the previous forward (at most two are in flight).
     counter.begin_forward(_process.generation, stream=forward_stream_of(scheduler))
-    streamer.submit(ForwardJob(_process.generation, chunks))
+    streamer.submit(ForwardJob(_process.generation, chunks, ended=end))
     return None
 
 
@@ -242,6 +329,15 @@ def after_run_batch(result: Any, scheduler: Any, batch: Any, *args: Any, **kwarg
     modes), so the messenger can log the transfer time left after it."""
     if batch is None or not batch.forward_mode.is_extend():
         return result
+    end, _process.forward_end = _process.forward_end, None
+    if end is not None:
+        stream = forward_stream_of(scheduler)
+        on_gpu = _process.counter is not None and not isinstance(_process.counter, HostProgress)
+        if on_gpu and stream is None:
+            import torch
+
+            stream = torch.cuda.current_stream()
+        end.launched(stream, on_gpu)
     messenger = _process.messenger
     if messenger is None:
         return result

@@ -10,7 +10,7 @@ from typing import Any
 from sgl_pd.backend.addresses import bind_address, host_port, local_connect_host
 from sgl_pd.backend.heartbeats import Watched
 from sgl_pd.backend.manager import SglPdKVManager
-from sgl_pd.backend.prefill.layerwise_glue import attach_messenger
+from sgl_pd.backend.prefill.layerwise_glue import attach_messenger, layerwise_problem
 from sgl_pd.backend.prefill.messenger import PrefillMessenger
 from sgl_pd.core.clock import Clock
 from sgl_pd.core.wire import Abort, Message, RegisterShard, Role, TransferRequest
@@ -102,7 +102,7 @@ class PrefillKVManager(SglPdKVManager):
     def _role_problem(self) -> str | None:
         if self.prefill.writers.thread_failures:
             return f"{self.prefill.writers.thread_failures} KV writer thread(s) died"
-        return self._registry_problem
+        return layerwise_problem() or self._registry_problem
 
     def _close_role(self) -> None:
         if self.streamer is not None:

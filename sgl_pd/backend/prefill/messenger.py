@@ -173,7 +173,7 @@ class PrefillMessenger:
         self.rooms.expect(room_id, num_pages, aux_index)
 
     def refuse(self, room_id: int, why: str) -> None:
-        """SGLang refused the request at its door (`backend.prefill.refusals`): every
+        """SGLang refused the request at its door (`backend.refusals`): every
         decode rank that asked, or asks, hears `why` instead of waiting for KV."""
         requests = self.rooms.refuse(room_id, why)
         if requests is None:

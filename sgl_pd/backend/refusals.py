@@ -7,7 +7,11 @@ decoder has queued it and waits for its KV. Each refusal is turned into a failed
 here: every decode rank that asked, or asks later, hears the prefill server's reason and
 ends the request with it, instead of waiting its transfer timeout.
 
-Two doors: SGLang's prefill scheduler (`before_retire_unadmitted_request`,
+On the decoder, SGLang ends such a request as a failed transfer (HTTP 500):
+`around_decode_prepare_abort` gives the client the prefill server's reason as a 400, as
+the prefill server (and a monolithic server) answers it.
+
+Two doors on the prefill server: SGLang's prefill scheduler (`before_retire_unadmitted_request`,
 `after_exceed_kv_capacity`), on each rank; and the HTTP process, which refuses some
 requests before any scheduler sees them (`around_generate_request`): there every rank is
 told through SGLang's own channel to its schedulers, as an `AbortReq` naming the room.
@@ -23,6 +27,8 @@ from sgl_pd.config import BACKEND_NAME, sgl_pd_role
 
 logger = logging.getLogger("sgl_pd.refusals")
 
+# how a refusal's reason starts, as far as the client's answer
+REFUSED_BY_PREFILL = "the prefill server refused the request: "
 # An AbortReq whose rid starts so carries a room the HTTP process refused (no request's
 # rid does: SGLang's are hex digests), and its reason
 REFUSED_ROOM_RID = "sgl-pd-refused-room:"
@@ -47,7 +53,7 @@ def _refuse(manager: Any, req: Any, why: str) -> None:
         return  # no decoder behind it (SGLang's warm-up and health checks)
     prefill = getattr(manager, "prefill", None)
     if prefill is not None:
-        prefill.refuse(int(room), f"the prefill server refused the request: {why}")
+        prefill.refuse(int(room), f"{REFUSED_BY_PREFILL}{why}")
 
 
 def before_retire_unadmitted_request(scheduler: Any, req: Any, *args: Any, **kw: Any) -> None:
@@ -106,5 +112,19 @@ def around_abort_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
     if manager is not None:
         room = int(rid[len(REFUSED_ROOM_RID) :])
         why = recv_req.abort_message or "rejected"
-        manager.prefill.refuse(room, f"the prefill server refused the request: {why}")
+        manager.prefill.refuse(room, f"{REFUSED_BY_PREFILL}{why}")
     return None
+
+
+def around_decode_prepare_abort(
+    original: Any, req: Any, error_message: str, status_code: Any = None
+) -> Any:
+    """AROUND hook of ``prepare_abort`` as SGLang's decode scheduler calls it: a transfer
+    that failed because the prefill server refused the request answers the client with
+    that server's reason and a 400, not a 500 naming the transfer."""
+    from http import HTTPStatus
+
+    at = error_message.find(REFUSED_BY_PREFILL)
+    if at >= 0 and status_code == HTTPStatus.INTERNAL_SERVER_ERROR:
+        return original(req, error_message[at:], status_code=HTTPStatus.BAD_REQUEST)
+    return original(req, error_message, status_code=status_code)
