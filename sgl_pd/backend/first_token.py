@@ -4,8 +4,9 @@ Upstream PD prefills all n prompt tokens, samples the first output token on the
 prefill server (grammar, penalties and seed included) and ships it in the metadata.
 With `--pd-first-token decode` (the default):
 
-- the prefill server prefills tokens [0, n-1) only, and never runs a grammar: its copy
-  of the request loses the last prompt token and every constraint as it arrives
+- the prefill server prefills tokens [0, n-1) only, and never runs a grammar or a custom
+  logit processor: its copy of the request loses the last prompt token and every
+  constraint as it arrives
   (`before_handle_generate_request`);
 - the decode server allocates n-1 tokens of KV for it, takes no token from the
   metadata, and its first decode step feeds prompt token n-1 at position n-1 and samples
@@ -154,6 +155,9 @@ def before_handle_generate_request(scheduler: Any, recv_req: Any, *args: Any, **
     for name in _CONSTRAINTS:
         if getattr(sampling, name, None) is not None:
             setattr(sampling, name, None)
+    # a custom logit processor shapes sampling too, which happens on the decoder only
+    if getattr(recv_req, "custom_logit_processor", None) is not None:
+        recv_req.custom_logit_processor = None
 
 
 def before_decode_prealloc_add(queue: Any, req: Any, *args: Any, **kw: Any) -> None:
@@ -166,14 +170,15 @@ def before_decode_prealloc_add(queue: Any, req: Any, *args: Any, **kw: Any) -> N
     if getattr(req, "bootstrap_host", None) == FAKE_BOOTSTRAP_HOST:
         return  # SGLang's own warm-up and health checks: no prefill behind them
     # a retracted request resumes with its own tokens (its first one was sampled)
-    resumed = (
-        bool(req.output_ids) or getattr(req, "pd_rebootstrap_forced_output_id", None) is not None
-    )
+    forced = getattr(req, "pd_rebootstrap_forced_output_id", None)
+    resumed = bool(req.output_ids) or forced is not None
     if not resumed and samples_on_decoder(len(req.origin_input_ids), **_queued_request(req)):
         setattr(req, MARK, True)
     retracted = kw.get("is_retracted", args[0] if args else False)
     if not retracted:  # (a retracted request resumes from its host copy: no transfer)
-        queue.kv_manager.expect_prompt(req.bootstrap_room, expected_kv_tokens(req))
+        queue.kv_manager.expect_prompt(
+            req.bootstrap_room, expected_kv_tokens(req), resumes_from=forced
+        )
 
 
 def after_handle_generate_request(

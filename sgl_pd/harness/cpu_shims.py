@@ -34,6 +34,10 @@ SGLang's ``HookRegistry`` where a hook fits, and logged once per process:
    padded rows' sequence length with ``get_cpu_graph_seq_len_fill_value``, which only the
    AMX backend has. ``torch_native`` gets the AMX backend's answer, 1: one token per
    padded row, whose output is dropped.
+10. LoRA (``--enable-lora --lora-backend torch_native``): SGLang's LoRA layers ask for
+   pinned host tensors, which need a CUDA driver; with no device to copy to, the harness
+   gives them plain host tensors (``pin_memory`` is dropped in the LoRA layers' factory
+   calls, and ``Tensor.pin_memory()`` returns the tensor itself in a CPU-engine process).
 """
 
 from __future__ import annotations
@@ -106,8 +110,48 @@ def apply_cpu_shims() -> bool:
     )
     _announce("each TP rank pinned to its SGLANG_CPU_OMP_THREADS_BIND entry")
     _add_padding_fill_value()
+    _unpin_lora_tensors()
     _applied = True
     return True
+
+
+class _UnpinnedTorch:
+    """``torch`` as a module of SGLang's sees it in a CPU-engine process: tensor factories
+    that ignore ``pin_memory`` (there is no device whose copies pinning would speed up)."""
+
+    def __init__(self, torch: Any) -> None:
+        self._torch = torch
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._torch, name)
+
+    def tensor(self, *args: Any, pin_memory: bool = False, **kwargs: Any) -> Any:
+        return self._torch.tensor(*args, **kwargs)
+
+    def empty(self, *args: Any, pin_memory: bool = False, **kwargs: Any) -> Any:
+        return self._torch.empty(*args, **kwargs)
+
+    def zeros(self, *args: Any, pin_memory: bool = False, **kwargs: Any) -> Any:
+        return self._torch.zeros(*args, **kwargs)
+
+
+# SGLang's LoRA modules that ask for pinned host tensors
+_LORA_MODULES = ("sglang.srt.lora.layers", "sglang.srt.lora.backend.torch_backend")
+
+
+def _unpin_lora_tensors() -> None:
+    import importlib
+
+    import torch
+
+    for name in _LORA_MODULES:
+        importlib.import_module(name).torch = _UnpinnedTorch(torch)  # type: ignore[attr-defined]
+    torch.Tensor.pin_memory = _unpinned  # type: ignore[method-assign]
+    _announce("LoRA layers on plain host tensors (no pinned memory without a GPU)")
+
+
+def _unpinned(self: Any, *args: Any, **kwargs: Any) -> Any:
+    return self
 
 
 def _register_mla_dispatch() -> None:

@@ -25,8 +25,9 @@ def _recv(ids: list[int], host: str = "10.0.0.1", rid: str = "r1") -> SimpleName
     sampling = SimpleNamespace(json_schema='{"type": "object"}', regex=None, ebnf=None,
                                structural_tag=None, temperature=0.7)  # fmt: skip
     return SimpleNamespace(
-        rid=rid, input_ids=array("q", ids), sampling_params=sampling, bootstrap_host=host
-    )
+        rid=rid, input_ids=array("q", ids), sampling_params=sampling, bootstrap_host=host,
+        custom_logit_processor="serialized processor",
+    )  # fmt: skip
 
 
 def _prefill_scheduler(backend: object = OURS, speculative: bool = False) -> SimpleNamespace:
@@ -41,7 +42,7 @@ def test_the_prefill_copy_loses_its_last_token_and_its_grammar() -> None:
     recv = _recv([5, 6, 7])
     first_token.before_handle_generate_request(_prefill_scheduler(), recv)
     assert list(recv.input_ids) == [5, 6]
-    assert recv.sampling_params.json_schema is None
+    assert recv.sampling_params.json_schema is None and recv.custom_logit_processor is None
     assert recv.sampling_params.temperature == 0.7  # sampling itself is untouched
 
 
@@ -106,7 +107,7 @@ class _Expected:
     def __init__(self) -> None:
         self.tokens: dict[int, int] = {}
 
-    def expect_prompt(self, room: int, kv_tokens: int) -> None:
+    def expect_prompt(self, room: int, kv_tokens: int, resumes_from: int | None = None) -> None:
         self.tokens[room] = kv_tokens
 
 

@@ -4,9 +4,11 @@ deferred release when an early-ended request's pages are safe to reuse."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from sgl_pd.backend.decode.messenger import DecodeMessenger
@@ -21,9 +23,12 @@ from sgl_pd.core.wire import (
     ErrorMsg,
     Message,
     Role,
+    SubmitPrefill,
     TransferRequest,
 )
+from sgl_pd.errors import SglPdError
 from sgl_pd.messenger.peers import PeerDirectory, PrefillTable
+from sgl_pd.messenger.registry import RegistryClient
 
 logger = logging.getLogger("sgl_pd.manager")
 
@@ -68,6 +73,10 @@ class DecodeKVManager(SglPdKVManager):
         # room -> prompt tokens whose KV its request needs, from its queueing until its
         # receiver is made (both on the scheduler thread, in one `DecodePreallocQueue.add`)
         self._expected_prompts: OrderedDict[int, int] = OrderedDict()
+        # room -> the output token a retracted request resumes from (see `recompute_tail`)
+        self._recompute_tails: OrderedDict[int, int] = OrderedDict()
+        self._recomputes: ThreadPoolExecutor | None = None  # made at the first recompute
+        self._recompute_client: RegistryClient | None = None
         self.peers = PeerDirectory(
             self.codec.layout_hash,
             query_timeout_s=self.config.bootstrap_timeout_s,
@@ -76,16 +85,55 @@ class DecodeKVManager(SglPdKVManager):
         )
         return self
 
-    def expect_prompt(self, room: int, kv_tokens: int) -> None:
+    def expect_prompt(self, room: int, kv_tokens: int, resumes_from: int | None = None) -> None:
         """The request queued in `room` needs the KV of `kv_tokens` prompt tokens
-        (`first_token.expected_kv_tokens`); its receiver takes it with `expected_prompt`."""
-        self._expected_prompts[room] = kv_tokens
-        self._expected_prompts.move_to_end(room)
-        while len(self._expected_prompts) > MAX_EXPECTED_PROMPTS:  # queued, then refused
-            self._expected_prompts.popitem(last=False)
+        (`first_token.expected_kv_tokens`); its receiver takes it with `expected_prompt`.
+        `resumes_from`: the output token a retracted request resumes from, when its KV
+        is recomputed by the prefill server (`submit_prefill_recompute`)."""
+        for table, value in ((self._expected_prompts, kv_tokens),
+                             (self._recompute_tails, resumes_from)):  # fmt: skip
+            table.pop(room, None)
+            if value is not None:
+                table[room] = value
+            while len(table) > MAX_EXPECTED_PROMPTS:  # queued, then refused
+                table.popitem(last=False)
 
     def expected_prompt(self, room: int) -> int | None:
         return self._expected_prompts.pop(room, None)
+
+    def submit_prefill_recompute(self, kv_receiver: Any, payload: dict[str, Any]) -> None:
+        """SGLang's decode scheduler resumes a request retracted by
+        ``pause_generation(mode="retract")`` by having the prefill server recompute its
+        KV (prompt and kept output) into new pages, under its old room: `payload` is the
+        ``/generate`` body it built. One decode rank (the first of the attention TP
+        group) hands it to the prefill server's registry, as a direct-mode submission;
+        every rank asks for its pages as usual. A failed hand-off fails the request.
+
+        With the decoder sampling first tokens (D16) the prefill server prefills all but
+        the body's last token: the output token the request resumes from goes at its
+        end, so that the KV computed is exactly that of every token before it, as SGLang
+        expects (it feeds that token next, and the decoder checks the length)."""
+        room = int(kv_receiver.bootstrap_room)
+        tail = self._recompute_tails.pop(room, None)
+        if self.rank != 0:
+            return
+        body = dict(payload)
+        if self.config.first_token == "decode" and tail is not None:
+            body["input_ids"] = [*payload["input_ids"], tail]
+        if self._recomputes is None:
+            self._recomputes = ThreadPoolExecutor(1, thread_name_prefix="sgl-pd-recompute")
+            self._recompute_client = RegistryClient(f"decode-{self.rank}-recompute", auth=self.auth)
+        self._recomputes.submit(self._recompute, kv_receiver, room, body)
+
+    def _recompute(self, kv_receiver: Any, room: int, body: dict[str, Any]) -> None:
+        assert self._recompute_client is not None
+        message = SubmitPrefill(
+            request_id=room, sender=f"decode-{self.rank}", request=json.dumps(body).encode()
+        )
+        try:
+            self._recompute_client.submit(kv_receiver.bootstrap_addr, message)
+        except SglPdError as e:
+            kv_receiver.fail_recompute(f"the prefill server did not take the recompute: {e}")
 
     # -- what the liveness thread watches -------------------------------------------------
 
@@ -160,3 +208,7 @@ class DecodeKVManager(SglPdKVManager):
 
     def _close_role(self) -> None:
         self.peers.close()
+        if self._recomputes is not None:
+            self._recomputes.shutdown(wait=False, cancel_futures=True)
+        if self._recompute_client is not None:
+            self._recompute_client.close()

@@ -148,6 +148,12 @@ class SglPdKVReceiver(BaseKVReceiver):
             f"{self._error or 'aborted'}"
         )
 
+    def fail_recompute(self, why: str) -> None:
+        """The prefill server did not take the recompute of this retracted request
+        (another thread's word: the scheduler reads it at its next poll)."""
+        if self.conclude_state is None:
+            self._fail(why)
+
     def abort(self) -> None:
         if self.conclude_state is None:
             self._fail("aborted by the decode scheduler", AbortReason.CLIENT)
