@@ -83,6 +83,7 @@ def _custom_logit_processor() -> str:
     return str(BanTokenLogitProcessor().to_str())
 
 
+# fmt: off
 ROWS: tuple[ParityRow, ...] = (
     ParityRow("text prompt, greedy", {"text": TEXT, "sampling_params": _sampling()}),
     ParityRow("token-id prompt", _ids()),
@@ -90,7 +91,7 @@ ROWS: tuple[ParityRow, ...] = (
         "one-token prompt",
         {"input_ids": [323], "sampling_params": _sampling()},
         why="prefilled whole on the prefill server",
-    ),  # fmt: skip
+    ),
     ParityRow(
         "frequency, presence and repetition penalties",
         _ids(
@@ -98,11 +99,11 @@ ROWS: tuple[ParityRow, ...] = (
                 frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.2
             )
         ),
-    ),  # fmt: skip
+    ),
     ParityRow(
         "min_new_tokens with stop token ids",
         _ids(sampling_params=_sampling(min_new_tokens=8, stop_token_ids=[224])),
-    ),  # fmt: skip
+    ),
     ParityRow("stop strings", _ids(sampling_params=_sampling(stop=["5"]))),
     ParityRow("stop token ids", _ids(sampling_params=_sampling(stop_token_ids=[29]))),
     ParityRow("ignore_eos", _ids(sampling_params=_sampling(ignore_eos=True, max_new_tokens=20))),
@@ -110,21 +111,21 @@ ROWS: tuple[ParityRow, ...] = (
         "output logprobs",
         _ids(return_logprob=True),
         why="logprob requests are prefilled whole, the first token sampled there",
-    ),  # fmt: skip
+    ),
     ParityRow("input logprobs from position 0", _ids(return_logprob=True, logprob_start_len=0)),
     ParityRow(
         f"input logprobs from n - 1 (= {N - 1})", _ids(return_logprob=True, logprob_start_len=N - 1)
-    ),  # fmt: skip
+    ),
     ParityRow(f"input logprobs from n (= {N})", _ids(return_logprob=True, logprob_start_len=N)),
     ParityRow(
         "logprob_start_len past the prompt",
         _ids(return_logprob=True, logprob_start_len=N + 1),
         Outcome.BOTH_REFUSE,
-    ),  # fmt: skip
+    ),
     ParityRow(
         "top logprobs (input and output)",
         _ids(return_logprob=True, logprob_start_len=0, top_logprobs_num=3),
-    ),  # fmt: skip
+    ),
     ParityRow("token-id logprobs", _ids(return_logprob=True, token_ids_logprob=[22, 29])),
     ParityRow("hidden states", _ids(return_hidden_states=True)),
     ParityRow("JSON schema", _ids(sampling_params=_sampling(json_schema=json.dumps(SCHEMA)))),
@@ -136,32 +137,32 @@ ROWS: tuple[ParityRow, ...] = (
         {**_ids(), "custom_logit_processor": None},
         why="sglang_router drops sampling_params.custom_params: use processors"
         " without parameters behind it",
-    ),  # fmt: skip
+    ),
     ParityRow(
         "input embeddings",
         {"input_embeds": [[0.01] * 128] * 5, "sampling_params": _sampling()},
         Outcome.BOTH_REFUSE,
         why="SGLang serves them only with --disable-radix-cache; the prefill"
         " server's refusal reaches the client at once",
-    ),  # fmt: skip
+    ),
     ParityRow(
         "session of an unknown id",
         _ids(session_params={"id": "no-such-session"}),
         Outcome.BOTH_REFUSE,
-    ),  # fmt: skip
+    ),
     ParityRow(
         "n = 2 (parallel sampling)",
         _ids(sampling_params=_sampling(n=2)),
         Outcome.PD_REFUSES,
         why="SGLang sends the n samples under one bootstrap room, which the two"
         " servers cannot pair: send n requests",
-    ),  # fmt: skip
+    ),
     ParityRow("streaming", _ids(stream=True), stream=True),
     ParityRow(
         "OpenAI completions with logprobs",
         {"model": "default", "prompt": TEXT, "max_tokens": 12, "temperature": 0, "logprobs": 2},
         path="/v1/completions",
-    ),  # fmt: skip
+    ),
     ParityRow("OpenAI chat", _chat(), path="/v1/chat/completions"),
     ParityRow(
         "OpenAI chat, JSON schema response format",
@@ -169,10 +170,10 @@ ROWS: tuple[ParityRow, ...] = (
             response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}
         ),
         path="/v1/chat/completions",
-    ),  # fmt: skip
+    ),
     ParityRow(
         "OpenAI chat, streamed", _chat(stream=True), path="/v1/chat/completions", stream=True
-    ),  # fmt: skip
+    ),
 )
 
 

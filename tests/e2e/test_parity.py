@@ -39,7 +39,7 @@ def servers(
         mono = stack.enter_context(
             monolithic_server(
                 tmp_path_factory.mktemp("parity-mono"), extra=flags, patience=patience
-            )  # fmt: skip
+            )
         )
         pd = stack.enter_context(
             pd_cluster(
