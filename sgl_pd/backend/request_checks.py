@@ -6,6 +6,12 @@ The prefill and decode servers each see n + 1 requests under one room, with noth
 pairs the k-th copy on one side with the k-th on the other, so a transfer cannot be
 matched to its request (upstream's backends cannot either). The client gets a 400 that
 says so and what to do instead: send n requests.
+
+Input top logprobs and input token-id logprobs (``top_logprobs_num`` or
+``token_ids_logprob`` with a ``logprob_start_len`` inside the prompt): the prefill server
+computes them, and SGLang's router copies only a prefill server's input token logprobs
+into the answer; the client would get the answer without them. Refused with the reason
+(output top logprobs, and input token logprobs, are served).
 """
 
 from __future__ import annotations
@@ -19,6 +25,29 @@ PARALLEL_SAMPLING_REFUSED = (
     "sends the n samples as copies of the request that share one bootstrap room, which the "
     "prefill and decode servers cannot pair; send n separate requests instead"
 )
+
+
+INPUT_TOP_LOGPROBS_REFUSED = (
+    "top logprobs and token-id logprobs of prompt positions (top_logprobs_num or"
+    " token_ids_logprob with logprob_start_len {start} inside a {n}-token prompt) are not"
+    " served through prefill/decode disaggregation: SGLang's router passes on only the"
+    " prefill server's input token logprobs; ask for them from logprob_start_len {n} (output"
+    " positions), or send the request to a monolithic server"
+)
+
+
+def _input_top_logprobs(obj: Any, num_prompt_tokens: int) -> int | None:
+    """The request's logprob start when it asks for top or token-id logprobs of prompt
+    positions, else None."""
+    if not getattr(obj, "return_logprob", False):
+        return None
+    wants = bool(getattr(obj, "top_logprobs_num", 0)) or bool(
+        getattr(obj, "token_ids_logprob", None)
+    )
+    start = getattr(obj, "logprob_start_len", -1)
+    if not wants or not isinstance(start, int) or not 0 <= start < num_prompt_tokens:
+        return None
+    return start
 
 
 def _samples(obj: Any) -> int:
@@ -35,3 +64,8 @@ def before_validate_one_request(manager: Any, obj: Any, *args: Any, **kw: Any) -
         return
     if _samples(obj) > 1:
         raise ValueError(PARALLEL_SAMPLING_REFUSED)
+    input_ids = args[0] if args else kw.get("input_ids")
+    n = len(input_ids) if input_ids is not None else 0
+    start = _input_top_logprobs(obj, n)
+    if start is not None:
+        raise ValueError(INPUT_TOP_LOGPROBS_REFUSED.format(start=start, n=n))
