@@ -26,9 +26,11 @@ nothing is re-prefilled.
 
 Some requests go the upstream way on both sides (`whole_prompt_reason`): a one-token
 prompt (nothing to prefill without its last token), and requests whose answer holds
-something computed over the whole prompt - input logprobs (and any logprob request, so
-that the first token's logprob comes with it as upstream), hidden states, routed experts -
-or whose prompt is not plain token ids (input embeddings, multimodal inputs, sessions).
+something computed at prompt positions - input logprobs (a `logprob_start_len` inside
+the prompt), routed experts - or whose prompt is not plain token ids (input embeddings,
+multimodal inputs, sessions). Output logprobs and hidden states come from the decoder's
+steps, the first one's included. A `logprob_start_len` of n (no prompt position) becomes
+n - 1 on the prefill's shortened copy, which says the same.
 Each side decides from the same fields of the same request; should they still read the
 prompt differently, the decoder's `TransferRequest.kv_tokens` makes the request fail at
 once with both numbers rather than decode from the wrong token.
@@ -66,8 +68,7 @@ def decoder_samples_first() -> bool:
 def whole_prompt_reason(
     num_prompt_tokens: int,
     *,
-    logprobs: bool = False,
-    hidden_states: bool = False,
+    input_logprobs: bool = False,
     routed_experts: bool = False,
     embeddings: bool = False,
     multimodal: bool = False,
@@ -78,8 +79,7 @@ def whole_prompt_reason(
     if num_prompt_tokens < 2:
         return "a one-token prompt"
     for wanted, why in (
-        (logprobs, "logprobs"),
-        (hidden_states, "hidden states"),
+        (input_logprobs, "input logprobs"),
         (routed_experts, "routed experts"),
         (embeddings, "input embeddings"),
         (multimodal, "multimodal inputs"),
@@ -96,12 +96,20 @@ def samples_on_decoder(num_prompt_tokens: int, **request: bool) -> bool:
     return decoder_samples_first() and whole_prompt_reason(num_prompt_tokens, **request) is None
 
 
+def _input_logprobs(request: Any, num_prompt_tokens: int) -> bool:
+    """The request asks for logprobs of prompt positions. SGLang's scheduler turns the
+    default -1 into n (or keeps -1) before the decoder queues the request: either way
+    outside [0, n), as the raw -1 the prefill reads."""
+    start = getattr(request, "logprob_start_len", -1)
+    return bool(getattr(request, "return_logprob", False)) and 0 <= start < num_prompt_tokens
+
+
 def _tokenized_request(recv_req: Any) -> dict[str, bool]:
     """`whole_prompt_reason`'s flags of a request as the prefill scheduler receives it
     (SGLang's ``TokenizedGenerateReqInput``)."""
+    num_prompt_tokens = len(getattr(recv_req, "input_ids", None) or ())
     return {
-        "logprobs": bool(getattr(recv_req, "return_logprob", False)),
-        "hidden_states": bool(getattr(recv_req, "return_hidden_states", False)),
+        "input_logprobs": _input_logprobs(recv_req, num_prompt_tokens),
         "routed_experts": bool(getattr(recv_req, "return_routed_experts", False)),
         "embeddings": getattr(recv_req, "input_embeds", None) is not None,
         "multimodal": getattr(recv_req, "mm_inputs", None) is not None,
@@ -112,8 +120,7 @@ def _tokenized_request(recv_req: Any) -> dict[str, bool]:
 def _queued_request(req: Any) -> dict[str, bool]:
     """The same flags of the same request as the decode scheduler queues it (a ``Req``)."""
     return {
-        "logprobs": bool(getattr(req, "return_logprob", False)),
-        "hidden_states": bool(getattr(req, "return_hidden_states", False)),
+        "input_logprobs": _input_logprobs(req, len(req.origin_input_ids)),
         "routed_experts": bool(getattr(req, "return_routed_experts", False)),
         "embeddings": getattr(req, "input_embeds", None) is not None,
         "multimodal": getattr(req, "multimodal_inputs", None) is not None,
@@ -149,6 +156,9 @@ def before_handle_generate_request(scheduler: Any, recv_req: Any, *args: Any, **
     if input_ids is None or not samples_on_decoder(len(input_ids), **_tokenized_request(recv_req)):
         return
     recv_req.input_ids = input_ids[:-1]
+    for start in ("logprob_start_len", "routed_experts_start_len"):
+        if getattr(recv_req, start, None) == len(input_ids):  # no prompt position, still
+            setattr(recv_req, start, len(input_ids) - 1)
     if not scheduler.spec_algorithm.is_none():
         _Process.draft_tails[recv_req.rid] = int(input_ids[-1])
     sampling = recv_req.sampling_params

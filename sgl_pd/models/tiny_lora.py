@@ -16,7 +16,7 @@ from pathlib import Path
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def write_tiny_lora(directory: Path, seed: int = 0, rank: int = 8, scale: float = 0.5) -> Path:
+def write_tiny_lora(directory: Path, seed: int = 0, rank: int = 8, scale: float = 2.0) -> Path:
     """Writes an adapter for `sgl_pd.models.TINY_LLAMA_PATH` into `directory`; returns it."""
     import torch
     from safetensors.torch import save_file

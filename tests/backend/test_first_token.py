@@ -136,8 +136,14 @@ def test_a_request_resumed_from_its_host_copy_expects_no_transfer() -> None:
 
 
 WHOLE_PROMPT = [
-    ({"return_logprob": True}, {"return_logprob": True}),
-    ({"return_hidden_states": True}, {"return_hidden_states": True}),
+    (
+        {"return_logprob": True, "logprob_start_len": 0},
+        {"return_logprob": True, "logprob_start_len": 0},
+    ),
+    (
+        {"return_logprob": True, "logprob_start_len": 2},
+        {"return_logprob": True, "logprob_start_len": 2},
+    ),
     ({"return_routed_experts": True}, {"return_routed_experts": True}),
     ({"input_embeds": [[0.0]] * 3}, {"input_embeds": [[0.0]] * 3}),
     ({"mm_inputs": object()}, {"multimodal_inputs": object()}),
@@ -187,3 +193,20 @@ def test_a_decoder_refuses_to_start_without_the_pinned_patches(
     monkeypatch.setattr(DecodePreallocQueue, "_match_prefix_and_lock", _match_prefix_and_lock)
     with pytest.raises(ConfigError, match=r"_match_prefix_and_lock.*launch/install\.sh"):
         first_token.require_decode_patches()
+
+
+@pytest.mark.parametrize(("raw_start", "queued_start"), [(-1, 3), (-1, -1), (3, 3)])
+def test_output_logprobs_leave_the_first_token_to_the_decoder(
+    raw_start: int, queued_start: int
+) -> None:
+    """-1 (SGLang's default, turned into n or kept by the decode scheduler) and n: no
+    prompt position, so the decoder samples the first token and computes its logprobs;
+    the prefill's shortened copy reads n as n - 1, which says the same."""
+    recv = _recv([5, 6, 7])
+    recv.return_logprob, recv.logprob_start_len = True, raw_start
+    first_token.before_handle_generate_request(_prefill_scheduler(), recv)
+    assert list(recv.input_ids) == [5, 6] and recv.logprob_start_len == min(raw_start, 2)
+    queue = _decode_queue()
+    req = _req([5, 6, 7], return_logprob=True, logprob_start_len=queued_start)
+    first_token.before_decode_prealloc_add(queue, req)
+    assert getattr(req, first_token.MARK) and queue.kv_manager.tokens[req.bootstrap_room] == 2

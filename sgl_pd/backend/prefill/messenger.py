@@ -104,6 +104,7 @@ class PrefillMessenger:
         self._send = send_to_decoder
         self._metrics = metrics
         self.draft_layers = pool.draft_layers
+        self._clock = clock
         self.rooms = PrefillRooms(
             rank=rank,
             scheme=scheme,
@@ -237,9 +238,12 @@ class PrefillMessenger:
                 self.writers.put(LayersJob(dest, chunk, layers))
 
     def forward_done(self, chunks: list[Chunk]) -> None:
+        """Layer-wise mode: the device finished the forward of these chunks."""
+        now = self._clock.monotonic()
         for chunk in chunks:
             self.rooms.chunk_queued(chunk)
             if chunk.is_last:
+                self.rooms.mark_forward_end([chunk.room], now)
                 self._queue_metadata(chunk.room)
 
     # -- liveness thread ----------------------------------------------------------------

@@ -711,11 +711,15 @@ class PrefillRooms:
             return [r for i in room_ids if (r := self._rooms.get(i)) is not None]
 
     def mark_forward_end(self, room_ids: Iterable[int], at_s: float) -> None:
+        """The forward of these requests' last chunk had ended by `at_s`: the latest of
+        the stamps given wins (``run_batch`` returning stamps only the launch under the
+        overlap scheduler; the layer streamer stamps when the device reported the last
+        layer)."""
         with self._lock:
             for room_id in room_ids:
                 room = self._rooms.get(room_id)
-                if room is not None and room.forward_end_s is None:
-                    room.forward_end_s = at_s
+                if room is not None:
+                    room.forward_end_s = max(at_s, room.forward_end_s or at_s)
 
     # -- lock held --------------------------------------------------------------------------
 
