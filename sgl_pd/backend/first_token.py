@@ -182,8 +182,9 @@ def before_decode_prealloc_add(queue: Any, req: Any, *args: Any, **kw: Any) -> N
     # a retracted request resumes with its own tokens (its first one was sampled)
     forced = getattr(req, "pd_rebootstrap_forced_output_id", None)
     resumed = bool(req.output_ids) or forced is not None
-    if not resumed and samples_on_decoder(len(req.origin_input_ids), **_queued_request(req)):
-        setattr(req, MARK, True)
+    # (a retracted request is queued again as the same Req: its old mark must go)
+    decides = not resumed and samples_on_decoder(len(req.origin_input_ids), **_queued_request(req))
+    setattr(req, MARK, decides)
     retracted = kw.get("is_retracted", args[0] if args else False)
     if not retracted:  # (a retracted request resumes from its host copy: no transfer)
         queue.kv_manager.expect_prompt(

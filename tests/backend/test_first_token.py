@@ -123,7 +123,7 @@ def test_the_decode_copy_is_marked_unless_it_cannot_be() -> None:
         first_token.before_decode_prealloc_add(queue, req)
     assert getattr(marked, first_token.MARK, False)
     for req in (one_token, resumed, recomputed):
-        assert not hasattr(req, first_token.MARK)
+        assert not getattr(req, first_token.MARK)
     expected = queue.kv_manager.tokens
     assert expected[marked.bootstrap_room] == 1 and expected[one_token.bootstrap_room] == 1
     assert expected[resumed.bootstrap_room] == 3 and expected[recomputed.bootstrap_room] == 3
@@ -164,7 +164,7 @@ def test_requests_whose_answer_needs_the_whole_prompt_go_the_upstream_way_on_bot
     assert list(recv.input_ids) == [5, 6, 7]
     queue, req = _decode_queue(), _req([5, 6, 7], **queued)
     first_token.before_decode_prealloc_add(queue, req)
-    assert not hasattr(req, first_token.MARK)
+    assert not getattr(req, first_token.MARK)
     assert queue.kv_manager.tokens[req.bootstrap_room] == len(recv.input_ids)
 
 
@@ -173,7 +173,7 @@ def test_upstream_mode_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     recv, req = _recv([5, 6, 7]), _req([1, 2])
     first_token.before_handle_generate_request(_prefill_scheduler(), recv)
     first_token.before_decode_prealloc_add(_decode_queue(), req)
-    assert list(recv.input_ids) == [5, 6, 7] and not hasattr(req, first_token.MARK)
+    assert list(recv.input_ids) == [5, 6, 7] and not getattr(req, first_token.MARK)
 
 
 def test_a_decoder_refuses_to_start_without_the_pinned_patches(
@@ -210,3 +210,16 @@ def test_output_logprobs_leave_the_first_token_to_the_decoder(
     req = _req([5, 6, 7], return_logprob=True, logprob_start_len=queued_start)
     first_token.before_decode_prealloc_add(queue, req)
     assert getattr(req, first_token.MARK) and queue.kv_manager.tokens[req.bootstrap_room] == 2
+
+
+def test_a_retracted_request_queued_again_loses_its_old_mark() -> None:
+    """``pause_generation(mode="retract")`` queues the same Req again, its first output
+    token kept aside as the one it resumes from: the prefill recomputes every token
+    before that one, and the decoder samples nothing first."""
+    queue, req = _decode_queue(), _req([5, 6, 7])
+    first_token.before_decode_prealloc_add(queue, req)
+    assert getattr(req, first_token.MARK)
+    req.pd_rebootstrap_forced_output_id = 9  # SGLang popped the one output token
+    first_token.before_decode_prealloc_add(queue, req, is_rebootstrap=True)
+    assert not getattr(req, first_token.MARK)
+    assert queue.kv_manager.tokens[req.bootstrap_room] == 3
