@@ -109,12 +109,12 @@ def _option_view(sglang_argv: list[str]) -> SimpleNamespace:
     parsed it yet: its ranks would each refuse with a traceback of their own)."""
     switches = (
         "--enable-hierarchical-cache", "--enable-two-batch-overlap", "--enable-prefill-cp",
-        "--enable-multi-layer-eagle",
+        "--enable-multi-layer-eagle", "--enable-return-hidden-states",
     )  # fmt: skip
     view: dict[str, object] = {flag[2:].replace("-", "_"): flag in sglang_argv for flag in switches}
     for flag in (
         "--optimistic-prefill-attempts", "--disaggregation-decode-allocation-policy",
-        "--attn-cp-size",
+        "--attn-cp-size", "--return-hidden-states-mode",
     ):  # fmt: skip
         value = flag_value(sglang_argv, flag)
         if value is not None:

@@ -44,6 +44,13 @@ PREFILL_CONTEXT_PARALLEL = (
     "prefill context parallelism (--enable-prefill-cp / --attn-cp-size) is not served yet:"
     " each rank would hold part of the tokens of every page sgl_pd sends whole"
 )
+# "full" returns the hidden states of every position a forward computes: a prompt's are
+# computed on the prefill server, and the router passes on the decoder's answer only.
+FULL_HIDDEN_STATES = (
+    "--return-hidden-states-mode full (or --enable-return-hidden-states, which means it)"
+    " is not served: the prompt's hidden states stay on the prefill server; use"
+    " --return-hidden-states-mode last (one per output token, as served monolithic)"
+)
 # The multi-layer draft extends the prompt without `_eagle_prefill_tail_tokens`, the one
 # place the pinned patch feeds the prompt's last token as the draft's tail (D16).
 MULTI_LAYER_EAGLE = (
@@ -81,6 +88,9 @@ def unsupported_option(
         return PREFILL_COMPLETE_POLICY
     if getattr(options, "enable_prefill_cp", False) or _int(options, "attn_cp_size", 1) > 1:
         return PREFILL_CONTEXT_PARALLEL
+    mode = getattr(options, "return_hidden_states_mode", None)
+    if mode == "full" or (mode is None and getattr(options, "enable_return_hidden_states", False)):
+        return FULL_HIDDEN_STATES
     if first_token == "decode" and getattr(options, "enable_multi_layer_eagle", False):
         return MULTI_LAYER_EAGLE
     if state_kinds:

@@ -6,10 +6,9 @@ monolithic server and through a PD pair behind SGLang's router, both started wit
 writes the table of the docs (`markdown`), which a unit test keeps in step with it.
 
 How two answers are compared (`answers_agree`): token ids, texts and finish reasons
-exactly; logprobs and hidden states to `TOLERANCE` (the decoder attends over KV the
-prefill server computed in other batches, whose float32 sums differ in the last bits;
-a logprob far in the tail magnifies that to ~1e-4 of its value; see BRIEF.md on near
-ties).
+exactly; logprobs and hidden states to `TOLERANCE` and `HIDDEN_STATE_TOLERANCE` (the
+decoder attends over float16 KV the prefill server computed in other batches than a
+monolithic server's, whose sums differ in the last bits; see BRIEF.md on near ties).
 """
 
 from __future__ import annotations
@@ -33,11 +32,14 @@ def server_flags(lora_dir: str) -> list[str]:
     return [
         "--enable-lora", "--lora-paths", f"{LORA_NAME}={lora_dir}",
         "--lora-backend", "torch_native", "--max-loras-per-batch", "2",
-        "--enable-return-hidden-states", "--enable-custom-logit-processor",
+        "--return-hidden-states-mode", "last", "--enable-custom-logit-processor",
     ]  # fmt: skip
 
 
-TOLERANCE = 1e-3  # absolute and relative, on logprobs and hidden-state entries
+# absolute and relative: the servers keep KV in float16 (SGLang's choice on this CPU
+# engine), and the decoder attends over KV computed in other batches than monolithic's
+TOLERANCE = 5e-3  # on logprobs
+HIDDEN_STATE_TOLERANCE = 3e-2  # on hidden-state entries (float16 activations)
 
 # A prompt the bundled model continues with a few distinct words: 24 token ids
 PROMPT_IDS = [323, 29, 224, 22, 224, 23, 224, 24, 224, 25, 202, 287, 292, 224, 28, 290,
@@ -133,7 +135,9 @@ ROWS: tuple[ParityRow, ...] = (
         " and token-id logprobs of output positions are served)",
     ),
     ParityRow("token-id logprobs", _ids(return_logprob=True, token_ids_logprob=[22, 29])),
-    ParityRow("hidden states", _ids(return_hidden_states=True)),
+    ParityRow("hidden states", _ids(return_hidden_states=True),
+              why="with --return-hidden-states-mode last; a server with mode full is"
+              " refused at start (the prompt's stay on the prefill server)"),
     ParityRow("JSON schema", _ids(sampling_params=_sampling(json_schema=json.dumps(SCHEMA)))),
     ParityRow("regex", _ids(sampling_params=_sampling(regex="[0-9]+( [0-9]+)*"))),
     ParityRow("EBNF grammar", _ids(sampling_params=_sampling(ebnf='root ::= "yes" | "no"'))),
@@ -263,7 +267,8 @@ def differences(mono: Any, pd: Any, where: str = "") -> list[str]:
         return [d for i, (a, b) in enumerate(zip(mono, pd, strict=True))
                 for d in differences(a, b, f"{where}[{i}]")]  # fmt: skip
     if isinstance(mono, float) and isinstance(pd, float | int) and not isinstance(pd, bool):
-        close = math.isclose(mono, float(pd), rel_tol=TOLERANCE, abs_tol=TOLERANCE) or (
+        tol = HIDDEN_STATE_TOLERANCE if ".hidden_states" in where else TOLERANCE
+        close = math.isclose(mono, float(pd), rel_tol=tol, abs_tol=tol) or (
             math.isinf(mono) and mono == pd
         )
         return [] if close else [f"{where}: {mono} vs {pd}"]
@@ -311,8 +316,9 @@ def markdown() -> str:
         "sends, optimistic prefill and the `prefill_complete` allocation policy, prefill",
         "context parallelism, multi-layer EAGLE with the decoder-sampled first token,",
         "models whose pools keep state besides the paged KV cache (Mamba / linear",
-        "attention, sliding-window, sparse attention), decode HiCache, pipeline",
-        "parallelism, and DP attention on a prefill server.",
+        "attention, sliding-window, sparse attention), hidden states of every position",
+        "(`--return-hidden-states-mode full`), decode HiCache, pipeline parallelism, and",
+        "DP attention on a prefill server.",
         "",
     ]
     return "\n".join(lines)

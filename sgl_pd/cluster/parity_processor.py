@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
-BANNED_TOKEN = 224  # the bundled model's most frequent output token (a space)
+BANNED_TOKEN = 348  # the bundled model's first answer to the parity prompt
 
 
 class BanTokenLogitProcessor(CustomLogitProcessor):

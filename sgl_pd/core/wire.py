@@ -45,7 +45,8 @@ from sgl_pd.errors import SglPdError
 # 7: decoders name the prefix they hold (held_tokens); last notices carry the chunk count;
 #    a decoder with fragmented pages asks for every link into its staging (stage_all)
 # 8: control messages whose loss matters travel in `Sequenced` envelopes until `Delivered`
-# 9: decoders say how many prompt tokens' KV they expect (kv_tokens)
+# 9: decoders say how many prompt tokens' KV they expect (kv_tokens); a submission
+#    names its attempt (a recompute of a retracted request under its room)
 PROTOCOL_VERSION = 9
 MAGIC = b"SGPD"
 MAX_BODY_BYTES = 64 << 20  # a 1M-token prompt with its page table stays far below this
@@ -339,6 +340,9 @@ class SubmitPrefill(_Message, tag="submit_prefill", frozen=True):
     request_id: U64  # the bootstrap room both sides use
     sender: Text  # who submits, for the prefill server's log
     request: Annotated[bytes, msgspec.Meta(max_length=MAX_SUBMIT_BYTES)]  # JSON object
+    # the room's n-th hand-off: a retracted request's KV is recomputed under its room
+    # (attempts 1, 2, ...); copies of one attempt are answered as its first copy was
+    attempt: U32 = 0
 
 
 class SubmitAck(_Message, tag="submit_ack", frozen=True):

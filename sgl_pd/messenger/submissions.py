@@ -44,30 +44,33 @@ class RecentSubmissions:
         self._clock = clock
         self._memory_s = memory_s
         self._capacity = capacity
-        self._answers: OrderedDict[int, PastAnswer] = OrderedDict()  # oldest first
+        # (room, attempt) -> its answer, oldest first
+        self._answers: OrderedDict[tuple[int, int], PastAnswer] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._answers)
 
     def recall(self, msg: SubmitPrefill) -> PastAnswer | None:
-        """How a submission of `msg`'s room was answered within `memory_s`, if one was."""
+        """How a submission of `msg`'s room and attempt was answered within `memory_s`,
+        if one was (a later attempt of a room is a new hand-off: `SubmitPrefill.attempt`)."""
         self._forget_old()
-        return self._answers.get(msg.request_id)
+        return self._answers.get((msg.request_id, msg.attempt))
 
     def remember(self, msg: SubmitPrefill, refusal: tuple[ErrorCode, str] | None) -> None:
         self._forget_old()
-        self._answers[msg.request_id] = PastAnswer(self._clock.monotonic(), digest(msg), refusal)
-        self._answers.move_to_end(msg.request_id)
+        key = (msg.request_id, msg.attempt)
+        self._answers[key] = PastAnswer(self._clock.monotonic(), digest(msg), refusal)
+        self._answers.move_to_end(key)
         while len(self._answers) > self._capacity:
             self._answers.popitem(last=False)
 
     def _forget_old(self) -> None:
         horizon = self._clock.monotonic() - self._memory_s
         while self._answers:
-            room, answered = next(iter(self._answers.items()))
+            key, answered = next(iter(self._answers.items()))
             if answered.at_s > horizon:
                 return
-            del self._answers[room]
+            del self._answers[key]
 
 
 def digest(msg: SubmitPrefill) -> bytes:

@@ -26,7 +26,7 @@ class FakeClient:
     def submit(self, addr: str, msg: Any) -> None:
         if addr == "down:1":
             raise SglPdError("no answer")
-        FakeClient.submitted.append((addr, json.loads(msg.request)))
+        FakeClient.submitted.append((addr, {**json.loads(msg.request), "attempt": msg.attempt}))
 
     def close(self) -> None:
         pass
@@ -47,6 +47,7 @@ def _manager(monkeypatch: pytest.MonkeyPatch, rank: int, first_token: str) -> De
     mgr = DecodeKVManager.__new__(DecodeKVManager)
     mgr.rank, mgr.auth, mgr.config = rank, None, SglPdConfig(first_token=first_token)
     mgr._expected_prompts, mgr._recompute_tails = decode_manager.OrderedDict(), {}  # type: ignore[assignment]
+    mgr._recompute_attempts = decode_manager.OrderedDict()
     mgr._recomputes, mgr._recompute_client = None, None
     return mgr
 
@@ -66,8 +67,16 @@ def test_the_leader_hands_the_body_over_with_the_resumed_token_at_its_end(
     mgr = _manager(monkeypatch, rank=0, first_token="decode")
     _recompute(mgr, Receiver(7, "prefill:1"), resumes_from=9)
     assert FakeClient.submitted == [
-        ("prefill:1", {"input_ids": [1, 2, 3, 4, 5, 9], "bootstrap_room": 7})
+        ("prefill:1", {"input_ids": [1, 2, 3, 4, 5, 9], "bootstrap_room": 7, "attempt": 1})
     ]
+
+
+def test_each_recompute_of_a_room_is_a_new_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retracted twice (even before a new token): the registry hands each over."""
+    mgr = _manager(monkeypatch, rank=0, first_token="decode")
+    for _ in range(2):
+        _recompute(mgr, Receiver(7, "prefill:1"), resumes_from=9)
+    assert [body["attempt"] for _, body in FakeClient.submitted] == [1, 2]
 
 
 def test_with_the_prefill_sampling_first_tokens_the_body_goes_as_sglang_built_it(

@@ -37,6 +37,8 @@ REFUSED = [
     ("prefill", ["--enable-prefill-cp"], server_options.PREFILL_CONTEXT_PARALLEL),
     ("decode", ["--enable-multi-layer-eagle"], server_options.MULTI_LAYER_EAGLE),
     ("decode", ["--enable-hierarchical-cache"], "decode HiCache"),
+    ("decode", ["--enable-return-hidden-states"], server_options.FULL_HIDDEN_STATES),
+    ("prefill", ["--return-hidden-states-mode", "full"], server_options.FULL_HIDDEN_STATES),
 ]
 
 
@@ -57,6 +59,8 @@ def test_served_variants_of_the_same_options_pass() -> None:
     tbo = sglang_options("--enable-two-batch-overlap")
     assert unsupported_option(tbo, "prefill", kv_send="after-forward", first_token="decode") is None
     assert unsupported_option(tbo, "decode", kv_send="layerwise", first_token="decode") is None
+    last = sglang_options("--return-hidden-states-mode", "last")
+    assert unsupported_option(last, "decode", kv_send="layerwise", first_token="decode") is None
     eagle = sglang_options("--enable-multi-layer-eagle")
     assert unsupported_option(eagle, "decode", kv_send="layerwise", first_token="prefill") is None
 

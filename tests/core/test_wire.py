@@ -486,7 +486,7 @@ FIELDS_AT_VERSION = (
         "registry_query": ("sender",),
         "registry_reply": ("tp_size", "registrations", "refused"),
         "submit_ack": ("request_id",),
-        "submit_prefill": ("request_id", "sender", "request"),
+        "submit_prefill": ("request_id", "sender", "request", "attempt"),
         "transfer": ("request_id", "decoder", "dst_pages", "metadata_slot", "completion_slot",
                      "staging_base", "held_tokens", "stage_all", "kv_tokens"),
     },

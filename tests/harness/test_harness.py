@@ -122,6 +122,10 @@ def test_a_dp_attention_decoder_keeps_the_lm_head_on_all_gather_on_cpu() -> None
             ["--disaggregation-mode", "decode", "--enable-multi-layer-eagle"],
             "--pd-first-token prefill",
         ),
+        (
+            ["--disaggregation-mode", "decode", "--enable-return-hidden-states"],
+            "--return-hidden-states-mode last",
+        ),
     ],
 )
 def test_launcher_refuses_unserved_options_without_a_traceback(flags: list[str], says: str) -> None:

@@ -8,6 +8,7 @@ import multiprocessing as mp
 import threading
 import time
 
+import msgspec
 import pytest
 import zmq
 from messenger_helpers import HOST, free_port, register_in_child, register_msg
@@ -281,6 +282,30 @@ def test_a_taken_room_is_refused_to_another_request_until_forgotten() -> None:
         clock.advance(SUBMISSION_MEMORY_S)
         client.submit(server.address, _submission(7), timeout_s=5.0)
     assert taken == [_submission(7).request, other.request, _submission(7).request]
+
+
+def test_each_recompute_of_a_room_is_a_hand_off_of_its_own() -> None:
+    """A retracted request's KV is recomputed under its room, maybe more than once
+    (even with an identical body): each attempt is handed over once, its copies answered
+    as its first copy was."""
+    taken: list[int] = []
+
+    def take(msg: SubmitPrefill) -> tuple[ErrorCode, str] | None:
+        taken.append(msg.attempt)
+        return None
+
+    first = _submission(7)
+    again = msgspec.structs.replace(first, attempt=1)
+    other_body = msgspec.structs.replace(first, attempt=2, request=b'{"room": 7, "n": 2}')
+    with (
+        RegistryServer(HOST, 0, submit=take) as server,
+        RegistryClient("test") as client,
+    ):
+        client.register(server.address, register_msg(0, 1, instance=1))
+        for msg in (first, again, again, other_body):
+            client.submit(server.address, msg, timeout_s=5.0)
+        assert server.resent_submissions == 1
+    assert taken == [0, 1, 2]
 
 
 def test_recent_submissions_are_bounded_by_age_and_count() -> None:

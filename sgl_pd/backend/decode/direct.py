@@ -57,6 +57,11 @@ FORWARDED = (
     "top_logprobs_num",
     "token_ids_logprob",
     "lora_path",
+    # what decides, on both servers alike, who samples the first token (first_token.py)
+    "return_hidden_states",
+    "return_routed_experts",
+    "routed_experts_start_len",
+    "session_params",
 )
 UNSUPPORTED = ("image_data", "video_data", "audio_data", "input_embeds")
 

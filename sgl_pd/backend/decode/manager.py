@@ -75,6 +75,8 @@ class DecodeKVManager(SglPdKVManager):
         self._expected_prompts: OrderedDict[int, int] = OrderedDict()
         # room -> the output token a retracted request resumes from (see `recompute_tail`)
         self._recompute_tails: OrderedDict[int, int] = OrderedDict()
+        # room -> its recomputes so far: each is a new hand-off (`SubmitPrefill.attempt`)
+        self._recompute_attempts: OrderedDict[int, int] = OrderedDict()
         self._recomputes: ThreadPoolExecutor | None = None  # made at the first recompute
         self._recompute_client: RegistryClient | None = None
         self.peers = PeerDirectory(
@@ -120,16 +122,23 @@ class DecodeKVManager(SglPdKVManager):
         body = dict(payload)
         if self.config.first_token == "decode" and tail is not None:
             body["input_ids"] = [*payload["input_ids"], tail]
+        attempt = self._recompute_attempts.pop(room, 0) + 1
+        self._recompute_attempts[room] = attempt
+        while len(self._recompute_attempts) > MAX_EXPECTED_PROMPTS:
+            self._recompute_attempts.popitem(last=False)
         if self._recomputes is None:
             self._recomputes = ThreadPoolExecutor(1, thread_name_prefix="sgl-pd-recompute")
             self._recompute_client = RegistryClient(f"decode-{self.rank}-recompute", auth=self.auth)
-        self._recomputes.submit(self._recompute, kv_receiver, room, body)
-
-    def _recompute(self, kv_receiver: Any, room: int, body: dict[str, Any]) -> None:
-        assert self._recompute_client is not None
         message = SubmitPrefill(
-            request_id=room, sender=f"decode-{self.rank}", request=json.dumps(body).encode()
+            request_id=room,
+            sender=f"decode-{self.rank}",
+            request=json.dumps(body).encode(),
+            attempt=attempt,
         )
+        self._recomputes.submit(self._recompute, kv_receiver, message)
+
+    def _recompute(self, kv_receiver: Any, message: SubmitPrefill) -> None:
+        assert self._recompute_client is not None
         try:
             self._recompute_client.submit(kv_receiver.bootstrap_addr, message)
         except SglPdError as e:
