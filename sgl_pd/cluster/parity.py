@@ -135,7 +135,7 @@ ROWS: tuple[ParityRow, ...] = (
         " and token-id logprobs of output positions are served)",
     ),
     ParityRow("token-id logprobs", _ids(return_logprob=True, token_ids_logprob=[22, 29])),
-    ParityRow("hidden states", _ids(return_hidden_states=True),
+    ParityRow("hidden states (last)", _ids(return_hidden_states="last"),
               why="with --return-hidden-states-mode last; a server with mode full is"
               " refused at start (the prompt's stay on the prefill server)"),
     ParityRow("JSON schema", _ids(sampling_params=_sampling(json_schema=json.dumps(SCHEMA)))),

@@ -249,3 +249,34 @@ def test_a_forward_that_ends_with_layers_unreported_fails_health_and_still_sends
     assert messenger.written == [("chunks", range(0, 1)), ("chunks", range(1, 3))]
     problem = glue.layerwise_problem()
     assert problem is not None and "1 of 3 layers" in problem
+
+
+def test_a_vision_towers_layers_do_not_take_the_language_models_place(
+    process: glue._Process,
+) -> None:
+    """Both stacks number their layers from 0: the hooks go on the language model's."""
+    import torch
+
+    class Multimodal(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.vision_tower = _model(2)
+            self.language_model = _model(3)
+
+    model = Multimodal()
+    counter = glue.install_progress_hooks(model, HostProgress)
+    assert counter.num_layers == 3
+    assert _one_forward(model.language_model, counter, 1) == 3
+    assert _one_forward(model.vision_tower, counter, 2) == 0
+
+
+def test_two_stacks_that_cannot_be_told_apart_are_refused() -> None:
+    import torch
+
+    class TwoStacks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.left, self.right = _model(2), _model(2)
+
+    with pytest.raises(RuntimeError, match=r"2 layer stacks .*--pd-kv-send after-forward"):
+        glue.install_progress_hooks(TwoStacks(), HostProgress)

@@ -61,16 +61,31 @@ def layerwise_enabled(server_args: Any) -> bool:
     )
 
 
+# where a multimodal model keeps towers whose layers are not the language model's
+_TOWERS = ("vision", "visual", "audio", "image", "encoder", "mm_projector")
+
+
 def _o_proj_modules(model: Any) -> dict[int, Any]:
     """Layer -> the module now at its attention output projection's path (after a swap,
     e.g. SGLang's LoRA wrapper, the wrapper: the base module inside it is named
-    ``...o_proj.base_layer`` and may not run through its own forward)."""
-    found: dict[int, Any] = {}
+    ``...o_proj.base_layer`` and may not run through its own forward). Layers are
+    numbered within their stack (``<stack>.layers.<i>``): a multimodal model's vision or
+    audio tower numbers its own from 0, and is not the language model whose KV is sent."""
+    stacks: dict[str, dict[int, Any]] = {}
     for name, module in model.named_modules():
         match = _O_PROJ.search(name)
         if match:
-            found[int(match.group(1))] = module
-    if not found or sorted(found) != list(range(len(found))):
+            stacks.setdefault(name[: match.start()], {})[int(match.group(1))] = module
+    if len(stacks) > 1:
+        stacks = {k: v for k, v in stacks.items() if not any(t in k.lower() for t in _TOWERS)}
+    if len(stacks) != 1:
+        raise RuntimeError(
+            f"layer-wise streaming found attention output projections in"
+            f" {len(stacks) or 'no'} layer stacks ({', '.join(sorted(stacks)) or '-'});"
+            " serve this model with --pd-kv-send after-forward"
+        )
+    (found,) = stacks.values()
+    if sorted(found) != list(range(len(found))):
         raise RuntimeError(
             f"layer-wise streaming found attention output projections for layers "
             f"{sorted(found)}; serve with --pd-kv-send after-forward for this model"
