@@ -135,9 +135,10 @@ ROWS: tuple[ParityRow, ...] = (
         " and token-id logprobs of output positions are served)",
     ),
     ParityRow("token-id logprobs", _ids(return_logprob=True, token_ids_logprob=[22, 29])),
-    ParityRow("hidden states (last)", _ids(return_hidden_states="last"),
-              why="with --return-hidden-states-mode last; a server with mode full is"
-              " refused at start (the prompt's stay on the prefill server)"),
+    ParityRow("hidden states", _ids(return_hidden_states=True), Outcome.BOTH_REFUSE,
+              why="sglang_router takes only true, i.e. every position's (mode full), which"
+              " a PD pair cannot serve: its servers refuse mode full at start, so they run"
+              " mode last, as do these"),
     ParityRow("JSON schema", _ids(sampling_params=_sampling(json_schema=json.dumps(SCHEMA)))),
     ParityRow("regex", _ids(sampling_params=_sampling(regex="[0-9]+( [0-9]+)*"))),
     ParityRow("EBNF grammar", _ids(sampling_params=_sampling(ebnf='root ::= "yes" | "no"'))),
