@@ -104,16 +104,19 @@ def _input_logprobs(request: Any, num_prompt_tokens: int) -> bool:
     return bool(getattr(request, "return_logprob", False)) and 0 <= start < num_prompt_tokens
 
 
-def _tokenized_request(recv_req: Any) -> dict[str, bool]:
+def _tokenized_request(recv_req: Any, radix_native_sessions: bool = False) -> dict[str, bool]:
     """`whole_prompt_reason`'s flags of a request as the prefill scheduler receives it
-    (SGLang's ``TokenizedGenerateReqInput``)."""
+    (SGLang's ``TokenizedGenerateReqInput``). A session request becomes a session's Req
+    as the scheduler routes it: not when the server serves sessions from its radix cache
+    and the request names one by ``session_id`` (then it is an ordinary Req)."""
+    radix_native = radix_native_sessions and getattr(recv_req, "session_id", None) is not None
     num_prompt_tokens = len(getattr(recv_req, "input_ids", None) or ())
     return {
         "input_logprobs": _input_logprobs(recv_req, num_prompt_tokens),
         "routed_experts": bool(getattr(recv_req, "return_routed_experts", False)),
         "embeddings": getattr(recv_req, "input_embeds", None) is not None,
         "multimodal": getattr(recv_req, "mm_inputs", None) is not None,
-        "session": getattr(recv_req, "session_params", None) is not None,
+        "session": getattr(recv_req, "session_params", None) is not None and not radix_native,
     }
 
 
@@ -153,7 +156,12 @@ def before_handle_generate_request(scheduler: Any, recv_req: Any, *args: Any, **
     if getattr(recv_req, "bootstrap_host", None) == FAKE_BOOTSTRAP_HOST:
         return  # SGLang's own warm-up and health checks: no decoder behind them
     input_ids = getattr(recv_req, "input_ids", None)
-    if input_ids is None or not samples_on_decoder(len(input_ids), **_tokenized_request(recv_req)):
+    if input_ids is None or not samples_on_decoder(
+        len(input_ids),
+        **_tokenized_request(
+            recv_req, bool(getattr(scheduler, "enable_session_radix_cache", False))
+        ),
+    ):
         return
     recv_req.input_ids = input_ids[:-1]
     for start in ("logprob_start_len", "routed_experts_start_len"):

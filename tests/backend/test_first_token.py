@@ -223,3 +223,18 @@ def test_a_retracted_request_queued_again_loses_its_old_mark() -> None:
     first_token.before_decode_prealloc_add(queue, req, is_rebootstrap=True)
     assert not getattr(req, first_token.MARK)
     assert queue.kv_manager.tokens[req.bootstrap_room] == 3
+
+
+def test_a_radix_native_session_request_is_an_ordinary_one_on_both_sides() -> None:
+    """A server serving sessions from its radix cache makes an ordinary Req of a request
+    naming its session by session_id (the decoder's Req has no session): the prefill
+    reads it alike, so the two agree that the decoder samples the first token."""
+    scheduler = _prefill_scheduler()
+    scheduler.enable_session_radix_cache = True
+    recv = _recv([5, 6, 7])
+    recv.session_id, recv.session_params = "s", object()
+    first_token.before_handle_generate_request(scheduler, recv)
+    assert list(recv.input_ids) == [5, 6]
+    queue, req = _decode_queue(), _req([5, 6, 7], session=None)
+    first_token.before_decode_prealloc_add(queue, req)
+    assert getattr(req, first_token.MARK) and queue.kv_manager.tokens[req.bootstrap_room] == 2

@@ -21,7 +21,7 @@ import requests
 
 from sgl_pd.cluster import parity
 from sgl_pd.cluster.local import Patience, PdCluster, Server, monolithic_server, pd_cluster
-from sgl_pd.cluster.logs import last_pool_state
+from sgl_pd.cluster.logs import pools_idle, wait_pools_idle
 from sgl_pd.models.tiny_lora import write_tiny_lora
 
 from .conftest import COMMON_ARGS
@@ -162,16 +162,9 @@ def test_pause_and_continue_give_the_uninterrupted_answer(
     assert events[-1]["output_ids"] == expected["output_ids"]
 
 
-def test_every_page_is_free_again(servers: tuple[Server, PdCluster]) -> None:
+def test_every_page_is_free_again(servers: tuple[Server, PdCluster], patience: Patience) -> None:
     """Runs last in this module: refused, aborted and retracted requests left nothing."""
     _, pd = servers
-    deadline = time.monotonic() + 60
-    states: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        states = {
-            s.process.name: last_pool_state(s.process.log_path) for s in (pd.prefill, pd.decode)
-        }
-        if all(state == (0, True) for state in states.values()):
-            return
-        time.sleep(1)
-    pytest.fail(f"pools still hold pages after the requests finished: {states}")
+    pair = {"prefill": pd.prefill, "decode": pd.decode}
+    states = wait_pools_idle(pair, patience.seconds(60))
+    assert pools_idle(pair, states), f"pools still hold pages: {states}"

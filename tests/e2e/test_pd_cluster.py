@@ -16,7 +16,7 @@ import requests
 from sgl_pd.cluster.client import chat, generate_ids, stream_chat
 from sgl_pd.cluster.conversations import replay, script, wrong_turns
 from sgl_pd.cluster.local import PdCluster, Server
-from sgl_pd.cluster.logs import last_pool_state, timing_lines
+from sgl_pd.cluster.logs import pools_idle, timing_lines, wait_pools_idle
 from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids, varied_prompts
 
 from .conftest import CHUNKED_PREFILL_SIZE, DECODE_PREFIX_CACHE, start_pd
@@ -350,13 +350,6 @@ def test_a_prompt_inside_a_cached_one_holds_all_but_its_last_token(
 
 def test_every_page_is_free_again(pd: PdCluster) -> None:
     """Runs last in this module: after all its requests, both pools report 0 used tokens."""
-    deadline = time.monotonic() + 60
-    states: dict[str, tuple[int, bool] | None] = {}
-    while time.monotonic() < deadline:
-        states = {
-            s.process.name: last_pool_state(s.process.log_path) for s in (pd.prefill, pd.decode)
-        }
-        if all(state == (0, True) for state in states.values()):
-            return
-        time.sleep(1)
-    pytest.fail(f"pools still hold pages after the requests finished: {states}")
+    pair = {"prefill": pd.prefill, "decode": pd.decode}
+    states = wait_pools_idle(pair, 60)
+    assert pools_idle(pair, states), f"pools still hold pages after the requests: {states}"
