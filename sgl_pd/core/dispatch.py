@@ -1,10 +1,8 @@
-"""Which prefill server a decoder sends a request to (direct mode, D3): the available one
-with the fewest prompt tokens outstanding (submitted, first token not yet seen), ties
-broken in turn so equal servers share the load."""
+"""A decoder's prefill servers in direct mode (D3): where they are, and the load it put
+on each (`core.placement` chooses among them)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -12,19 +10,6 @@ from dataclasses import dataclass
 class PrefillerLoad:
     available: bool  # answered the last probe with every rank registered
     outstanding_tokens: int  # prompt tokens submitted and not yet prefilled, as estimated
-
-
-def choose_prefiller(
-    loads: Mapping[str, PrefillerLoad], *, exclude: Sequence[str] = (), turn: int = 0
-) -> str | None:
-    """The address to submit to, or None when no prefill server is available. `exclude`
-    holds addresses that just refused this request; `turn` rotates ties."""
-    candidates = sorted(a for a, load in loads.items() if load.available and a not in exclude)
-    if not candidates:
-        return None
-    least = min(loads[a].outstanding_tokens for a in candidates)
-    tied = [a for a in candidates if loads[a].outstanding_tokens == least]
-    return tied[turn % len(tied)]
 
 
 def parse_bootstrap_addresses(spec: str) -> tuple[str, ...]:

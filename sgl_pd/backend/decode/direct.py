@@ -28,13 +28,21 @@ import json
 import logging
 import secrets
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from sgl_pd.config import SglPdConfig, sgl_pd_role
-from sgl_pd.core.dispatch import PrefillerLoad, choose_prefiller, parse_bootstrap_addresses
+from sgl_pd.core.dispatch import PrefillerLoad, parse_bootstrap_addresses
+from sgl_pd.core.placement import (
+    Prediction,
+    PromptKey,
+    RateEstimate,
+    SentPrefixes,
+    choose_prefiller,
+)
 from sgl_pd.core.wire import MAX_SUBMIT_BYTES, ErrorCode, RefusedSubmission, SubmitPrefill
 from sgl_pd.errors import SglPdError
 from sgl_pd.log_limits import LogLimiter
@@ -87,6 +95,8 @@ class DirectDispatcher:
         # submitted requests still served -> (their loop, resolved with a refusal); under _lock
         self._watched: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[str]]] = {}
         self._turn = 0  # under _lock
+        self._prefixes = SentPrefixes()  # what each prefill server got from here; under _lock
+        self._rates: dict[str, RateEstimate] = {}  # measured per prefill server; under _lock
         self._name = name[:200]  # names its submissions and probes alike (refusals match)
         self._client = RegistryClient(self._name, auth=auth, attempt_timeout_s=PROBE_TIMEOUT_S)
         self._log = LogLimiter(logger)
@@ -108,18 +118,36 @@ class DirectDispatcher:
         with self._lock:
             return dict(self._loads)
 
-    def choose(self, tokens: int, exclude: list[str]) -> str | None:
-        """The prefill server for a request of `tokens`; counts them as outstanding there."""
+    def choose(self, prompt: PromptKey, exclude: list[str]) -> Prediction | None:
+        """The available prefill server predicted to give the first token soonest
+        (`core.placement`); the tokens it will compute count as outstanding there."""
         with self._lock:
             self._turn += 1
-            addr = choose_prefiller(self._loads, exclude=exclude, turn=self._turn)
-            if addr is not None:
-                self._add(addr, tokens)
-            return addr
+            best = choose_prefiller(
+                self._loads, prompt, self._prefixes, self._rates, exclude=exclude, turn=self._turn
+            )
+            if best is not None:
+                self._add(best.addr, best.computed_tokens)
+            return best
 
-    def release(self, addr: str, tokens: int) -> None:
+    def taken(self, chosen: Prediction, prompt: PromptKey) -> None:
+        """`chosen.addr` took the request: it will hold the prompt's prefix."""
         with self._lock:
-            self._add(addr, -tokens)
+            self._prefixes.record(chosen.addr, prompt.blocks)
+        logger.debug(
+            "prefill server %s chosen: %d tokens queued, %d of %d cached, %.3f s predicted",
+            chosen.addr, chosen.queued_tokens, chosen.cached_tokens,
+            chosen.cached_tokens + chosen.computed_tokens, chosen.seconds,
+        )  # fmt: skip
+
+    def release(self, chosen: Prediction, first_token_after_s: float | None = None) -> None:
+        """The request's prefill is over there (`first_token_after_s` after its
+        submission, when it gave a first token: a measurement of the server's rate)."""
+        with self._lock:
+            self._add(chosen.addr, -chosen.computed_tokens)
+            if first_token_after_s is not None:
+                rate = self._rates.setdefault(chosen.addr, RateEstimate())
+                rate.observe(first_token_after_s, chosen.queued_tokens + chosen.computed_tokens)
 
     async def submit(self, addr: str, msg: SubmitPrefill) -> str | None:
         """Hands `msg` to the registry at `addr`; None when taken, else why not (and the
@@ -256,9 +284,9 @@ def _direct(obj: Any) -> bool:
     )
 
 
-def _prompt_tokens(obj: Any) -> int:
-    """The prompt's tokens (estimated for text); raises ValueError for what direct mode
-    does not serve."""
+def _prompt_key(obj: Any) -> PromptKey:
+    """The prompt as the choice of prefill server sees it (its size in tokens estimated
+    for text); raises ValueError for what direct mode does not serve."""
     for name in UNSUPPORTED:
         if getattr(obj, name, None) is not None:
             raise ValueError(f"direct mode serves text and token prompts; {name} is not supported")
@@ -267,7 +295,9 @@ def _prompt_tokens(obj: Any) -> int:
         raise ValueError(
             "direct mode takes one prompt per request: send a batch as separate requests"
         )
-    return len(ids) if isinstance(ids, list) else len(text or "") // CHARS_PER_TOKEN + 1
+    if isinstance(ids, list):
+        return PromptKey.of_ids(ids)
+    return PromptKey.of_text(text or "", CHARS_PER_TOKEN)
 
 
 def _host_and_port(addr: str) -> tuple[str, int]:
@@ -299,12 +329,12 @@ async def around_generate_request(
             yield out
         return
     room = secrets.randbits(63)
-    tokens = _prompt_tokens(obj)
+    prompt = _prompt_key(obj)
     tried: list[str] = []
     refusals: list[str] = []
     while True:
-        addr = dispatcher.choose(tokens, tried)
-        if addr is None:
+        chosen = dispatcher.choose(prompt, tried)
+        if chosen is None:
             known = ", ".join(
                 f"{a} ({'up' if load.available else 'down'})"
                 for a, load in sorted(dispatcher.loads().items())
@@ -314,12 +344,15 @@ async def around_generate_request(
                 + (f": {'; '.join(refusals)}" if refusals else "")
                 + f" (prefill servers: {known or 'none configured'})"
             )
+        addr = chosen.addr
         body = _prefill_body(obj, room, addr)
         msg = SubmitPrefill(request_id=room, sender=dispatcher.name, request=body)
+        submitted_s = time.monotonic()
         why = await dispatcher.submit(addr, msg)
         if why is None:
+            dispatcher.taken(chosen, prompt)
             break
-        dispatcher.release(addr, tokens)
+        dispatcher.release(chosen)
         tried.append(addr)
         refusals.append(why)
     (obj.bootstrap_host, obj.bootstrap_port), obj.bootstrap_room = _host_and_port(addr), room
@@ -331,14 +364,14 @@ async def around_generate_request(
         )
         async for out in outputs:
             if not released:  # the first output: the prefill is done there
-                dispatcher.release(addr, tokens)
+                dispatcher.release(chosen, time.monotonic() - submitted_s)
                 dispatcher.unwatch(room)
                 released = True
             yield out
     finally:
         dispatcher.unwatch(room)
         if not released:
-            dispatcher.release(addr, tokens)
+            dispatcher.release(chosen)
 
 
 async def _unless_refused(

@@ -1,0 +1,172 @@
+"""Which prefill server a decoder's request will get its first token from soonest (direct
+mode): the one with the least predicted prefill time - the prompt tokens queued there,
+plus the tokens it would have to compute for this prompt given the prefix it already
+caches, at its measured rate.
+
+What a prefill server caches is known from what this decoder sent it (`SentPrefixes`):
+each prompt is cut into blocks of `block_tokens`, each block named by a hash of the whole
+prefix up to its end, so a prompt's cached part is its longest run of leading blocks
+sent there before. The model forgets the oldest blocks beyond a bound, as the server's
+radix cache evicts; it cannot see what other decoders sent, nor evictions under memory
+pressure, so a prediction may be optimistic - a wrong guess costs one prefill, never a
+wrong answer.
+
+A server's rate is measured from the requests it served (`RateEstimate`): seconds from
+submission to the first token over the tokens predicted to compute, smoothed. Pure: the
+standard library only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+
+from sgl_pd.core.dispatch import PrefillerLoad
+
+BLOCK_TOKENS = 64  # prefix granularity of the model (SGLang's radix cache is finer)
+MAX_BLOCKS_PER_SERVER = 1 << 16  # ~4M prompt tokens remembered per prefill server
+# seconds per prompt token assumed before a server served a request: every server alike,
+# so the first choices go by queued and cached tokens alone
+PRIOR_S_PER_TOKEN = 1e-4
+RATE_SMOOTHING = 0.2  # weight of the newest measurement
+MIN_MEASURED_TOKENS = 32  # a measurement over fewer tokens is mostly overhead: ignored
+
+
+def prefix_blocks(token_ids: Sequence[int], block_tokens: int = BLOCK_TOKENS) -> list[bytes]:
+    """The names of the prompt's whole leading blocks: block i's hash covers tokens
+    [0, (i + 1) * block_tokens), so two prompts share block i only if they share all of
+    it and everything before."""
+    names = []
+    h = hashlib.blake2b(digest_size=16)
+    whole = len(token_ids) - len(token_ids) % block_tokens
+    for start in range(0, whole, block_tokens):
+        for token in token_ids[start : start + block_tokens]:
+            h.update(int(token).to_bytes(4, "little", signed=False))
+        names.append(h.copy().digest())
+    return names
+
+
+class SentPrefixes:
+    """Per prefill server, the prefix blocks this decoder sent it (oldest forgotten first)."""
+
+    def __init__(self, max_blocks: int = MAX_BLOCKS_PER_SERVER) -> None:
+        self._max_blocks = max_blocks
+        self._sent: dict[str, OrderedDict[bytes, None]] = {}
+
+    def cached_blocks(self, addr: str, blocks: Sequence[bytes]) -> int:
+        """How many of the prompt's leading blocks `addr` is expected to hold."""
+        sent = self._sent.get(addr)
+        run = 0
+        while sent and run < len(blocks) and blocks[run] in sent:
+            run += 1
+        return run
+
+    def record(self, addr: str, blocks: Sequence[bytes]) -> None:
+        """`addr` prefills a prompt of these blocks: it will hold them."""
+        sent = self._sent.setdefault(addr, OrderedDict())
+        for name in blocks:
+            sent.pop(name, None)
+            sent[name] = None
+        while len(sent) > self._max_blocks:
+            sent.popitem(last=False)
+
+    def forget(self, addr: str) -> None:
+        """`addr` restarted or left: its cache is gone."""
+        self._sent.pop(addr, None)
+
+
+@dataclass
+class RateEstimate:
+    """A prefill server's seconds per computed prompt token, smoothed."""
+
+    s_per_token: float = PRIOR_S_PER_TOKEN
+    measured: bool = False
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        if tokens < MIN_MEASURED_TOKENS or seconds <= 0:
+            return
+        sample = seconds / tokens
+        if not self.measured:
+            self.s_per_token, self.measured = sample, True
+        else:
+            self.s_per_token += RATE_SMOOTHING * (sample - self.s_per_token)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Why a server was chosen: its predicted seconds to the first token, and parts."""
+
+    addr: str
+    seconds: float
+    queued_tokens: int
+    cached_tokens: int
+    computed_tokens: int  # the prompt's tokens it would compute
+
+
+def predict(
+    addr: str, prompt_tokens: int, queued_tokens: int, cached_tokens: int, rate: RateEstimate
+) -> Prediction:
+    computed = max(0, prompt_tokens - cached_tokens)
+    seconds = (max(0, queued_tokens) + computed) * rate.s_per_token
+    return Prediction(addr, seconds, queued_tokens, cached_tokens, computed)
+
+
+def fastest(predictions: Sequence[Prediction], turn: int = 0) -> Prediction | None:
+    """The prediction with the fewest seconds; exact ties rotate by `turn` (equal servers
+    share the load)."""
+    if not predictions:
+        return None
+    best = min(p.seconds for p in predictions)
+    tied = sorted((p for p in predictions if p.seconds == best), key=lambda p: p.addr)
+    return tied[turn % len(tied)]
+
+
+@dataclass(frozen=True)
+class PromptKey:
+    """A prompt as the placement sees it: its prefix blocks over `units` (token ids, or
+    the UTF-8 bytes of a text prompt not tokenized yet), and its size in tokens."""
+
+    blocks: tuple[bytes, ...]
+    tokens: int
+
+    @classmethod
+    def of_ids(cls, ids: Sequence[int]) -> PromptKey:
+        return cls(tuple(prefix_blocks(ids)), len(ids))
+
+    @classmethod
+    def of_text(cls, text: str, chars_per_token: int) -> PromptKey:
+        data = text.encode()
+        blocks = prefix_blocks(data, BLOCK_TOKENS * chars_per_token)
+        return cls(tuple(blocks), len(data) // chars_per_token + 1)
+
+    def cached_tokens(self, prefixes: SentPrefixes, addr: str) -> int:
+        """The prompt tokens `addr` is expected to hold already (a block is about
+        `BLOCK_TOKENS` tokens either way)."""
+        return min(self.tokens, prefixes.cached_blocks(addr, self.blocks) * BLOCK_TOKENS)
+
+
+def choose_prefiller(
+    loads: Mapping[str, PrefillerLoad],
+    prompt: PromptKey,
+    prefixes: SentPrefixes,
+    rates: MutableMapping[str, RateEstimate],
+    *,
+    exclude: Sequence[str] = (),
+    turn: int = 0,
+) -> Prediction | None:
+    """The available prefill server predicted to give `prompt` its first token soonest,
+    or None when none is available; `exclude`: addresses that just refused it."""
+    predictions = [
+        predict(
+            addr,
+            prompt.tokens,
+            load.outstanding_tokens,
+            prompt.cached_tokens(prefixes, addr),
+            rates.setdefault(addr, RateEstimate()),
+        )
+        for addr, load in sorted(loads.items())
+        if load.available and addr not in exclude
+    ]
+    return fastest(predictions, turn)

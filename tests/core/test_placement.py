@@ -1,0 +1,134 @@
+"""Choosing the prefill server that gives a request its first token soonest (direct
+mode, pure): queued tokens, plus what it must compute given the prefix it caches, at its
+measured rate."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sgl_pd.core.dispatch import PrefillerLoad
+from sgl_pd.core.placement import (
+    BLOCK_TOKENS,
+    MIN_MEASURED_TOKENS,
+    PromptKey,
+    RateEstimate,
+    SentPrefixes,
+    choose_prefiller,
+    prefix_blocks,
+)
+
+LONG = list(range(1000, 1000 + 8 * BLOCK_TOKENS))  # a long shared prefix: 8 blocks
+
+
+def _choose(loads, prompt, prefixes, rates=None, **kw):  # type: ignore[no-untyped-def]
+    chosen = choose_prefiller(loads, prompt, prefixes, {} if rates is None else rates, **kw)
+    return None if chosen is None else chosen.addr
+
+
+def test_a_repeat_of_a_long_prefix_goes_where_it_was_computed() -> None:
+    loads = {"a:1": PrefillerLoad(True, 0), "b:1": PrefillerLoad(True, 0)}
+    prefixes = SentPrefixes()
+    prefixes.record("b:1", PromptKey.of_ids([*LONG, 1, 2, 3]).blocks)
+    follow_up = PromptKey.of_ids([*LONG, 7, 8, 9, 10])
+    for turn in range(4):  # not a tie any more: every turn picks b
+        assert _choose(loads, follow_up, prefixes, turn=turn) == "b:1"
+    chosen = choose_prefiller(loads, follow_up, prefixes, {})
+    assert chosen is not None and chosen.cached_tokens == len(LONG)
+    assert chosen.computed_tokens == 4
+
+
+def test_a_busy_server_loses_even_with_the_prefix() -> None:
+    """Cached tokens save their computation, not the queue in front of them."""
+    prefixes = SentPrefixes()
+    prefixes.record("b:1", PromptKey.of_ids(LONG).blocks)
+    loads = {"a:1": PrefillerLoad(True, 0), "b:1": PrefillerLoad(True, 10 * len(LONG))}
+    assert _choose(loads, PromptKey.of_ids([*LONG, 5]), prefixes) == "a:1"
+
+
+def test_a_fresh_prompt_goes_to_the_least_loaded_and_ties_take_turns() -> None:
+    prefixes = SentPrefixes()
+    loads = {
+        "a:1": PrefillerLoad(True, 500),
+        "b:1": PrefillerLoad(True, 100),
+        "c:1": PrefillerLoad(False, 0),  # down: never chosen
+    }
+    fresh = PromptKey.of_ids(list(range(300)))
+    assert _choose(loads, fresh, prefixes) == "b:1"
+    assert _choose(loads, fresh, prefixes, exclude=["b:1"]) == "a:1"
+    assert _choose(loads, fresh, prefixes, exclude=["a:1", "b:1"]) is None
+    even = {"a:1": PrefillerLoad(True, 0), "b:1": PrefillerLoad(True, 0)}
+    assert {_choose(even, fresh, prefixes, turn=t) for t in range(4)} == {"a:1", "b:1"}
+
+
+def test_a_measured_slow_server_gets_less() -> None:
+    prefixes = SentPrefixes()
+    loads = {"a:1": PrefillerLoad(True, 0), "b:1": PrefillerLoad(True, 0)}
+    rates = {"a:1": RateEstimate(), "b:1": RateEstimate()}
+    rates["a:1"].observe(1.0, 1000)  # 1 ms per token
+    rates["b:1"].observe(0.1, 1000)  # 0.1 ms per token
+    loads["b:1"] = PrefillerLoad(True, 5000)  # busier, but ten times faster
+    assert _choose(loads, PromptKey.of_ids(list(range(1000))), prefixes, rates) == "b:1"
+
+
+def test_a_prefix_shares_blocks_only_when_everything_before_matches() -> None:
+    a = prefix_blocks([1] * BLOCK_TOKENS + [2] * BLOCK_TOKENS)
+    b = prefix_blocks([1] * BLOCK_TOKENS + [3] * BLOCK_TOKENS)
+    c = prefix_blocks([9] + [1] * (BLOCK_TOKENS - 1) + [2] * BLOCK_TOKENS)
+    assert a[0] == b[0] and a[1] != b[1]
+    assert c[0] != a[0] and c[1] != a[1]  # block 1's tokens equal, its prefix not
+    assert prefix_blocks([1] * (BLOCK_TOKENS - 1)) == []  # no whole block
+
+
+def test_text_prompts_share_prefixes_too() -> None:
+    prefixes = SentPrefixes()
+    history = "You are a helpful assistant. " * 40
+    prefixes.record("b:1", PromptKey.of_text(history + "First question?", 4).blocks)
+    follow_up = PromptKey.of_text(history + "Second question?", 4)
+    assert follow_up.cached_tokens(prefixes, "b:1") >= BLOCK_TOKENS
+    assert follow_up.cached_tokens(prefixes, "a:1") == 0
+
+
+def test_what_a_server_is_remembered_to_hold_is_bounded_and_forgotten_on_restart() -> None:
+    prefixes = SentPrefixes(max_blocks=4)
+    first = PromptKey.of_ids(list(range(3 * BLOCK_TOKENS)))
+    second = PromptKey.of_ids(list(range(10_000, 10_000 + 3 * BLOCK_TOKENS)))
+    prefixes.record("b:1", first.blocks)
+    prefixes.record("b:1", second.blocks)
+    assert first.cached_tokens(prefixes, "b:1") == 0  # its first block was evicted
+    assert second.cached_tokens(prefixes, "b:1") == 3 * BLOCK_TOKENS
+    prefixes.forget("b:1")
+    assert second.cached_tokens(prefixes, "b:1") == 0
+
+
+def test_rate_measurements_over_a_few_tokens_are_ignored() -> None:
+    rate = RateEstimate()
+    prior = rate.s_per_token
+    rate.observe(5.0, MIN_MEASURED_TOKENS - 1)
+    assert rate.s_per_token == prior and not rate.measured
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from(["a:1", "b:2", "c:3", "d:4"]),
+        st.builds(PrefillerLoad, st.booleans(), st.integers(0, 10_000)),
+    ),
+    st.integers(0, 10),
+    st.integers(1, 4 * BLOCK_TOKENS),
+)
+def test_the_choice_is_never_predicted_slower_than_another_available_server(  # type: ignore[no-untyped-def]
+    loads, turn, prompt_tokens
+) -> None:
+    prompt = PromptKey.of_ids(list(range(prompt_tokens)))
+    prefixes = SentPrefixes()
+    prefixes.record("b:2", prompt.blocks)
+    rates: dict[str, RateEstimate] = {}
+    chosen = choose_prefiller(loads, prompt, prefixes, rates, turn=turn)
+    up = [a for a, load in loads.items() if load.available]
+    if not up:
+        assert chosen is None
+        return
+    assert chosen is not None and chosen.addr in up
+    others = [choose_prefiller(loads, prompt, prefixes, rates, exclude=[a for a in up if a != o])
+              for o in up]  # fmt: skip
+    assert chosen.seconds == min(o.seconds for o in others if o is not None)
