@@ -598,6 +598,7 @@ class DirectCluster:
     decoders: tuple[Server, ...]
     bootstrap_port: int
     router_url: str | None  # SGLang's router over the same servers, when asked for
+    more_prefills: tuple[Server, ...] = ()  # the decoders choose among all prefill servers
 
 
 @contextlib.contextmanager
@@ -611,18 +612,21 @@ def direct_cluster(
     with_router: bool = False,
     patience: Patience | None = None,
     decode_policy: str = "round_robin",
+    prefills: int = 1,
 ) -> Iterator[DirectCluster]:
     """One prefill server feeding `decoders` decode servers in direct mode (D3): clients
     send requests to a decoder, which submits the prefill itself (--pd-prefill-bootstrap).
     `with_router`: SGLang's PD router over the same servers too, so both flows can be
     compared on one cluster, choosing decoders by `decode_policy`. Each server on its own
-    cores where there are enough."""
+    cores where there are enough. `prefills`: prefill servers the decoders choose among
+    (the router, when asked for, sends to the first)."""
     patience = patience if patience is not None else local_patience()
-    ports = free_ports(decoders + 4)
+    ports = free_ports(decoders + 2 + 2 * prefills)
     prefill_port, bootstrap_port, router_port, metrics_port = ports[:4]
+    extra_ports = ports[4 + decoders :]
     secret = ("--pd-auth-secret-file", str(write_cluster_secret(log_dir / "cluster.secret")))
     placements = place_pd(
-        [scheduler_ranks(prefill_extra)], [scheduler_ranks(decode_extra)] * decoders
+        [scheduler_ranks(prefill_extra)] * prefills, [scheduler_ranks(decode_extra)] * decoders
     )
     prefill = Server(
         f"http://{HOST}:{prefill_port}",
@@ -631,7 +635,24 @@ def direct_cluster(
             placements[0], bootstrap_port,
         ),
     )  # fmt: skip
-    direct = ("--pd-prefill-bootstrap", f"{HOST}:{bootstrap_port}")
+    more_prefills = tuple(
+        Server(
+            f"http://{HOST}:{extra_ports[2 * i]}",
+            pd_process(
+                f"prefill{i + 1}",
+                "prefill",
+                model,
+                extra_ports[2 * i],
+                [*secret, *prefill_extra],
+                log_dir,
+                placements[1 + i],
+                extra_ports[2 * i + 1],
+            ),
+        )
+        for i in range(prefills - 1)
+    )
+    bootstraps = [bootstrap_port, *(extra_ports[2 * i + 1] for i in range(prefills - 1))]
+    direct = ("--pd-prefill-bootstrap", ",".join(f"{HOST}:{p}" for p in bootstraps))
     decode_servers = tuple(
         Server(
             f"http://{HOST}:{port}",
@@ -642,10 +663,10 @@ def direct_cluster(
                 port,
                 [*secret, *direct, *decode_extra],
                 log_dir,
-                placements[1 + i],
+                placements[prefills + i],
             ),
         )
-        for i, port in enumerate(ports[4:])
+        for i, port in enumerate(ports[4 : 4 + decoders])
     )
     router = None
     if with_router:
@@ -661,7 +682,7 @@ def direct_cluster(
         )
         router = ManagedProcess("router", router_cmd, log_dir / "router.log")
     router_url = f"http://{HOST}:{router_port}" if with_router else None
-    servers = (prefill, *decode_servers)
+    servers = (prefill, *more_prefills, *decode_servers)
     with managed([*(s.process for s in servers), *([router] if router else [])]):
         for server in servers:
             server.process.start()
@@ -669,4 +690,4 @@ def direct_cluster(
         if router is not None:
             router.start()
             _wait_ready(router, f"{router_url}/readiness", patience.router_ready_s, patience)
-        yield DirectCluster(prefill, decode_servers, bootstrap_port, router_url)
+        yield DirectCluster(prefill, decode_servers, bootstrap_port, router_url, more_prefills)
