@@ -158,13 +158,17 @@ def choose_prefiller(
 ) -> Prediction | None:
     """The available prefill server predicted to give `prompt` its first token soonest,
     or None when none is available; `exclude`: addresses that just refused it."""
+    measured = [r.s_per_token for r in rates.values() if r.measured]
+    # a server not measured yet is taken to be as fast as the measured ones on average:
+    # the prior alone would make it look faster than any that has served a request
+    typical = RateEstimate(sum(measured) / len(measured)) if measured else RateEstimate()
     predictions = [
         predict(
             addr,
             prompt.tokens,
             load.outstanding_tokens,
             prompt.cached_tokens(prefixes, addr),
-            rates.setdefault(addr, RateEstimate()),
+            rate if (rate := rates.setdefault(addr, RateEstimate())).measured else typical,
         )
         for addr, load in sorted(loads.items())
         if load.available and addr not in exclude

@@ -132,3 +132,15 @@ def test_the_choice_is_never_predicted_slower_than_another_available_server(  # 
     others = [choose_prefiller(loads, prompt, prefixes, rates, exclude=[a for a in up if a != o])
               for o in up]  # fmt: skip
     assert chosen.seconds == min(o.seconds for o in others if o is not None)
+
+
+def test_a_server_not_measured_yet_is_taken_as_fast_as_the_measured_ones() -> None:
+    """The one that served the conversation's first turn has a measured rate (with
+    every overhead of a first token in it); the other, none yet: the prefix still wins."""
+    prefixes = SentPrefixes()
+    prompt = PromptKey.of_ids([*LONG, 1, 2, 3])
+    prefixes.record("a:1", PromptKey.of_ids(LONG).blocks)
+    rates = {"a:1": RateEstimate()}
+    rates["a:1"].observe(2.0, len(LONG))  # 4 ms per token, overheads included
+    loads = {"a:1": PrefillerLoad(True, 0), "b:1": PrefillerLoad(True, 0)}
+    assert _choose(loads, prompt, prefixes, rates) == "a:1"
