@@ -219,3 +219,40 @@ class TransferMetrics:
             self._rooms.set(rooms)
             self._in_flight.set(in_flight)
             self._staging.set(staging_bytes)
+
+
+PLACEMENT_REASONS = ("cached_prefix", "load")  # why a prefill server was chosen
+
+
+class PlacementMetrics:
+    """Direct mode, in a decoder's HTTP process: the prefill servers it chose, and why -
+    `cached_prefix` when the chosen one was predicted to hold part of the prompt, `load`
+    when only its queue and rate decided. A no-op object when metrics are off."""
+
+    def __init__(self, enabled: bool, registry: Any = None) -> None:
+        self._counter: Any = None
+        self._cached: Any = None
+        if not enabled:
+            return
+        from prometheus_client import REGISTRY, Counter
+
+        reg = REGISTRY if registry is None else registry
+        self._counter = Counter(
+            "sgl_pd_prefill_placements",
+            "Requests a decoder handed to a prefill server (direct mode), by why that one",
+            ["reason"],
+            registry=reg,
+        )
+        for reason in PLACEMENT_REASONS:
+            self._counter.labels(reason=reason)  # every series from the start
+        self._cached = Counter(
+            "sgl_pd_prefill_placement_cached_tokens",
+            "Prompt tokens the chosen prefill server was predicted to hold already",
+            registry=reg,
+        )
+
+    def placed(self, cached_tokens: int) -> None:
+        if self._counter is None:
+            return
+        self._counter.labels(reason="cached_prefix" if cached_tokens else "load").inc()
+        self._cached.inc(cached_tokens)

@@ -274,3 +274,20 @@ def test_control_message_counters_follow_running_totals() -> None:
     assert (
         _value(registry, "sgl_pd_control_messages_total", role="decode", event="injected_drop") == 2
     )
+
+
+def test_placements_count_why_their_prefill_server_was_chosen() -> None:
+    from sgl_pd.backend.metrics import PlacementMetrics
+
+    registry = CollectorRegistry()
+    placements = PlacementMetrics(True, registry)
+    placements.placed(0)
+    placements.placed(384)
+    placements.placed(128)
+    counts = {
+        reason: _value(registry, "sgl_pd_prefill_placements_total", reason=reason)
+        for reason in ("cached_prefix", "load")
+    }
+    assert counts == {"cached_prefix": 2.0, "load": 1.0}
+    assert _value(registry, "sgl_pd_prefill_placement_cached_tokens_total") == 512.0
+    PlacementMetrics(False).placed(5)  # off: nothing registered, nothing raised

@@ -4,10 +4,12 @@ long prefix one of them computed, goes there - and gets monolithic's tokens."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 
 import pytest
+import requests
 
 from sgl_pd.cluster.client import generate_ids
 from sgl_pd.cluster.local import DirectCluster, Server, direct_cluster
@@ -25,7 +27,7 @@ def two_prefills(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DirectClu
     with direct_cluster(
         tmp_path_factory.mktemp("placement"),
         prefill_extra=COMMON_ARGS,
-        decode_extra=COMMON_ARGS,
+        decode_extra=[*COMMON_ARGS, "--enable-metrics"],
         decoders=1,
         prefills=2,
     ) as cluster:
@@ -63,6 +65,12 @@ def test_each_turn_of_a_conversation_goes_where_its_prefix_was_computed(
         assert [b - a for a, b in zip(counts, after, strict=True)] == [
             int(i == chosen) for i in range(len(counts))
         ], f"turn {turn}: prefilled {counts} -> {after}, the prefix is on server {chosen}"
+    metrics = requests.get(f"{decoder.url}/metrics", timeout=30).text
+    placed = {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r'sgl_pd_prefill_placements_total\{reason="(\w+)"\} (\S+)', metrics)
+    }
+    assert placed.get("cached_prefix", 0) >= 3, placed  # the three follow-up turns
 
 
 def test_fresh_prompts_are_shared_between_the_prefill_servers(

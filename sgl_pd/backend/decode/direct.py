@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from sgl_pd.backend.metrics import PlacementMetrics
 from sgl_pd.config import SglPdConfig, sgl_pd_role
 from sgl_pd.core.dispatch import PrefillerLoad, parse_bootstrap_addresses
 from sgl_pd.core.placement import (
@@ -88,6 +89,7 @@ class DirectDispatcher:
         auth: ClusterAuth | None,
         name: str = "decoder",
         probe_interval_s: float = PROBE_INTERVAL_S,
+        metrics: PlacementMetrics | None = None,
     ) -> None:
         self._spec = spec
         self._lock = threading.Lock()
@@ -97,6 +99,7 @@ class DirectDispatcher:
         self._turn = 0  # under _lock
         self._prefixes = SentPrefixes()  # what each prefill server got from here; under _lock
         self._rates: dict[str, RateEstimate] = {}  # measured per prefill server; under _lock
+        self._metrics = metrics or PlacementMetrics(False)
         self._name = name[:200]  # names its submissions and probes alike (refusals match)
         self._client = RegistryClient(self._name, auth=auth, attempt_timeout_s=PROBE_TIMEOUT_S)
         self._log = LogLimiter(logger)
@@ -134,6 +137,7 @@ class DirectDispatcher:
         """`chosen.addr` took the request: it will hold the prompt's prefix."""
         with self._lock:
             self._prefixes.record(chosen.addr, prompt.blocks)
+        self._metrics.placed(chosen.cached_tokens)
         logger.debug(
             "prefill server %s chosen: %d tokens queued, %d of %d cached, %.3f s predicted",
             chosen.addr, chosen.queued_tokens, chosen.cached_tokens,
@@ -270,7 +274,10 @@ def _dispatcher_for(manager: Any) -> DirectDispatcher | None:
 
             name = f"decoder {getattr(server_args, 'host', '')}:{getattr(server_args, 'port', '')}"
             _dispatcher = DirectDispatcher(
-                config.prefill_bootstrap, auth=cluster_auth(config), name=name
+                config.prefill_bootstrap,
+                auth=cluster_auth(config),
+                name=name,
+                metrics=PlacementMetrics(bool(getattr(server_args, "enable_metrics", False))),
             )
         return _dispatcher
 
