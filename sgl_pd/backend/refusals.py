@@ -45,15 +45,17 @@ def _our_prefill_manager(scheduler: Any) -> Any:
     return manager if getattr(manager, "prefill", None) is not None else None
 
 
+def _refuse_room(manager: Any, room: int, why: str) -> None:
+    manager.prefill.refuse(room, f"{REFUSED_BY_PREFILL}{why}")
+
+
 def _refuse(manager: Any, req: Any, why: str) -> None:
     from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 
     room = getattr(req, "bootstrap_room", None)
     if room is None or getattr(req, "bootstrap_host", None) == FAKE_BOOTSTRAP_HOST:
         return  # no decoder behind it (SGLang's warm-up and health checks)
-    prefill = getattr(manager, "prefill", None)
-    if prefill is not None:
-        prefill.refuse(int(room), f"{REFUSED_BY_PREFILL}{why}")
+    _refuse_room(manager, int(room), why)
 
 
 def before_retire_unadmitted_request(scheduler: Any, req: Any, *args: Any, **kw: Any) -> None:
@@ -111,8 +113,7 @@ def around_abort_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
     manager = _our_prefill_manager(scheduler)
     if manager is not None:
         room = int(rid[len(REFUSED_ROOM_RID) :])
-        why = recv_req.abort_message or "rejected"
-        manager.prefill.refuse(room, f"{REFUSED_BY_PREFILL}{why}")
+        _refuse_room(manager, room, recv_req.abort_message or "rejected")
     return None
 
 

@@ -304,12 +304,9 @@ class LayerStreamer:
 
     def _silent(self, active: _Active, reported: int) -> None:
         _log.debug("generation %d ended with %d layers reported", active.job.generation, reported)
-        if self._on_silent_layers is not None:
-            try:
-                self._on_silent_layers(active.job, reported)
-            except Exception:
-                self._errors += 1
-                _log.exception("on_silent_layers(generation %d) raised", active.job.generation)
+        silent = self._on_silent_layers
+        if silent is not None:
+            self._call(lambda job: silent(job, reported), active.job, "on_silent_layers")
 
     def _report_layers(self, active: _Active, layers_done: int) -> None:
         if active.first_layers_s is None:

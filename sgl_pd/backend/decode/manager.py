@@ -92,13 +92,8 @@ class DecodeKVManager(SglPdKVManager):
         (`first_token.expected_kv_tokens`); its receiver takes it with `expected_prompt`.
         `resumes_from`: the output token a retracted request resumes from, when its KV
         is recomputed by the prefill server (`submit_prefill_recompute`)."""
-        for table, value in ((self._expected_prompts, kv_tokens),
-                             (self._recompute_tails, resumes_from)):  # fmt: skip
-            table.pop(room, None)
-            if value is not None:
-                table[room] = value
-            while len(table) > MAX_EXPECTED_PROMPTS:  # queued, then refused
-                table.popitem(last=False)
+        _remember(self._expected_prompts, room, kv_tokens)
+        _remember(self._recompute_tails, room, resumes_from)
 
     def expected_prompt(self, room: int) -> int | None:
         return self._expected_prompts.pop(room, None)
@@ -122,10 +117,8 @@ class DecodeKVManager(SglPdKVManager):
         body = dict(payload)
         if self.config.first_token == "decode" and tail is not None:
             body["input_ids"] = [*payload["input_ids"], tail]
-        attempt = self._recompute_attempts.pop(room, 0) + 1
-        self._recompute_attempts[room] = attempt
-        while len(self._recompute_attempts) > MAX_EXPECTED_PROMPTS:
-            self._recompute_attempts.popitem(last=False)
+        attempt = self._recompute_attempts.get(room, 0) + 1
+        _remember(self._recompute_attempts, room, attempt)
         if self._recomputes is None:
             self._recomputes = ThreadPoolExecutor(1, thread_name_prefix="sgl-pd-recompute")
             self._recompute_client = RegistryClient(f"decode-{self.rank}-recompute", auth=self.auth)
@@ -221,3 +214,13 @@ class DecodeKVManager(SglPdKVManager):
             self._recomputes.shutdown(wait=False, cancel_futures=True)
         if self._recompute_client is not None:
             self._recompute_client.close()
+
+
+def _remember(table: OrderedDict[int, int], room: int, value: int | None) -> None:
+    """`room`'s entry in one of the manager's per-room tables, the newest (None: none);
+    the oldest go beyond `MAX_EXPECTED_PROMPTS` (requests queued, then refused)."""
+    table.pop(room, None)
+    if value is not None:
+        table[room] = value
+    while len(table) > MAX_EXPECTED_PROMPTS:
+        table.popitem(last=False)
