@@ -59,6 +59,13 @@ class SglPdConfig:
     # line, re-read while serving) to which the decoder submits requests that arrive
     # without a bootstrap room; "" = router mode only
     prefill_bootstrap: str = ""
+    # Decoder: the largest uncached prompt suffix it prefills itself rather than sending
+    # the request to a prefill server (`backend/decode/local_prefill.py`); negative =
+    # derived (`local_prefill_limit`), 0 = never
+    local_prefill_max_tokens: int = -1
+    # Decoder, direct mode: prefill servers with this many prompt tokens outstanding
+    # from it are saturated; when all are, short fresh prompts are prefilled locally too
+    prefill_saturated_tokens: int = 8192
     # Fault injection, for fault campaigns only (tests, benchmarks/bench_faults.py):
     inject_write_delay_ms: float = 0.0  # added before every KV write batch
     inject_write_failure_rate: float = 0.0  # probability that a KV write batch fails
@@ -106,6 +113,10 @@ class SglPdConfig:
                 parse_bootstrap_addresses(self.prefill_bootstrap)
             except ValueError as e:
                 raise ConfigError(f"--pd-prefill-bootstrap: {e}") from None
+        if self.prefill_saturated_tokens <= 0:
+            raise ConfigError(
+                f"--pd-prefill-saturated-tokens must be > 0, got {self.prefill_saturated_tokens}"
+            )
         if self.auth_secret_hex and len(self.auth_secret_hex) < 2 * MIN_SECRET_BYTES:
             raise ConfigError(
                 f"the cluster secret must have at least {MIN_SECRET_BYTES} bytes: make one"
@@ -285,6 +296,27 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "them; router requests work as before.",
     )
     group.add_argument(
+        "--pd-local-prefill-max-tokens",
+        type=int,
+        default=SglPdConfig.local_prefill_max_tokens,
+        metavar="N",
+        help="Decoder: prefill a request here, inside the decode loop (one step of at most "
+        "N prompt tokens between two decode steps), when its uncached suffix has at most N "
+        "tokens and the decoder's prefix cache holds at least 30%% of the prompt - a "
+        "conversation's follow-up turn - or, in direct mode, when every prefill server is "
+        "saturated or down. Default: derived from --chunked-prefill-size (one eighth, at "
+        "most 512), 0 with speculative decoding or DP attention; 0 turns it off.",
+    )
+    group.add_argument(
+        "--pd-prefill-saturated-tokens",
+        type=int,
+        default=SglPdConfig.prefill_saturated_tokens,
+        metavar="N",
+        help="Decoder, direct mode: a prefill server with N prompt tokens outstanding from "
+        "this decoder is saturated; when every one is, short prompts are prefilled locally "
+        "(see --pd-local-prefill-max-tokens).",
+    )
+    group.add_argument(
         "--pd-bootstrap-timeout",
         type=float,
         default=SglPdConfig.bootstrap_timeout_s,
@@ -378,4 +410,6 @@ def config_from_args(
         no_auth=args.pd_no_auth,
         allow_loopback_advertise=args.pd_allow_loopback_advertise,
         prefill_bootstrap=args.pd_prefill_bootstrap.strip(),
+        local_prefill_max_tokens=args.pd_local_prefill_max_tokens,
+        prefill_saturated_tokens=args.pd_prefill_saturated_tokens,
     )

@@ -101,6 +101,7 @@ def _unsupported(sglang_argv: list[str], config: SglPdConfig) -> str | None:
         str(mode),
         kv_send=config.kv_send,
         first_token=config.first_token,
+        local_prefill_max_tokens=config.local_prefill_max_tokens,
     )
 
 
@@ -114,11 +115,13 @@ def _option_view(sglang_argv: list[str]) -> SimpleNamespace:
     view: dict[str, object] = {flag[2:].replace("-", "_"): flag in sglang_argv for flag in switches}
     for flag in (
         "--optimistic-prefill-attempts", "--disaggregation-decode-allocation-policy",
-        "--attn-cp-size", "--return-hidden-states-mode",
+        "--attn-cp-size", "--return-hidden-states-mode", "--speculative-algorithm",
+        "--chunked-prefill-size",
     ):  # fmt: skip
         value = flag_value(sglang_argv, flag)
         if value is not None:
             view[flag[2:].replace("-", "_")] = value
+    view["enable_dp_attention"] = uses_dp_attention(sglang_argv)
     return SimpleNamespace(**view)
 
 

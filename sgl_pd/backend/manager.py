@@ -195,6 +195,7 @@ class SglPdKVManager(BaseKVManager):
             kv_send=self.config.kv_send,
             first_token=self.config.first_token,
             state_kinds=[getattr(t, "name", str(t)) for t in getattr(args, "state_types", ())],
+            local_prefill_max_tokens=self.config.local_prefill_max_tokens,
         )
         if refusal is not None:
             raise ConfigError(refusal)

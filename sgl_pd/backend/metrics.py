@@ -232,11 +232,23 @@ class PlacementMetrics:
     def __init__(self, enabled: bool, registry: Any = None) -> None:
         self._counter: Any = None
         self._cached: Any = None
+        self._local: Any = None
         if not enabled:
             return
         from prometheus_client import REGISTRY, Counter
 
+        from sgl_pd.core.placement import LOCAL_REASONS
+
         reg = REGISTRY if registry is None else registry
+        self._local = Counter(
+            "sgl_pd_local_prefills",
+            "Requests a decoder prefilled itself (direct mode), by why: cached_prefix (it"
+            " held most of the prompt), saturated or unavailable (its prefill servers)",
+            ["reason"],
+            registry=reg,
+        )
+        for reason in LOCAL_REASONS:
+            self._local.labels(reason=reason)
         self._counter = Counter(
             "sgl_pd_prefill_placements",
             "Requests a decoder handed to a prefill server (direct mode), by why that one",
@@ -250,6 +262,10 @@ class PlacementMetrics:
             "Prompt tokens the chosen prefill server was predicted to hold already",
             registry=reg,
         )
+
+    def local(self, reason: str) -> None:
+        if self._local is not None:
+            self._local.labels(reason=reason).inc()
 
     def placed(self, cached_tokens: int) -> None:
         if self._counter is None:

@@ -125,6 +125,25 @@ def register_backend() -> None:
         HookType.AROUND,
     )
 
+    from sgl_pd.backend.decode import local_prefill
+
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue",
+        local_prefill.around_add_request_to_queue,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin"
+        ".get_next_disagg_decode_batch_to_run",
+        local_prefill.around_get_next_batch,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.abort_request",
+        local_prefill.around_abort_request,
+        HookType.AROUND,
+    )
+
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
         request_checks.before_validate_one_request,

@@ -57,6 +57,39 @@ MULTI_LAYER_EAGLE = (
     "--enable-multi-layer-eagle does not take the decoder-sampled first token's draft tail:"
     " start both servers with --pd-first-token prefill to run it"
 )
+# A local prefill step is SGLang's prefill scheduling inside the decode loop; with a
+# draft model it would also run the draft extend, and with DP attention every attention
+# rank would have to agree on the step, neither of which the decode loop does.
+LOCAL_PREFILL_UNSERVED = (
+    "--pd-local-prefill-max-tokens {tokens} is not served with {what} on the decoder:"
+    " drop it (the default turns local prefill off there)"
+)
+LOCAL_PREFILL_MAX_DERIVED = 512  # the derived limit's ceiling: one step of a decode loop
+DEFAULT_CHUNKED_PREFILL_SIZE = 2048  # what the derived limit assumes when SGLang's is unset
+
+
+def _local_prefill_blocker(options: Any) -> str | None:
+    spec = getattr(options, "speculative_algorithm", None)
+    if spec not in (None, "", "None", "NONE"):
+        return f"speculative decoding ({spec})"
+    if getattr(options, "enable_dp_attention", False):
+        return "DP attention"
+    return None
+
+
+def local_prefill_limit(options: Any, configured: int) -> int:
+    """The largest uncached suffix a decoder with `options` prefills itself: `configured`
+    (--pd-local-prefill-max-tokens) when given, else an eighth of its chunked prefill
+    size - a step that costs a fraction of a chunk - at most 512 tokens; 0 where a local
+    step cannot run (see `LOCAL_PREFILL_UNSERVED`, which `unsupported_option` refuses)."""
+    if _local_prefill_blocker(options) is not None:
+        return 0
+    if configured >= 0:
+        return configured
+    chunk = _int(options, "chunked_prefill_size", DEFAULT_CHUNKED_PREFILL_SIZE)
+    if chunk <= 0:
+        chunk = DEFAULT_CHUNKED_PREFILL_SIZE
+    return min(LOCAL_PREFILL_MAX_DERIVED, chunk // 8)
 
 
 def _int(options: Any, name: str, default: int = 0) -> int:
@@ -71,12 +104,17 @@ def unsupported_option(
     kv_send: str,
     first_token: str,
     state_kinds: Sequence[str] = (),
+    local_prefill_max_tokens: int = -1,
 ) -> str | None:
     """Why a server of `role` ("prefill" or "decode") cannot run with `options`, or None.
-    `kv_send`, `first_token`: sgl_pd's settings (`SglPdConfig`); `state_kinds`: the
+    `kv_send`, `first_token`, `local_prefill_max_tokens`: sgl_pd's settings
+    (`SglPdConfig`); `state_kinds`: the
     kinds of extra per-request state the model's pools keep (SGLang's
     ``KVArgs.state_types``), known once the pools exist."""
     prefill = role == "prefill"
+    blocker = _local_prefill_blocker(options)
+    if not prefill and local_prefill_max_tokens > 0 and blocker is not None:
+        return LOCAL_PREFILL_UNSERVED.format(tokens=local_prefill_max_tokens, what=blocker)
     if not prefill and getattr(options, "enable_hierarchical_cache", False):
         return DECODE_HICACHE_REFUSAL
     if prefill and kv_send == "layerwise" and getattr(options, "enable_two_batch_overlap", False):

@@ -174,3 +174,36 @@ def choose_prefiller(
         if load.available and addr not in exclude
     ]
     return fastest(predictions, turn)
+
+
+# A decoder prefills a prompt itself only when it holds at least this part of it (the
+# rest, its uncached suffix, is then at most 70%): a fresh prompt is the prefill
+# servers' work, unless none of them can take it soon.
+LOCAL_MIN_CACHED_FRACTION = 0.3
+LOCAL_REASONS = ("cached_prefix", "saturated", "unavailable")
+
+
+def prefill_locally(
+    prompt_tokens: int,
+    cached_tokens: int,
+    *,
+    max_tokens: int,
+    loads: Mapping[str, PrefillerLoad],
+    saturated_tokens: int,
+) -> str | None:
+    """Why the decoder should prefill this prompt itself (one of `LOCAL_REASONS`), or
+    None when a prefill server should. Only a suffix of at most `max_tokens` uncached
+    tokens (0 = never) is prefilled locally: when the decoder holds the rest of the
+    prompt (`cached_prefix`), or whatever it holds when every prefill server has at
+    least `saturated_tokens` queued (`saturated`) or none is available (`unavailable`)."""
+    uncached = max(0, prompt_tokens - cached_tokens)
+    if max_tokens <= 0 or uncached > max_tokens:
+        return None
+    if cached_tokens > 0 and cached_tokens >= LOCAL_MIN_CACHED_FRACTION * prompt_tokens:
+        return "cached_prefix"
+    available = [load for load in loads.values() if load.available]
+    if not available:
+        return "unavailable"
+    if all(load.outstanding_tokens >= saturated_tokens for load in available):
+        return "saturated"
+    return None

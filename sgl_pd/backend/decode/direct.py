@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from sgl_pd.backend.decode.local_prefill import LOCAL_HOST
 from sgl_pd.backend.metrics import PlacementMetrics
 from sgl_pd.config import SglPdConfig, sgl_pd_role
 from sgl_pd.core.dispatch import PrefillerLoad, parse_bootstrap_addresses
@@ -43,6 +44,7 @@ from sgl_pd.core.placement import (
     RateEstimate,
     SentPrefixes,
     choose_prefiller,
+    prefill_locally,
 )
 from sgl_pd.core.wire import MAX_SUBMIT_BYTES, ErrorCode, RefusedSubmission, SubmitPrefill
 from sgl_pd.errors import SglPdError
@@ -73,6 +75,7 @@ FORWARDED = (
     "session_params",
 )
 UNSUPPORTED = ("image_data", "video_data", "audio_data", "input_embeds")
+_HERE = ""  # this decoder, among the "servers" whose cached prefixes are predicted
 
 
 class NoPrefillServer(ValueError):
@@ -90,8 +93,17 @@ class DirectDispatcher:
         name: str = "decoder",
         probe_interval_s: float = PROBE_INTERVAL_S,
         metrics: PlacementMetrics | None = None,
+        local_max_tokens: int = 0,
+        saturated_tokens: int = 8192,
+        prefix_cache: bool = False,
     ) -> None:
         self._spec = spec
+        # local prefill (`local_prefill`): the largest uncached suffix this decoder
+        # prefills itself, and what it is predicted to hold (with its prefix cache on)
+        self._local_max_tokens = local_max_tokens
+        self._saturated_tokens = saturated_tokens
+        self._prefix_cache = prefix_cache
+        self._held = SentPrefixes()  # under _lock; one "server": this decoder
         self._lock = threading.Lock()
         self._loads: dict[str, PrefillerLoad] = {}  # under _lock
         # submitted requests still served -> (their loop, resolved with a refusal); under _lock
@@ -120,6 +132,33 @@ class DirectDispatcher:
     def loads(self) -> dict[str, PrefillerLoad]:
         with self._lock:
             return dict(self._loads)
+
+    def prefill_here(self, prompt: PromptKey) -> str | None:
+        """Why this decoder should prefill `prompt` itself (`core.placement.
+        prefill_locally`), or None: a prefill server should."""
+        with self._lock:
+            cached = prompt.cached_tokens(self._held, _HERE)
+            reason = prefill_locally(
+                prompt.tokens,
+                cached,
+                max_tokens=self._local_max_tokens,
+                loads=self._loads,
+                saturated_tokens=self._saturated_tokens,
+            )
+        if reason is not None:
+            self._metrics.local(reason)
+            logger.debug(
+                "prefilled here (%s): %d of %d prompt tokens cached",
+                reason, cached, prompt.tokens,
+            )  # fmt: skip
+        return reason
+
+    def served(self, conversation: PromptKey) -> None:
+        """This decoder served a request: its prefix cache holds the prompt and output
+        (`conversation`), the start of a follow-up turn."""
+        if self._prefix_cache:
+            with self._lock:
+                self._held.record(_HERE, conversation.blocks)
 
     def choose(self, prompt: PromptKey, exclude: list[str]) -> Prediction | None:
         """The available prefill server predicted to give the first token soonest
@@ -271,6 +310,7 @@ def _dispatcher_for(manager: Any) -> DirectDispatcher | None:
             if not config.prefill_bootstrap:
                 return None
             from sgl_pd.backend.manager import cluster_auth
+            from sgl_pd.backend.server_options import local_prefill_limit
 
             name = f"decoder {getattr(server_args, 'host', '')}:{getattr(server_args, 'port', '')}"
             _dispatcher = DirectDispatcher(
@@ -278,6 +318,11 @@ def _dispatcher_for(manager: Any) -> DirectDispatcher | None:
                 auth=cluster_auth(config),
                 name=name,
                 metrics=PlacementMetrics(bool(getattr(server_args, "enable_metrics", False))),
+                local_max_tokens=local_prefill_limit(server_args, config.local_prefill_max_tokens),
+                saturated_tokens=config.prefill_saturated_tokens,
+                prefix_cache=bool(
+                    getattr(server_args, "disaggregation_decode_enable_radix_cache", False)
+                ),
             )
         return _dispatcher
 
@@ -305,6 +350,26 @@ def _prompt_key(obj: Any) -> PromptKey:
     if isinstance(ids, list):
         return PromptKey.of_ids(ids)
     return PromptKey.of_text(text or "", CHARS_PER_TOKEN)
+
+
+def _note_served(dispatcher: DirectDispatcher, obj: Any, out: Any) -> None:
+    """At a request's last output (SGLang's consumer may stop reading there): this
+    decoder's prefix cache now holds its prompt and answer."""
+    meta = out.get("meta_info") if isinstance(out, dict) else None
+    if isinstance(meta, dict) and meta.get("finish_reason") is not None:
+        dispatcher.served(_conversation_key(obj, out))
+
+
+def _conversation_key(obj: Any, out: dict[str, Any]) -> PromptKey:
+    """The prompt and the answer of a request served here, as the next turn of its
+    conversation will start (the answer as its last output carried it: whole unless the
+    client streamed increments, whose loss only shortens what is predicted held)."""
+    ids = getattr(obj, "input_ids", None)
+    if isinstance(ids, list):
+        return PromptKey.of_ids([*ids, *(out.get("output_ids") or [])])
+    text = getattr(obj, "text", None) or ""
+    answer = out.get("text")
+    return PromptKey.of_text(text + (answer if isinstance(answer, str) else ""), CHARS_PER_TOKEN)
 
 
 def _host_and_port(addr: str) -> tuple[str, int]:
@@ -339,7 +404,8 @@ async def around_generate_request(
     prompt = _prompt_key(obj)
     tried: list[str] = []
     refusals: list[str] = []
-    while True:
+    chosen = None
+    while dispatcher.prefill_here(prompt) is None:
         chosen = dispatcher.choose(prompt, tried)
         if chosen is None:
             known = ", ".join(
@@ -362,6 +428,13 @@ async def around_generate_request(
         dispatcher.release(chosen)
         tried.append(addr)
         refusals.append(why)
+        chosen = None
+    if chosen is None:  # prefilled here (`local_prefill`): no prefill server involved
+        obj.bootstrap_host, obj.bootstrap_port, obj.bootstrap_room = LOCAL_HOST, 0, room
+        async for out in original(manager, obj, request):
+            _note_served(dispatcher, obj, out)
+            yield out
+        return
     (obj.bootstrap_host, obj.bootstrap_port), obj.bootstrap_room = _host_and_port(addr), room
     released = False
     refused = dispatcher.watch(room)
@@ -374,6 +447,7 @@ async def around_generate_request(
                 dispatcher.release(chosen, time.monotonic() - submitted_s)
                 dispatcher.unwatch(room)
                 released = True
+            _note_served(dispatcher, obj, out)
             yield out
     finally:
         dispatcher.unwatch(room)
