@@ -291,3 +291,20 @@ def test_placements_count_why_their_prefill_server_was_chosen() -> None:
     assert counts == {"cached_prefix": 2.0, "load": 1.0}
     assert _value(registry, "sgl_pd_prefill_placement_cached_tokens_total") == 512.0
     PlacementMetrics(False).placed(5)  # off: nothing registered, nothing raised
+
+
+def test_local_prefills_count_why_the_decoder_kept_them() -> None:
+    from sgl_pd.backend.metrics import PlacementMetrics
+    from sgl_pd.core.placement import LOCAL_REASONS
+
+    registry = CollectorRegistry()
+    placements = PlacementMetrics(True, registry)
+    placements.local("cached_prefix")
+    placements.local("cached_prefix")
+    placements.local("unavailable")
+    counts = {
+        reason: _value(registry, "sgl_pd_local_prefills_total", reason=reason)
+        for reason in LOCAL_REASONS
+    }
+    assert counts == {"cached_prefix": 2.0, "saturated": 0.0, "unavailable": 1.0}
+    PlacementMetrics(False).local("saturated")  # off: nothing registered, nothing raised

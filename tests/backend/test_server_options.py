@@ -86,3 +86,45 @@ def test_the_manager_refuses_before_it_builds_anything(monkeypatch: pytest.Monke
         new_kv_manager(
             args, DisaggregationMode.PREFILL, sglang_options("--enable-two-batch-overlap")
         )
+
+
+def test_local_prefill_is_refused_where_a_local_step_cannot_run() -> None:
+    """A local prefill step is SGLang's prefill inside the decode loop: asked for with a
+    draft model or DP attention, the decoder refuses at start; by default it is off there."""
+    for flags, what in (
+        (["--speculative-algorithm", "EAGLE"], "speculative decoding"),
+        (["--enable-dp-attention", "--tp", "2", "--dp", "2"], "DP attention"),
+    ):
+        options = sglang_options(*flags)
+        why = unsupported_option(
+            options, "decode", kv_send="layerwise", first_token="decode",
+            local_prefill_max_tokens=64,
+        )  # fmt: skip
+        assert why is not None and what in why and "--pd-local-prefill-max-tokens 64" in why
+        for off in (-1, 0):  # derived, or off: served, with local prefill off
+            assert (
+                unsupported_option(
+                    options,
+                    "decode",
+                    kv_send="layerwise",
+                    first_token="decode",
+                    local_prefill_max_tokens=off,
+                )
+                is None
+            )
+        assert server_options.local_prefill_limit(options, -1) == 0
+        assert server_options.local_prefill_limit(options, 64) == 0
+
+
+def test_the_local_prefill_limit_is_derived_from_the_chunk_size_unless_given() -> None:
+    assert (
+        server_options.local_prefill_limit(sglang_options("--chunked-prefill-size", "128"), -1)
+        == 16
+    )
+    assert (
+        server_options.local_prefill_limit(sglang_options("--chunked-prefill-size", "8192"), -1)
+        == 512
+    )
+    assert server_options.local_prefill_limit(sglang_options(), -1) == 256  # SGLang's unset
+    assert server_options.local_prefill_limit(sglang_options(), 0) == 0
+    assert server_options.local_prefill_limit(sglang_options(), 1000) == 1000

@@ -144,3 +144,31 @@ def test_a_server_not_measured_yet_is_taken_as_fast_as_the_measured_ones() -> No
     rates["a:1"].observe(2.0, len(LONG))  # 4 ms per token, overheads included
     loads = {"a:1": PrefillerLoad(True, 0), "b:1": PrefillerLoad(True, 0)}
     assert _choose(loads, prompt, prefixes, rates) == "a:1"
+
+
+def _local(prompt: int, cached: int, loads=None, **kw):  # type: ignore[no-untyped-def]
+    from sgl_pd.core.placement import prefill_locally
+
+    loads = {"a:1": PrefillerLoad(True, 0)} if loads is None else loads
+    kw = {"max_tokens": 256, "saturated_tokens": 1000, **kw}
+    return prefill_locally(prompt, cached, loads=loads, **kw)
+
+
+def test_a_follow_up_whose_prefix_the_decoder_holds_is_prefilled_there() -> None:
+    assert _local(2000, 1900) == "cached_prefix"  # 100 new tokens
+    assert _local(300, 100) == "cached_prefix"  # a third cached: still worth it
+    assert _local(300, 60) is None  # mostly fresh: the prefill server's work
+    assert _local(5000, 4700) is None  # 300 uncached: over the limit
+    assert _local(2000, 1900, max_tokens=0) is None  # off
+
+
+def test_short_fresh_prompts_stay_local_only_when_no_prefill_server_can_take_them_soon() -> None:
+    assert _local(100, 0) is None
+    busy = {"a:1": PrefillerLoad(True, 1500), "b:1": PrefillerLoad(True, 1000)}
+    assert _local(100, 0, busy) == "saturated"
+    one_free = {**busy, "c:1": PrefillerLoad(True, 10)}
+    assert _local(100, 0, one_free) is None
+    down = {"a:1": PrefillerLoad(False, 0)}
+    assert _local(100, 0, down) == "unavailable"
+    assert _local(100, 0, {}) == "unavailable"
+    assert _local(400, 0, down) is None  # long prompts never: the client hears why

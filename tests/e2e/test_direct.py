@@ -194,11 +194,13 @@ def test_a_killed_prefiller_fails_its_requests_then_is_picked_up_again(
     started = time.monotonic()
     response = requests.post(
         f"{decoder.url}/generate",
-        json={"text": "Count: 1 2", "sampling_params": {"max_new_tokens": 2}},
+        json={"input_ids": long_prompt_ids(64, start=5), "sampling_params": {"max_new_tokens": 2}},
         timeout=60,
     )
     assert response.status_code == 400 and "no prefill server took the request" in response.text
     assert time.monotonic() - started < 10
+    # a prompt short enough for the decoder to prefill itself is served meanwhile
+    assert generate_ids(decoder.url, "Count: 1 2", 3) == generate_ids(mono.url, "Count: 1 2", 3)
     direct.prefill.process.restart("restarted")
     direct.prefill.process.wait_http_ready(f"{direct.prefill.url}/health", 300)
     expected = generate_ids(mono.url, "Count: 7 8 9", 6)

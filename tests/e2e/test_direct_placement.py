@@ -1,25 +1,33 @@
 """Direct mode with two prefill servers: a decoder sends a prompt to the one predicted to
 give its first token soonest (`core.placement`), so the next turn of a conversation, whose
-long prefix one of them computed, goes there - and gets monolithic's tokens."""
+long prefix one of them computed, goes there - and gets monolithic's tokens. A turn that
+adds only a short suffix to what the decoder holds is prefilled by the decoder itself
+(`backend/decode/local_prefill.py`), as are short prompts while every prefill server is
+saturated; running streams go on, aborts leave nothing behind."""
 
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 
-from sgl_pd.cluster.client import generate_ids
-from sgl_pd.cluster.local import DirectCluster, Server, direct_cluster
-from sgl_pd.cluster.logs import timing_lines
+from sgl_pd.cluster.client import generate_ids, stream_generate
+from sgl_pd.cluster.local import DirectCluster, Patience, Server, direct_cluster
+from sgl_pd.cluster.logs import pools_idle, timing_lines, wait_pools_idle
 from sgl_pd.cluster.prompts import long_prompt_ids
 from sgl_pd.core.placement import BLOCK_TOKENS
 
-from .conftest import COMMON_ARGS
+from .conftest import COMMON_ARGS, DECODE_PREFIX_CACHE
 
 pytestmark = pytest.mark.e2e
+
+LOCAL_MAX_TOKENS = 128  # the decoder prefills uncached suffixes up to this long itself
+SATURATED_TOKENS = 600  # prompt tokens outstanding at a prefill server that saturate it
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +35,15 @@ def two_prefills(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DirectClu
     with direct_cluster(
         tmp_path_factory.mktemp("placement"),
         prefill_extra=COMMON_ARGS,
-        decode_extra=[*COMMON_ARGS, "--enable-metrics"],
+        decode_extra=[
+            *COMMON_ARGS,
+            "--enable-metrics",
+            *DECODE_PREFIX_CACHE,
+            "--pd-local-prefill-max-tokens",
+            str(LOCAL_MAX_TOKENS),
+            "--pd-prefill-saturated-tokens",
+            str(SATURATED_TOKENS),
+        ],
         decoders=1,
         prefills=2,
     ) as cluster:
@@ -58,7 +74,8 @@ def test_each_turn_of_a_conversation_goes_where_its_prefix_was_computed(
     (chosen,) = [i for i, (a, b) in enumerate(zip(before, first, strict=True)) if b > a]
     prompt = history
     for turn in range(3):  # each turn extends the conversation: the prefix stays there
-        prompt = [*prompt, *long_prompt_ids(20, start=7000 + 50 * turn)]
+        # (by more than the decoder prefills itself, which the tests below exercise)
+        prompt = [*prompt, *long_prompt_ids(2 * LOCAL_MAX_TOKENS, start=7000 + 500 * turn)]
         counts = _prefilled(two_prefills)
         assert generate_ids(decoder.url, prompt, 4) == generate_ids(mono.url, prompt, 4)
         after = _prefilled(two_prefills, sum(counts) + 1)
@@ -83,3 +100,133 @@ def test_fresh_prompts_are_shared_between_the_prefill_servers(
         assert generate_ids(decoder.url, ids, 2) == generate_ids(mono.url, ids, 2)
     after = _prefilled(two_prefills, sum(before) + 4)
     assert all(b > a for a, b in zip(before, after, strict=True)), (before, after)
+
+
+def _metric(decoder: Server, name: str, reason: str) -> float:
+    metrics = requests.get(f"{decoder.url}/metrics", timeout=30).text
+    found = re.search(rf'{name}\{{reason="{reason}"\}} (\S+)', metrics)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_follow_up_turns_are_prefilled_on_the_decoder(
+    mono: Server, two_prefills: DirectCluster
+) -> None:
+    """The first, long turn goes to a prefill server; each follow-up adds a short message
+    to what the decoder holds (the history and its own answers) and is prefilled there,
+    token-identical to monolithic serving."""
+    decoder = two_prefills.decoders[0]
+    prompt = long_prompt_ids(5 * BLOCK_TOKENS, start=41)
+    before = _prefilled(two_prefills)
+    answer = generate_ids(decoder.url, prompt, 8)
+    assert answer == generate_ids(mono.url, prompt, 8)
+    assert sum(_prefilled(two_prefills, sum(before) + 1)) == sum(before) + 1
+    local_before = _metric(decoder, "sgl_pd_local_prefills_total", "cached_prefix")
+    for turn in range(3):
+        prompt = [*prompt, *answer, *long_prompt_ids(24, start=9000 + 100 * turn)]
+        answer = generate_ids(decoder.url, prompt, 8)
+        assert answer == generate_ids(mono.url, prompt, 8), f"turn {turn}"
+    local = _metric(decoder, "sgl_pd_local_prefills_total", "cached_prefix") - local_before
+    assert local == 3
+    time.sleep(1)  # (a prefill server logs a request after its answer: none may come)
+    assert sum(_prefilled(two_prefills)) == sum(before) + 1, "a follow-up went to a prefiller"
+
+
+def test_running_streams_go_on_while_the_decoder_prefills(
+    mono: Server, two_prefills: DirectCluster
+) -> None:
+    """Local prefills share the decode loop with running streams: both get monolithic's
+    tokens (the stream's pace is the benchmark's business: bench_placement.py)."""
+    decoder = two_prefills.decoders[0]
+    stream_prompt = long_prompt_ids(100, start=61_000)
+    streamed: list[int] = []
+
+    def stream() -> None:
+        for _, chunk in stream_generate(decoder.url, stream_prompt, 48, ignore_eos=True):
+            streamed[:] = chunk["output_ids"]
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    history = long_prompt_ids(4 * BLOCK_TOKENS, start=63_000)
+    answer = generate_ids(decoder.url, history, 4)
+    follow_ups = []
+    for turn in range(3):
+        history = [*history, *answer, *long_prompt_ids(16, start=65_000 + 100 * turn)]
+        answer = generate_ids(decoder.url, history, 4)
+        follow_ups.append((list(history), answer))
+    streaming.join(timeout=300)
+    for prompt, got in follow_ups:
+        assert got == generate_ids(mono.url, prompt, 4)
+    expected = requests.post(
+        f"{mono.url}/generate",
+        json={
+            "input_ids": stream_prompt,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True},
+        },
+        timeout=120,
+    ).json()["output_ids"]
+    assert streamed == expected
+
+
+def test_short_prompts_go_local_while_every_prefill_server_is_saturated(
+    mono: Server, two_prefills: DirectCluster
+) -> None:
+    decoder = two_prefills.decoders[0]
+    placed = sum(
+        _metric(decoder, "sgl_pd_prefill_placements_total", r) for r in ("cached_prefix", "load")
+    )
+    saturated = _metric(decoder, "sgl_pd_local_prefills_total", "saturated")
+    longs = [long_prompt_ids(1800, start=100_000 + 10_000 * i) for i in range(2)]
+    threads = [threading.Thread(target=generate_ids, args=(decoder.url, p, 2)) for p in longs]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while (
+        sum(
+            _metric(decoder, "sgl_pd_prefill_placements_total", r)
+            for r in ("cached_prefix", "load")
+        )
+        < placed + 2
+    ):  # both long prompts taken: one each, over the saturation bound
+        assert time.monotonic() < deadline, "the long prompts were not placed"
+        time.sleep(0.05)
+    short = long_prompt_ids(40, start=130_000)
+    got = generate_ids(decoder.url, short, 6)
+    for t in threads:
+        t.join(timeout=300)
+    assert _metric(decoder, "sgl_pd_local_prefills_total", "saturated") == saturated + 1
+    assert got == generate_ids(mono.url, short, 6)
+
+
+def test_local_prefills_aborted_at_any_point_end_cleanly(two_prefills: DirectCluster) -> None:
+    """Aborted while queued, prefilling or decoding: each request ends (finished or
+    aborted, never an error) and holds nothing (checked by the last test)."""
+    decoder = two_prefills.decoders[0]
+    history = long_prompt_ids(4 * BLOCK_TOKENS, start=140_000)
+    answer = generate_ids(decoder.url, history, 4)
+    for i, delay_s in enumerate((0.0, 0.01, 0.05, 0.3)):
+        rid = f"local-abort-{i}"
+        prompt = [*history, *answer, *long_prompt_ids(20, start=150_000 + 100 * i)]
+        body = {
+            "input_ids": prompt,
+            "rid": rid,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
+        }
+        with ThreadPoolExecutor(1) as pool:
+            answer_future = pool.submit(
+                requests.post, f"{decoder.url}/generate", json=body, timeout=300
+            )
+            time.sleep(delay_s)
+            requests.post(f"{decoder.url}/abort_request", json={"rid": rid}, timeout=30)
+            response = answer_future.result(timeout=300)
+        assert response.status_code in (200, 400, 500), response.text[:300]
+        if response.ok:
+            finish = response.json()["meta_info"]["finish_reason"]["type"]
+            assert finish in ("abort", "length"), response.text[:300]
+
+
+def test_every_page_is_free_again(two_prefills: DirectCluster, patience: Patience) -> None:
+    """Runs last in this module: local, remote and aborted requests left nothing."""
+    servers = {"prefill": two_prefills.prefill, "decode": two_prefills.decoders[0]}
+    servers.update({f"prefill{i + 1}": s for i, s in enumerate(two_prefills.more_prefills)})
+    states = wait_pools_idle(servers, patience.seconds(60))
+    assert pools_idle(servers, states), f"pools still hold pages: {states}"
