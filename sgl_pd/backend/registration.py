@@ -143,6 +143,16 @@ def register_backend() -> None:
         local_prefill.around_abort_request,
         HookType.AROUND,
     )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.pause_generation",
+        local_prefill.around_pause_generation,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue.hold_rebootstrap",
+        local_prefill.around_hold_rebootstrap,
+        HookType.AROUND,
+    )
 
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",

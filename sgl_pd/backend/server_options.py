@@ -72,7 +72,7 @@ def _local_prefill_blocker(options: Any) -> str | None:
     spec = getattr(options, "speculative_algorithm", None)
     if spec not in (None, "", "None", "NONE"):
         return f"speculative decoding ({spec})"
-    if getattr(options, "enable_dp_attention", False):
+    if getattr(options, "enable_dp_attention", False) or _int(options, "attn_dp_size", 1) > 1:
         return "DP attention"
     return None
 

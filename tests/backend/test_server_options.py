@@ -94,6 +94,7 @@ def test_local_prefill_is_refused_where_a_local_step_cannot_run() -> None:
     for flags, what in (
         (["--speculative-algorithm", "EAGLE"], "speculative decoding"),
         (["--enable-dp-attention", "--tp", "2", "--dp", "2"], "DP attention"),
+        (["--tp", "2", "--attn-dp-size", "2"], "DP attention"),
     ):
         options = sglang_options(*flags)
         why = unsupported_option(

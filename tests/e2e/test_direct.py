@@ -22,6 +22,7 @@ from sgl_pd.cluster.conversations import replay, script, wrong_turns
 from sgl_pd.cluster.local import DirectCluster, Server, direct_cluster
 from sgl_pd.cluster.logs import last_pool_state, timing_lines
 from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids, varied_prompts
+from sgl_pd.cluster.streaming import metric_sums
 
 from .conftest import CHUNKED_PREFILL_SIZE, COMMON_ARGS, DECODE_PREFIX_CACHE
 
@@ -38,7 +39,7 @@ def direct(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DirectCluster]:
     with direct_cluster(
         tmp_path_factory.mktemp("direct"),
         prefill_extra=[*args, "--pd-inject-write-delay-ms", str(WRITE_DELAY_MS)],
-        decode_extra=[*args, *DECODE_PREFIX_CACHE],
+        decode_extra=[*args, *DECODE_PREFIX_CACHE, "--enable-metrics"],
         decoders=2,
         with_router=True,
         decode_policy="cache_aware",
@@ -115,14 +116,25 @@ def test_a_client_keeps_its_conversation_on_one_decoder(
     mono: Server, direct: DirectCluster
 ) -> None:
     """Direct mode: each conversation's turns go to one decoder (the client's choice), so
-    every turn after the first holds its conversation so far there."""
+    every turn after the first holds its conversation so far there: sent to the prefill
+    server with that prefix held, or prefilled on the decoder itself (a short turn)."""
     conversations = script(mono.url, _openers(9000), turns=TURNS, max_new_tokens=6)
     before = len(timing_lines(direct.prefill.process.log_path))
+    local_before = _local_prefills(direct)
     replies = [replay(direct.decoders[i % 2].url, [c])[0] for i, c in enumerate(conversations)]
     assert not wrong_turns(replies), replies
-    held = _held_since(direct, before)
+    local = _local_prefills(direct) - local_before
+    deadline = time.monotonic() + 30  # (a prefill server logs a request after its answer)
+    while len(held := _held_since(direct, before)) < CONVERSATIONS * TURNS - local:
+        assert time.monotonic() < deadline, (held, local)
+        time.sleep(0.2)
     holding = _turns_holding_their_conversation(held, len(SYSTEM_PROMPT))
-    assert holding >= CONVERSATIONS * (TURNS - 1), held
+    assert holding + local >= CONVERSATIONS * (TURNS - 1), (held, local)
+
+
+def _local_prefills(direct: DirectCluster) -> int:
+    name = "sgl_pd_local_prefills_total"
+    return int(sum(metric_sums(d.url, [name])[name] for d in direct.decoders))
 
 
 def test_the_cache_aware_router_keeps_turns_where_their_prefix_lives(

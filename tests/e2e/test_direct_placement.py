@@ -224,6 +224,40 @@ def test_local_prefills_aborted_at_any_point_end_cleanly(two_prefills: DirectClu
             assert finish in ("abort", "length"), response.text[:300]
 
 
+@pytest.mark.parametrize("pause_after_s", [0.0, 0.5])
+def test_a_retracting_pause_recomputes_local_requests_on_the_decoder(
+    pause_after_s: float, mono: Server, two_prefills: DirectCluster
+) -> None:
+    """`pause_generation(retract)` frees every request's KV; a locally prefilled one has
+    no prefill server to recompute it, so the decoder recomputes prompt and output itself
+    (longer than one local step: chunked) and answers as if never interrupted - paused
+    right after its local step or while it decodes."""
+    decoder = two_prefills.decoders[0]
+    history = long_prompt_ids(4 * BLOCK_TOKENS, start=170_000 + int(1000 * pause_after_s))
+    answer = generate_ids(decoder.url, history, 4)
+    prompt = [*history, *answer, *long_prompt_ids(20, start=180_000)]
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 160, "ignore_eos": True},
+    }
+    local_before = _metric(decoder, "sgl_pd_local_prefills_total", "cached_prefix")
+    with ThreadPoolExecutor(1) as pool:
+        answer_future = pool.submit(
+            requests.post, f"{decoder.url}/generate", json=body, timeout=300
+        )
+        time.sleep(pause_after_s)
+        requests.post(
+            f"{decoder.url}/pause_generation", json={"mode": "retract"}, timeout=60
+        ).raise_for_status()
+        time.sleep(0.3)
+        requests.post(f"{decoder.url}/continue_generation", json={}, timeout=60).raise_for_status()
+        response = answer_future.result(timeout=300)
+    assert _metric(decoder, "sgl_pd_local_prefills_total", "cached_prefix") == local_before + 1
+    expected = requests.post(f"{mono.url}/generate", json=body, timeout=300).json()
+    assert response.status_code == 200, response.text[:300]
+    assert response.json()["output_ids"] == expected["output_ids"]
+
+
 def test_every_page_is_free_again(two_prefills: DirectCluster, patience: Patience) -> None:
     """Runs last in this module: local, remote and aborted requests left nothing."""
     servers = {"prefill": two_prefills.prefill, "decode": two_prefills.decoders[0]}

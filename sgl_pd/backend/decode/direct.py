@@ -133,16 +133,17 @@ class DirectDispatcher:
         with self._lock:
             return dict(self._loads)
 
-    def prefill_here(self, prompt: PromptKey) -> str | None:
+    def prefill_here(self, prompt: PromptKey, *, none_took: bool = False) -> str | None:
         """Why this decoder should prefill `prompt` itself (`core.placement.
-        prefill_locally`), or None: a prefill server should."""
+        prefill_locally`), or None: a prefill server should. `none_took`: every
+        available prefill server was tried and none took it."""
         with self._lock:
             cached = prompt.cached_tokens(self._held, _HERE)
             reason = prefill_locally(
                 prompt.tokens,
                 cached,
                 max_tokens=self._local_max_tokens,
-                loads=self._loads,
+                loads={} if none_took else self._loads,
                 saturated_tokens=self._saturated_tokens,
             )
         if reason is not None:
@@ -356,7 +357,8 @@ def _note_served(dispatcher: DirectDispatcher, obj: Any, out: Any) -> None:
     """At a request's last output (SGLang's consumer may stop reading there): this
     decoder's prefix cache now holds its prompt and answer."""
     meta = out.get("meta_info") if isinstance(out, dict) else None
-    if isinstance(meta, dict) and meta.get("finish_reason") is not None:
+    finish = meta.get("finish_reason") if isinstance(meta, dict) else None
+    if finish is not None and not (isinstance(finish, dict) and finish.get("type") == "abort"):
         dispatcher.served(_conversation_key(obj, out))
 
 
@@ -407,6 +409,8 @@ async def around_generate_request(
     chosen = None
     while dispatcher.prefill_here(prompt) is None:
         chosen = dispatcher.choose(prompt, tried)
+        if chosen is None and dispatcher.prefill_here(prompt, none_took=True) is not None:
+            break  # no prefill server took it (busy, refusing): short enough for here
         if chosen is None:
             known = ", ".join(
                 f"{a} ({'up' if load.available else 'down'})"

@@ -9,10 +9,11 @@ sampling with the request's full state, as a monolithic server does) over a queu
 its own, with two limits that keep the running streams flowing - the reason PD exists:
 
 - a local step computes at most `step_tokens` prompt tokens (SGLang's
-  `max_prefill_tokens` for that step; a request is prefilled locally only when its
-  uncached suffix fits, so no request is ever chunked here);
-- after a local step the next one decodes whenever there are running streams, so a
-  stream waits for at most one local step between two of its tokens.
+  `max_prefill_tokens` and chunk size for that step: requests are sent here when their
+  uncached suffix fits, and one that does not after all is chunked over several steps);
+- after a local step the next one is SGLang's own whenever it has work (running streams
+  to decode, transferred requests to admit), so a stream waits for at most one local
+  step between two of its tokens.
 
 The finished local batch joins the running batch at the next step, exactly as SGLang's
 monolithic loop merges its last prefill batch. Nothing of sgl_pd's transfer machinery
@@ -20,7 +21,10 @@ is involved: no room, no receiver, no prefill server.
 
 Hooks (registered in `backend/registration.py`): ``Scheduler._add_request_to_queue``
 routes local requests here, ``get_next_disagg_decode_batch_to_run`` interleaves local
-steps, ``Scheduler.abort_request`` removes queued local requests.
+steps, ``Scheduler.abort_request`` removes queued local requests (and ends one
+mid-prefill at the next local step, as SGLang ends its own), ``pause_generation`` and
+``DecodePreallocQueue.hold_rebootstrap`` give requests a retracting pause took back to
+the local queue, to be recomputed here on resume.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class LocalPrefills:
         self.step_tokens = step_tokens
         self.queue: list[Any] = []  # SGLang Reqs waiting for a local step, in arrival order
         self.launched: Any = None  # the last local step's ScheduleBatch, until merged
+        self.chunked: Any = None  # the local request mid-prefill (SGLang's chunked_req)
+        self.chunk_launched = False  # a chunk of it ran since its KV was last stashed
         self.steps = 0  # local steps run
 
 
@@ -97,16 +103,19 @@ def around_get_next_batch(original: Any, scheduler: Any, running_batch: Any) -> 
     if local is None:
         return original(scheduler, running_batch)
     last, local.launched = local.launched, None  # (it may become the running batch)
-    after_local = last is not None
-    if last is not None:
-        last.filter_batch()  # finished in its first token (max_new_tokens=1, stop, abort)
-        if not last.is_empty():
+    # A retracting pause took the launched batch's requests (and cleared last_batch):
+    # they are SGLang's to resume (`around_hold_rebootstrap`), not to merge.
+    after_local = last is not None and last is scheduler.last_batch
+    if after_local:
+        # the request still mid-prefill stays out, as SGLang's own loop keeps it out
+        last.filter_batch(reqs_to_exclude=[r for r in (local.chunked,) if r is not None])
+        if not last.is_empty():  # (finished at their first token: gone)
             if running_batch.is_empty():
                 running_batch = last
             else:
                 running_batch.merge_batch(last)
-    streams_waiting = after_local and not running_batch.is_empty()
-    if local.queue and not streams_waiting:
+    sglang_waiting = after_local and (not running_batch.is_empty() or scheduler.waiting_queue)
+    if (local.queue or local.chunked is not None) and not sglang_waiting:
         step = _local_step(scheduler, local, running_batch)
         if step is not None:
             return step
@@ -114,32 +123,49 @@ def around_get_next_batch(original: Any, scheduler: Any, running_batch: Any) -> 
 
 
 def _local_step(scheduler: Any, local: LocalPrefills, running_batch: Any) -> Any:
-    """SGLang's prefill scheduling over the local queue, under the step's token budget;
+    """SGLang's prefill scheduling over the local queue, at most `step_tokens` prompt
+    tokens (a longer suffix - the prediction was wrong, or a retracted request recomputes
+    its output too - is chunked, one chunk per local step, as SGLang chunks prefills);
     None when nothing could be admitted (no free memory or request slot)."""
     saved = (
         scheduler.waiting_queue,
+        scheduler.chunked_req,
         scheduler.max_prefill_tokens,
         scheduler.chunked_prefill_size,
         scheduler.is_mixed_chunk,
+        scheduler.enable_priority_preemption,
     )
     scheduler.waiting_queue = local.queue
+    scheduler.chunked_req = local.chunked
     scheduler.max_prefill_tokens = local.step_tokens
-    scheduler.chunked_prefill_size = None  # a local request fits a step whole
+    scheduler.chunked_prefill_size = local.step_tokens
     scheduler.is_mixed_chunk = False  # the decode step is the next one, on its own
+    # preempting running requests would hand remote ones back to the transfer queues
+    scheduler.enable_priority_preemption = False
     try:
+        scheduler.process_pending_chunked_abort()  # (an abort `around_abort_request` saw)
+        chunked = scheduler.chunked_req
+        if chunked is not None and local.chunk_launched:
+            if chunked.extend_end > chunked.prefix_len:
+                scheduler.stash_chunked_request(chunked)  # its KV so far, for the next chunk
+            local.chunk_launched = False
         plan = scheduler.get_new_batch_prefill(running_batch)
     finally:
         local.queue = scheduler.waiting_queue  # rebound without the admitted requests
+        local.chunked = scheduler.chunked_req
         (
             scheduler.waiting_queue,
+            scheduler.chunked_req,
             scheduler.max_prefill_tokens,
             scheduler.chunked_prefill_size,
             scheduler.is_mixed_chunk,
+            scheduler.enable_priority_preemption,
         ) = saved
     batch = plan.batch_to_run
     if batch is None:
         return None
     local.launched = batch
+    local.chunk_launched = local.chunked is not None
     local.steps += 1
     batch = scheduler.dp_attn_adapter.maybe_prepare_mlp_sync_batch(batch)
     from sglang.srt.managers.schedule_batch import NextBatchPlan
@@ -147,10 +173,42 @@ def _local_step(scheduler: Any, local: LocalPrefills, running_batch: Any) -> Any
     return NextBatchPlan(batch_to_run=batch, running_batch=plan.running_batch)
 
 
+def around_pause_generation(original: Any, scheduler: Any, recv_req: Any) -> Any:
+    """A retracting pause retracts SGLang's own request mid-prefill: the local one too."""
+    local = _state(scheduler)
+    if local is None or local.chunked is None or getattr(recv_req, "mode", None) != "retract":
+        return original(scheduler, recv_req)
+    saved, scheduler.chunked_req = scheduler.chunked_req, local.chunked
+    try:
+        return original(scheduler, recv_req)
+    finally:
+        local.chunked, local.chunk_launched = None, False
+        scheduler.chunked_req = saved
+
+
+def around_hold_rebootstrap(original: Any, queue: Any, req: Any) -> Any:
+    """A request a retracting pause took recomputes its KV on resume; a local one has no
+    prefill server to do it, so it waits in the local queue with its output whole, as a
+    retracted request does on a monolithic server."""
+    local = _state(queue.scheduler)
+    if local is None or not is_local(req):
+        return original(queue, req)
+    forced = getattr(req, "pd_rebootstrap_forced_output_id", None)
+    if forced is not None:
+        req.output_ids.append(forced)
+        req.pd_rebootstrap_forced_output_id = None
+    req.pd_rebootstrap_in_progress = False
+    local.queue.append(req)
+    return None
+
+
 def around_abort_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
     """Queued local requests hold nothing yet: they leave the queue and their client is
     told, as SGLang does for its own waiting queue. Running ones are SGLang's."""
     local = _state(scheduler)
+    chunked = local.chunked if local is not None else None
+    if chunked is not None and (recv_req.abort_all or chunked.rid.startswith(recv_req.rid)):
+        scheduler._pending_chunked_abort_req = chunked  # ended at the next local step
     if local is not None and local.queue:
         from sglang.srt.managers.scheduler import _make_abort_req
 

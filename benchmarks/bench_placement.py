@@ -1,0 +1,263 @@
+"""Local prefill on the decoder: follow-up turns prefilled where their conversation is
+held, long fresh prompts on the prefill server, over running decode streams - placement
+on vs off vs a monolithic server, side by side in one run.
+
+Servers (bundled tiny Llama, each on its own cores where there are enough), one set at
+a time:
+
+- mono: one monolithic SGLang server (radix cache on): the reference tokens;
+- on: direct mode, one prefill + one decode server, the decoder's prefix cache on and
+  `--pd-local-prefill-max-tokens` (a follow-up's new tokens fit it);
+- off: the same with `--pd-local-prefill-max-tokens 0`: every prompt goes to the prefill
+  server (which transfers only what the decoder lacks).
+
+Workload, the same for each: `--streams` decode streams run throughout (a 100-token
+prompt, `--stream-tokens` output tokens, restarted when done); meanwhile `--conversations`
+conversations run one after another, each a fresh prompt of `--fresh-tokens` tokens then
+`--follow-ups` turns adding the answer and a message of `--message-tokens` tokens. Every
+request is streamed /generate, greedy, EOS ignored (`sgl_pd.cluster.streaming.send`).
+
+Reports per mode: TTFT p50/p99 of fresh prompts and of follow-ups, the running streams'
+inter-token gaps p50/p99, the prefills placed locally (the decoder's
+`sgl_pd_local_prefills_total`), and whether every request got monolithic's tokens (a
+first divergence where monolithic's top two logprobs were within 0.05 nat is a near tie,
+as in BRIEF.md). A PNG and a JSON file go under --out.
+
+    python benchmarks/bench_placement.py [--quick] [--out benchmarks/out]
+
+The last line is JSON: tokens_identical, followup_ttft_p50_on_over_mono (target <= 1.2),
+followup_ttft_p50_off_over_on, fresh_ttft_p50_on_over_off (target <= 1.1),
+itl_p99_over_p50_on, itl_p99_over_p50_off (on no more than 1.5x off), local_prefills_on.
+SGL_PD_LOCAL_PATIENCE=3 makes every wait three times longer on a loaded machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from sgl_pd.cluster.client import stream_generate
+from sgl_pd.cluster.load import plot_grouped_bars
+from sgl_pd.cluster.local import direct_cluster, local_patience, monolithic_server
+from sgl_pd.cluster.multiturn import Request
+from sgl_pd.cluster.prompts import long_prompt_ids
+from sgl_pd.cluster.streaming import Answer, judge, metric_sums, send
+
+MODES = ("mono", "on", "off")
+COMMON = ["--chunked-prefill-size", "512", "--log-level", "warning"]
+LOCAL_MAX_TOKENS = 128
+OUTPUT_TOKENS = 8  # per conversation turn
+
+
+@dataclass
+class ModeResult:
+    answers: dict[str, Answer] = field(default_factory=dict)
+    gaps_s: list[float] = field(default_factory=list)  # running streams' inter-token gaps
+    local_prefills: float = 0.0
+
+    def ttft_ms(self, kind: str, q: float) -> float:
+        values = [a.ttft_s for k, a in self.answers.items() if k.endswith(kind)]
+        return float(np.percentile(values, q)) * 1000 if values else float("nan")
+
+    def gap_ms(self, q: float) -> float:
+        return float(np.percentile(self.gaps_s, q)) * 1000 if self.gaps_s else float("nan")
+
+
+class Streams:
+    """Decode streams kept running in the background; their token arrival gaps."""
+
+    def __init__(self, url: str, count: int, tokens: int) -> None:
+        self.gaps_s: list[float] = []
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._run, args=(url, i, tokens), daemon=True)
+            for i in range(count)
+        ]
+
+    def _run(self, url: str, i: int, tokens: int) -> None:
+        prompt = long_prompt_ids(100, start=500_000 + 1000 * i)
+        while not self._stop.is_set():
+            last = None
+            for at, _ in stream_generate(url, prompt, tokens, ignore_eos=True):
+                if last is not None and not self._stop.is_set():
+                    self.gaps_s.append(at - last)
+                last = at
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        for t in self._threads:
+            t.start()
+        time.sleep(2.0)  # the streams are decoding before the first conversation
+        try:
+            yield
+        finally:
+            self._stop.set()
+            for t in self._threads:
+                t.join(timeout=600)
+
+
+def conversation_turns(
+    url: str, conversations: int, follow_ups: int, fresh: int, message: int, timeout_s: float
+) -> dict[str, Answer]:
+    """Runs the conversations one after another; answers keyed "c<i>t<turn>/fresh" or
+    "/follow_up". The follow-up prompts are built from this server's answers."""
+    answers: dict[str, Answer] = {}
+    for c in range(conversations):
+        prompt = tuple(long_prompt_ids(fresh, start=10_000 + 20_000 * c))
+        for turn in range(follow_ups + 1):
+            kind = "fresh" if turn == 0 else "follow_up"
+            request = Request(f"c{c}t{turn}/{kind}", prompt, OUTPUT_TOKENS)
+            answer = send(url, request, timeout_s, logprobs=True, extra_key=None)
+            answers[request.key] = answer
+            new = long_prompt_ids(message, start=200_000 + 20_000 * c + 500 * turn)
+            prompt = (*prompt, *answer.output_ids, *new)
+    return answers
+
+
+def run_mode(mode: str, args: argparse.Namespace, work: Path) -> ModeResult:
+    patience = local_patience()
+    timeout_s = patience.seconds(600)
+    result = ModeResult()
+    if mode == "mono":
+        servers = monolithic_server(work / mode, extra=COMMON, patience=patience)
+    else:
+        local = str(LOCAL_MAX_TOKENS if mode == "on" else 0)
+        servers = direct_cluster(
+            work / mode,
+            prefill_extra=COMMON,
+            decode_extra=[
+                *COMMON, "--enable-metrics", "--disaggregation-decode-enable-radix-cache",
+                "--pd-local-prefill-max-tokens", local,
+            ],
+            decoders=1,
+            patience=patience,
+        )  # fmt: skip
+    with servers as started:
+        url = started.url if mode == "mono" else started.decoders[0].url
+        # warm-up: the first requests compile kernels and open connections
+        conversation_turns(url, 1, 1, args.fresh_tokens, args.message_tokens, timeout_s)
+        before = 0.0 if mode == "mono" else _local_prefills(url)
+        streams = Streams(url, args.streams, args.stream_tokens)
+        with streams.running():
+            result.answers = conversation_turns(
+                url, args.conversations, args.follow_ups, args.fresh_tokens,
+                args.message_tokens, timeout_s,
+            )  # fmt: skip
+        result.gaps_s = streams.gaps_s
+        if mode != "mono":
+            result.local_prefills = _local_prefills(url) - before
+    return result
+
+
+def _local_prefills(url: str) -> float:
+    return metric_sums(url, ["sgl_pd_local_prefills_total"])["sgl_pd_local_prefills_total"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few conversations")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    parser.add_argument("--conversations", type=int, default=None)
+    parser.add_argument("--follow-ups", type=int, default=None)
+    parser.add_argument("--fresh-tokens", type=int, default=1024)
+    parser.add_argument("--message-tokens", type=int, default=40)
+    parser.add_argument("--streams", type=int, default=2)
+    parser.add_argument("--stream-tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+    args.conversations = args.conversations or (3 if args.quick else 12)
+    args.follow_ups = args.follow_ups or (3 if args.quick else 5)
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench_placement_"))
+    print(
+        f"[bench] {args.conversations} conversations x ({args.fresh_tokens}-token fresh prompt"
+        f" + {args.follow_ups} follow-ups of {args.message_tokens} tokens), {args.streams}"
+        f" running streams; local prefill limit {LOCAL_MAX_TOKENS}; logs in {work}",
+        flush=True,
+    )
+    results: dict[str, ModeResult] = {}
+    for mode in MODES:
+        print(f"[bench] {mode} ...", flush=True)
+        results[mode] = run_mode(mode, args, work)
+
+    mono = results["mono"]
+    verdicts = {
+        mode: [judge(mono.answers[k], a) for k, a in results[mode].answers.items()]
+        for mode in ("on", "off")
+    }
+    print(f"\n{'mode':<6}{'fresh p50':>11}{'fresh p99':>11}{'follow p50':>12}{'follow p99':>12}"
+          f"{'ITL p50':>10}{'ITL p99':>10}{'local':>7}  tokens")  # fmt: skip
+    for mode, r in results.items():
+        verdict = "reference" if mode == "mono" else _summary(verdicts[mode])
+        print(
+            f"{mode:<6}{r.ttft_ms('fresh', 50):>11.1f}{r.ttft_ms('fresh', 99):>11.1f}"
+            f"{r.ttft_ms('follow_up', 50):>12.1f}{r.ttft_ms('follow_up', 99):>12.1f}"
+            f"{r.gap_ms(50):>10.1f}{r.gap_ms(99):>10.1f}{r.local_prefills:>7.0f}  {verdict}"
+        )
+    print("(milliseconds; ITL: the running streams' gaps between tokens)")
+    png = args.out / "placement_ttft.png"
+    plot_grouped_bars(
+        {
+            f"{mode} {q}": [results[mode].ttft_ms(k, q) for k in ("fresh", "follow_up")]
+            for mode in MODES
+            for q in (50, 99)
+        },
+        ["fresh prompts", "follow-up turns"],
+        png,
+        ylabel="TTFT (ms)",
+        title="Local prefill on vs off vs monolithic (1P1D, direct mode)",
+        xlabel="request kind",
+    )
+    details = args.out / "placement.json"
+    details.write_text(
+        json.dumps(
+            {
+                m: {
+                    "ttft_ms": {
+                        k: [r.ttft_ms(k, q) for q in (50, 99)] for k in ("fresh", "follow_up")
+                    },
+                    "itl_ms": [r.gap_ms(50), r.gap_ms(99)],
+                    "local_prefills": r.local_prefills,
+                    "verdicts": _summary(verdicts[m]) if m in verdicts else "reference",
+                }
+                for m, r in results.items()
+            },
+            indent=2,
+        )
+    )
+    print(f"plot: {png}\ndetails: {details}")
+    on, off = results["on"], results["off"]
+    follow = {m: r.ttft_ms("follow_up", 50) for m, r in results.items()}
+    headline = {
+        "tokens_identical": all(v in ("ok", "near_tie") for vs in verdicts.values() for v in vs),
+        "followup_ttft_p50_on_over_mono": _ratio(follow["on"], follow["mono"]),
+        "followup_ttft_p50_off_over_on": _ratio(follow["off"], follow["on"]),
+        "fresh_ttft_p50_on_over_off": _ratio(on.ttft_ms("fresh", 50), off.ttft_ms("fresh", 50)),
+        "itl_p99_over_p50_on": _ratio(on.gap_ms(99), on.gap_ms(50)),
+        "itl_p99_over_p50_off": _ratio(off.gap_ms(99), off.gap_ms(50)),
+        "local_prefills_on": on.local_prefills,
+    }  # fmt: skip
+    print(json.dumps(headline))
+    return 0
+
+
+def _ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b else float("nan")
+
+
+def _summary(verdicts: list[str]) -> str:
+    counts = {v: verdicts.count(v) for v in sorted(set(verdicts))}
+    return ", ".join(f"{n} {v}" for v, n in counts.items())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
