@@ -120,7 +120,7 @@ def _tokenized_request(recv_req: Any, radix_native_sessions: bool = False) -> di
     }
 
 
-def _queued_request(req: Any) -> dict[str, bool]:
+def queued_request_flags(req: Any) -> dict[str, bool]:
     """The same flags of the same request as the decode scheduler queues it (a ``Req``)."""
     return {
         "input_logprobs": _input_logprobs(req, len(req.origin_input_ids)),
@@ -191,7 +191,9 @@ def before_decode_prealloc_add(queue: Any, req: Any, *args: Any, **kw: Any) -> N
     forced = getattr(req, "pd_rebootstrap_forced_output_id", None)
     resumed = bool(req.output_ids) or forced is not None
     # (a retracted request is queued again as the same Req: its old mark must go)
-    decides = not resumed and samples_on_decoder(len(req.origin_input_ids), **_queued_request(req))
+    decides = not resumed and samples_on_decoder(
+        len(req.origin_input_ids), **queued_request_flags(req)
+    )
     setattr(req, MARK, decides)
     retracted = kw.get("is_retracted", args[0] if args else False)
     if not retracted:  # (a retracted request resumes from its host copy: no transfer)

@@ -124,6 +124,13 @@ def register_backend() -> None:
         direct.around_generate_request,
         HookType.AROUND,
     )
+    from sgl_pd.backend.prefill import skips
+
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
+        skips.around_generate_request,
+        HookType.AROUND,
+    )
 
     from sgl_pd.backend.decode import local_prefill
 

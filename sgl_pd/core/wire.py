@@ -47,7 +47,7 @@ from sgl_pd.errors import SglPdError
 # 8: control messages whose loss matters travel in `Sequenced` envelopes until `Delivered`
 # 9: decoders say how many prompt tokens' KV they expect (kv_tokens); a submission
 #    names its attempt (a recompute of a retracted request under its room)
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 MAGIC = b"SGPD"
 MAX_BODY_BYTES = 64 << 20  # a 1M-token prompt with its page table stays far below this
 _HEADER = struct.Struct("<4sHHQII")
@@ -345,8 +345,19 @@ class SubmitPrefill(_Message, tag="submit_prefill", frozen=True):
     attempt: U32 = 0
 
 
+class SkipPrefill(_Message, tag="skip_prefill", frozen=True):
+    """Decoder (one rank) -> a prefill server's registry (router flow): the decoder
+    prefills room `request_id` itself, so the prefill server's copy of the request - the
+    router sent it one - is answered at once without a prefill. Sent until acknowledged
+    (`SubmitAck`); a repeated copy changes nothing."""
+
+    request_id: U64  # the bootstrap room
+    sender: Text  # who skips, for the prefill server's log
+
+
 class SubmitAck(_Message, tag="submit_ack", frozen=True):
-    """Registry -> submitter: the request was handed to the prefill server's scheduler."""
+    """Registry -> submitter: the request was handed to the prefill server's scheduler
+    (or, answering `SkipPrefill`, the room is known to be skipped)."""
 
     request_id: U64
 
@@ -457,6 +468,7 @@ Message = (
     | RegistryQuery
     | RegistryReply
     | SubmitPrefill
+    | SkipPrefill
     | SubmitAck
     | TransferRequest
     | Sequenced

@@ -40,6 +40,7 @@ from sgl_pd.core.wire import (
     RegistryReply,
     Role,
     ShardRegistration,
+    SkipPrefill,
     SubmitAck,
     SubmitPrefill,
     frame_layout_hash,
@@ -78,6 +79,7 @@ MAX_REGISTRY_FRAME_BYTES = max(MAX_REGISTRATION_BYTES, MAX_SUBMIT_BYTES) + 4096
 SubmitFn = Callable[[SubmitPrefill], "tuple[ErrorCode, str] | None"]
 # asker's name -> its submissions refused after they were taken (direct mode)
 RefusalsFn = Callable[[str], "tuple[RefusedSubmission, ...]"]
+SkipFn = Callable[[int], None]  # a room its decoder prefills itself (never blocks)
 SUBMIT_TIMEOUT_S = 5.0  # a decoder waits this long for a prefill server to take a request
 # all ranks' registrations together, so that a reply always fits in one frame
 MAX_REPLY_REGISTRATIONS_BYTES = MAX_FRAME_BYTES - HEADER_BYTES - (1 << 16)
@@ -107,6 +109,7 @@ class RegistryServer(RouterThread):
         is_gone: Callable[[str], bool] = listener_gone,
         submit: SubmitFn | None = None,
         refusals: RefusalsFn | None = None,
+        skip: SkipFn | None = None,
         clock: Clock | None = None,
     ) -> None:
         """Binds tcp://host:port (0: a free port). Raises `AddressInUse` / `BindError`.
@@ -114,12 +117,14 @@ class RegistryServer(RouterThread):
         decoders may also hand it requests to prefill (direct mode): `submit` queues one
         and returns None, or returns why it cannot (never blocks); `refusals` names the
         asker's submissions that were taken and then refused, for its next query. Each
-        room is handed to `submit` once: a resent copy gets the first copy's answer."""
+        room is handed to `submit` once: a resent copy gets the first copy's answer.
+        With `skip`, decoders may say that they prefill a room themselves (router flow)."""
         super().__init__(host, port, context, max_message_bytes=MAX_REGISTRY_FRAME_BYTES, auth=auth)
         self._host = host
         self._is_gone = is_gone
         self._submit = submit
         self._refusals = refusals
+        self._skip = skip
         self._codec = FrameCodec(REGISTRY_LAYOUT_HASH)  # registry thread only
         self._shards: dict[int, _Shard] = {}  # by rank; registry thread only
         self._submissions = RecentSubmissions(clock or SystemClock())  # registry thread only
@@ -209,10 +214,15 @@ class RegistryServer(RouterThread):
             return self._reply(msg)
         if isinstance(msg, SubmitPrefill):
             return self._submit_prefill(msg)
+        if isinstance(msg, SkipPrefill):
+            if self._skip is None:
+                return _refusal(ErrorCode.BAD_REQUEST, "this registry takes no skipped rooms")
+            self._skip(msg.request_id)
+            return SubmitAck(request_id=msg.request_id)
         return _refusal(
             ErrorCode.BAD_REQUEST,
-            "a registry answers register_shard, registry_query and submit_prefill, not"
-            f" {type(msg).__name__}",
+            "a registry answers register_shard, registry_query, submit_prefill and"
+            f" skip_prefill, not {type(msg).__name__}",
         )
 
     def _submit_prefill(self, msg: SubmitPrefill) -> SubmitAck | ErrorMsg:
@@ -441,6 +451,14 @@ class RegistryClient:
         reply = self._exchange(addr, msg, "take a request", timeout_s, RETRY_INTERVAL_S, stop)
         if not (isinstance(reply, SubmitAck) and reply.request_id == msg.request_id):
             raise BootstrapError(f"prefill registry at {addr} answered a submission with {reply}")
+
+    def skip(self, addr: str, msg: SkipPrefill, timeout_s: float = SUBMIT_TIMEOUT_S) -> None:
+        """Tells the prefill server whose registry is at "host:port" that the decoder
+        prefills `msg.request_id` itself; returns once acknowledged (resent meanwhile).
+        Raises `BootstrapError` (refused) or `BootstrapTimeout`."""
+        reply = self._exchange(addr, msg, "skip a room", timeout_s, RETRY_INTERVAL_S, None)
+        if not (isinstance(reply, SubmitAck) and reply.request_id == msg.request_id):
+            raise BootstrapError(f"prefill registry at {addr} answered a skip with {reply}")
 
     def close(self) -> None:
         """Cancel calls in progress, wait for them to let go of their sockets; idempotent."""

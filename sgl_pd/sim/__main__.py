@@ -29,6 +29,17 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length-cv", type=float, default=0.5, help="coefficient of variation")
     p.add_argument("--trace", type=Path, help="Mooncake .jsonl or Azure .csv trace instead")
     p.add_argument("--requests", type=int, default=800)
+    p.add_argument(
+        "--follow-up-share", type=float, default=0.0,
+        help="share of requests that are a conversation's follow-up turn, all of whose "
+        "prompt but --follow-up-new-tokens is cached where it is served",
+    )  # fmt: skip
+    p.add_argument("--follow-up-new-tokens", type=int, default=200)
+    p.add_argument(
+        "--local-prefill-max-tokens", type=int, default=0,
+        help="decoders prefill uncached suffixes up to this long themselves (sgl_pd's "
+        "--pd-local-prefill-max-tokens; 0 = off)",
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,6 +123,9 @@ def _plan(args: argparse.Namespace) -> int:
         slo,
         max_nodes=args.max_nodes,
         requests=args.requests,
+        follow_up_share=args.follow_up_share,
+        follow_up_new_tokens=args.follow_up_new_tokens,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
     )
     print(
         f"planning {spec.name} on {args.gpu} at {args.rate} req/s; targets ITL p99 "
@@ -146,7 +160,7 @@ def _predict(args: argparse.Namespace) -> int:
     from sgl_pd.sim.engine import SimRequest, TransferModel
     from sgl_pd.sim.hardware import Efficiency, Nics
     from sgl_pd.sim.roofline import RooflineCost
-    from sgl_pd.sim.trace import load_trace, poisson
+    from sgl_pd.sim.trace import load_trace, poisson, with_follow_ups
 
     spec, prompt, output = _trace_and_model(args)
     eff = Efficiency()
@@ -154,8 +168,10 @@ def _predict(args: argparse.Namespace) -> int:
 
     def trace() -> list[SimRequest]:
         if args.trace:
-            return load_trace(args.trace, limit=args.requests)
-        return poisson(args.rate, args.requests, prompt, output, seed=1)
+            requests = load_trace(args.trace, limit=args.requests)
+        else:
+            requests = poisson(args.rate, args.requests, prompt, output, seed=1)
+        return with_follow_ups(requests, args.follow_up_share, args.follow_up_new_tokens, seed=2)
 
     tp = RooflineCost(spec, gpu, 8, 1, eff)
     dp = args.decode_gpus if args.decode_dp else 1
@@ -166,11 +182,11 @@ def _predict(args: argparse.Namespace) -> int:
         Nics().node_bytes_s(eff.nic),
         eff.transfer_latency_ms / 1e3,
     )
-    pd = figures(
-        *PdSetup(tp, decode, args.prefill_nodes, args.decode_nodes, transfer, decode_ranks=dp).run(
-            trace()
-        )
-    )
+    setup = PdSetup(
+        tp, decode, args.prefill_nodes, args.decode_nodes, transfer, decode_ranks=dp,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
+    )  # fmt: skip
+    pd = figures(*setup.run(trace()))
     # the baseline: mixed TP8 nodes on the same GPUs as the whole PD deployment
     mixed_nodes = args.prefill_nodes + args.decode_nodes * args.decode_gpus // 8
     mixed = figures(*MixedSetup(tp, mixed_nodes).run(trace()))

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sgl_pd.core.dispatch import PrefillerLoad
+from sgl_pd.core.placement import prefill_locally
 from sgl_pd.sim.engine import (
     Clock,
     DecodeInstance,
@@ -73,6 +75,10 @@ class PdSetup:
     chunk_tokens: int = 16384
     decode_ranks: int = 1
     max_running: int = 256
+    # local prefill (`core.placement.prefill_locally`): the largest uncached suffix a
+    # decoder prefills itself, one step of that many tokens at most; 0 = off
+    local_prefill_max_tokens: int = 0
+    saturated_tokens: int = 8192
 
     def run(self, requests: list[SimRequest]) -> tuple[list[SimRequest], list[float]]:
         clock = Clock()
@@ -83,6 +89,7 @@ class PdSetup:
                 f"decode{i}",
                 ranks=self.decode_ranks,
                 max_running=self.max_running,
+                local_step_tokens=self.local_prefill_max_tokens,
             )
             for i in range(self.decodes)
         ]
@@ -107,7 +114,15 @@ class PdSetup:
             # the router picks both sides at arrival: fewest queued prefill tokens, and the
             # decoder holding the fewest requests (received and not finished; one still
             # prefilling elsewhere is not counted)
-            target[r.id] = min(decoders, key=lambda d: d.streams.load)
+            decoder = min(decoders, key=lambda d: d.streams.load + len(d.local))
+            loads = {p.name: PrefillerLoad(True, p.outstanding_tokens) for p in prefills}
+            if prefill_locally(
+                r.prompt_tokens, r.held_tokens, max_tokens=self.local_prefill_max_tokens,
+                loads=loads, saturated_tokens=self.saturated_tokens,
+            ):  # fmt: skip
+                decoder.prefill_here(r)
+                return
+            target[r.id] = decoder
             min(prefills, key=lambda p: p.outstanding_tokens).submit(r)
 
         run_trace(clock, requests, submit)

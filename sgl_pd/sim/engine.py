@@ -10,7 +10,11 @@ results and, if it has work, starts the next one with everything that arrived me
   prefill: chunks of up to `chunk_tokens`; each chunk's KV leaves over the NICs, layer by
            layer while it is computed (layer-wise) or after its forward (after-forward)
   decode:  one decode step of every request whose KV has arrived; a request's first step
-           processes the last prompt token and samples the first output token (D16)
+           processes the last prompt token and samples the first output token (D16);
+           with local prefill, a step of at most `local_step_tokens` prompt tokens of
+           requests it prefills itself, then a decode step whenever streams run
+A request may arrive with `held_tokens` of its prompt already cached (a conversation's
+follow-up turn): only the rest is prefilled and its KV sent.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class SimRequest:
     arrival: float
     prompt_tokens: int
     output_tokens: int
+    held_tokens: int = 0  # prompt tokens cached where it is served (an earlier turn's)
     token_times: list[float] = field(default_factory=list)
     forward_end: float | None = None  # end of the last prefill forward (PD)
     kv_complete: float | None = None  # decoder holds all KV (PD)
@@ -175,18 +180,47 @@ class DecodeInstance(Instance):
         ranks: int = 1,
         max_running: int = 256,
         on_done: Callable[[SimRequest], None] = lambda r: None,
+        local_step_tokens: int = 0,
     ) -> None:
         super().__init__(clock, cost, name)
         self.streams = _Decoding(ranks, max_running)
         self.on_done = on_done
+        self.local_step_tokens = local_step_tokens
+        self.local: deque[_Prefilling] = deque()  # requests it prefills itself
+        self.after_local = False  # the last step was a local prefill step
+        self.local_prefills = 0
 
     def receive(self, request: SimRequest) -> None:
         """The request's KV and metadata are complete (counted): it may be scheduled."""
         self.streams.add(request)
         self.wake()
 
+    def prefill_here(self, request: SimRequest) -> None:
+        """Local prefill: this decoder computes the prompt's uncached tokens itself."""
+        self.local.append(_Prefilling(request, max(1, request.prompt_tokens - request.held_tokens)))
+        self.local_prefills += 1
+        self.wake()
+
     def plan_step(self) -> StepPlan | None:
         self.streams.admit()
+        if self.local and not (self.after_local and self.streams.running):
+            taken = _take_chunk(self.local, self.local_step_tokens)
+
+            def finish(start: float, end: float) -> None:
+                for p, n in taken:
+                    p.done += n
+                    if p.done >= p.tokens:
+                        self.local.remove(p)
+                        p.request.token_times.append(end)  # sampled here, as monolithic
+                        if p.request.done:
+                            self.on_done(p.request)
+                        else:
+                            self.streams.add(p.request)
+
+            self.after_local = True
+            works = [[Work(n, p.request.held_tokens + p.done) for p, n in taken]]
+            return works, finish
+        self.after_local = False
         if not self.streams.running:
             return None
         return self.streams.works(), lambda start, end: self.streams.emit(end, self.on_done)
@@ -226,15 +260,17 @@ class PrefillInstance(Instance):
         return sum(p.tokens - p.done for p in self.queue)
 
     def submit(self, request: SimRequest) -> None:
-        # D16: the prefiller prefills tokens [0, n-1); the decoder runs token n-1
-        self.queue.append(_Prefilling(request, max(1, request.prompt_tokens - 1)))
+        # D16: the prefiller prefills tokens [0, n-1); the decoder runs token n-1. Held
+        # tokens are cached on both (it computed the earlier turns) and not sent.
+        tokens = max(1, request.prompt_tokens - request.held_tokens - 1)
+        self.queue.append(_Prefilling(request, tokens))
         self.wake()
 
     def plan_step(self) -> StepPlan | None:
         taken = _take_chunk(self.queue, self.chunk_tokens)
         if not taken:
             return None
-        works = [[Work(n, p.done) for p, n in taken]]
+        works = [[Work(n, p.request.held_tokens + p.done) for p, n in taken]]
 
         def finish(start: float, end: float) -> None:
             for p, n in taken:
@@ -287,7 +323,7 @@ class MixedInstance(Instance):
         return len(self.queue) + self.streams.load
 
     def submit(self, request: SimRequest) -> None:
-        self.queue.append(_Prefilling(request, request.prompt_tokens))
+        self.queue.append(_Prefilling(request, max(1, request.prompt_tokens - request.held_tokens)))
         self.wake()
 
     def plan_step(self) -> StepPlan | None:
@@ -305,7 +341,7 @@ class MixedInstance(Instance):
                         else:
                             self.streams.add(p.request)
 
-            return [[Work(n, p.done) for p, n in taken]], finish
+            return [[Work(n, p.request.held_tokens + p.done) for p, n in taken]], finish
         self.streams.admit()
         if not self.streams.running:
             return None

@@ -19,7 +19,7 @@ from sgl_pd.sim.engine import TransferModel
 from sgl_pd.sim.hardware import GPUS, Efficiency, Nics
 from sgl_pd.sim.model import ModelSpec
 from sgl_pd.sim.roofline import RooflineCost
-from sgl_pd.sim.trace import Lengths, poisson
+from sgl_pd.sim.trace import Lengths, poisson, with_follow_ups
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,9 @@ class PlanInputs:
     requests: int = 800
     seed: int = 1
     eff: Efficiency = field(default_factory=Efficiency)
+    follow_up_share: float = 0.0  # conversations' follow-up turns (`trace.with_follow_ups`)
+    follow_up_new_tokens: int = 200
+    local_prefill_max_tokens: int = 0  # decoders prefill short uncached suffixes (0 = off)
 
 
 def plan(inputs: PlanInputs, *, progress: bool = True) -> tuple[Candidate | None, list[Candidate]]:
@@ -81,7 +84,12 @@ def plan(inputs: PlanInputs, *, progress: bool = True) -> tuple[Candidate | None
         Nics(per_node=g).node_bytes_s(inputs.eff.nic),
         inputs.eff.transfer_latency_ms / 1e3,
     )
-    trace = poisson(inputs.rate, inputs.requests, inputs.prompt, inputs.output, seed=inputs.seed)
+    trace = with_follow_ups(
+        poisson(inputs.rate, inputs.requests, inputs.prompt, inputs.output, seed=inputs.seed),
+        inputs.follow_up_share,
+        inputs.follow_up_new_tokens,
+        seed=inputs.seed + 1,
+    )
     tried: dict[tuple[int, int, int, int], Candidate] = {}
 
     def simulate(prefills: int, decodes: int, gpus: int, dp: int) -> Candidate:
@@ -96,8 +104,11 @@ def plan(inputs: PlanInputs, *, progress: bool = True) -> tuple[Candidate | None
             transfer,
             decode_ranks=dp,
             max_running=_max_running(decode_cost, inputs),
+            local_prefill_max_tokens=inputs.local_prefill_max_tokens,
         )
-        fresh = [type(r)(r.id, r.arrival, r.prompt_tokens, r.output_tokens) for r in trace]
+        fresh = [
+            type(r)(r.id, r.arrival, r.prompt_tokens, r.output_tokens, r.held_tokens) for r in trace
+        ]
         c = Candidate(prefills, decodes, gpus, dp, g, figures(*setup.run(fresh)))
         tried[prefills, decodes, gpus, dp] = c
         if progress:

@@ -77,3 +77,17 @@ def load_trace(path: Path, *, limit: int | None = None, speedup: float = 1.0) ->
     return [
         SimRequest(i, (t - t0) / speedup, max(1, p), max(1, o)) for i, (t, p, o) in enumerate(rows)
     ]
+
+
+def with_follow_ups(
+    requests: list[SimRequest], share: float, new_tokens: int, *, seed: int = 0
+) -> list[SimRequest]:
+    """Marks a `share` of the requests as conversations' follow-up turns: all of the
+    prompt but its last `new_tokens` is held where the conversation is served."""
+    if not 0 <= share <= 1 or new_tokens < 1:
+        raise ValueError("a follow-up share within [0, 1] and at least one new token")
+    rng = np.random.default_rng(seed)
+    for r in requests:
+        if rng.random() < share:
+            r.held_tokens = max(0, r.prompt_tokens - new_tokens)
+    return requests

@@ -465,7 +465,7 @@ def test_peer_text_fields_are_bounded() -> None:
 # sgl_pd version" instead of dropping each frame as malformed): bump PROTOCOL_VERSION,
 # then update this table.
 FIELDS_AT_VERSION = (
-    9,
+    10,
     {
         "abort": ("request_id", "reason", "decoder_instance", "detail", "reply_to"),
         "abort_ack": ("request_id", "prefill_rank", "prefill_instance"),
@@ -485,6 +485,7 @@ FIELDS_AT_VERSION = (
         "register_shard": ("rank", "tp_size", "instance", "registration"),
         "registry_query": ("sender",),
         "registry_reply": ("tp_size", "registrations", "refused"),
+        "skip_prefill": ("request_id", "sender"),
         "submit_ack": ("request_id",),
         "submit_prefill": ("request_id", "sender", "request", "attempt"),
         "transfer": ("request_id", "decoder", "dst_pages", "metadata_slot", "completion_slot",

@@ -9,6 +9,7 @@ sends a conversation's next turn where its prefix lives."""
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -154,6 +155,7 @@ def test_the_cache_aware_router_keeps_turns_where_their_prefix_lives(
     ]
     conversations = script(mono.url, openers, turns=TURNS, max_new_tokens=6)
     held_by_round = []
+    local_before = _local_prefills(direct)  # (short turns the decoder prefills itself)
     for turn in range(TURNS):
         before = len(timing_lines(direct.prefill.process.log_path))
         round_of = [[c[turn]] for c in conversations]
@@ -161,8 +163,65 @@ def test_the_cache_aware_router_keeps_turns_where_their_prefix_lives(
         assert not wrong_turns(replies), (turn, replies)
         held_by_round.append(_held_since(direct, before))
     later = [h for held in held_by_round[1:] for h in held]
-    assert len(later) == CONVERSATIONS * (TURNS - 1), held_by_round
+    local = _local_prefills(direct) - local_before
+    assert len(later) + local == CONVERSATIONS * (TURNS - 1), (held_by_round, local)
     assert all(h >= system_tokens - 1 for h in later), held_by_round
+
+
+def _router_send(
+    direct: DirectCluster, decoder: Server, text: str, *, prefill_late: bool = False
+) -> tuple[requests.Response, requests.Response]:
+    """What SGLang's router does with a request: the same body, with a fresh bootstrap
+    room naming the prefill server, to the prefill server and to `decoder` at once (or,
+    `prefill_late`, to the prefill server only once the decoder answered). Returns the
+    (prefill, decoder) answers."""
+    body = {
+        "text": text,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 6},
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": direct.bootstrap_port,
+        "bootstrap_room": secrets.randbits(63),
+    }
+
+    def post(server: Server) -> requests.Response:
+        return requests.post(f"{server.url}/generate", json=body, timeout=120)
+
+    if prefill_late:
+        decoded = post(decoder)
+        return post(direct.prefill), decoded
+    with ThreadPoolExecutor(2) as pool:
+        prefilled, decoded = pool.map(post, (direct.prefill, decoder))
+    return prefilled, decoded
+
+
+def test_router_follow_ups_are_prefilled_on_the_decoder_and_the_prefill_server_skips_them(
+    mono: Server, direct: DirectCluster
+) -> None:
+    """Router flow (requests sent as SGLang's router sends them): a follow-up turn whose
+    history the decoder holds is prefilled there; the prefill server, told to skip its
+    copy, answers it with no token - also when its copy arrives after the decoder's
+    answer - and keeps nothing of it (no transfer; no page: the last test). Tokens are
+    monolithic's."""
+    decoder = direct.decoders[0]
+    prompt = "Count: " + " ".join(str(i) for i in range(260_000, 260_120))
+
+    def mono_ids(text: str) -> list[int]:
+        body = {"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
+        return requests.post(f"{mono.url}/generate", json=body, timeout=120).json()["output_ids"]
+
+    transfers_before = len(timing_lines(direct.prefill.process.log_path))
+    prefilled, decoded = _router_send(direct, decoder, prompt)
+    assert prefilled.ok and decoded.ok, (prefilled.text[:300], decoded.text[:300])
+    assert decoded.json()["output_ids"] == mono_ids(prompt)
+    local_before = _local_prefills(direct)
+    for turn in range(3):
+        prompt = f"{prompt}{decoded.json()['text']} Then {270 + turn}."
+        prefilled, decoded = _router_send(direct, decoder, prompt, prefill_late=turn == 2)
+        assert decoded.ok and decoded.json()["output_ids"] == mono_ids(prompt), turn
+        assert prefilled.ok and prefilled.json()["meta_info"].get("pd_prefilled_by_decoder")
+    assert _local_prefills(direct) - local_before == 3
+    time.sleep(1)  # (a prefill server logs a transfer after its answer: none may come)
+    assert len(timing_lines(direct.prefill.process.log_path)) == transfers_before + 1
 
 
 def test_a_batch_is_refused_with_the_reason(direct: DirectCluster) -> None:

@@ -331,3 +331,22 @@ def test_a_resent_submission_always_finds_the_first_copys_answer() -> None:
     from sgl_pd.messenger.registry import SUBMIT_TIMEOUT_S
 
     assert SUBMISSION_MEMORY_S > 2 * SUBMIT_TIMEOUT_S
+
+
+def test_a_skipped_room_is_handed_to_the_server_and_acknowledged() -> None:
+    """Router flow: a decoder that prefills a room itself tells the prefill server's
+    registry, which passes the room on and acknowledges; a registry without the hook
+    refuses, so the decoder's log says the prefill server was not told."""
+    from sgl_pd.core.wire import SkipPrefill
+
+    skipped: list[int] = []
+    with (
+        RegistryServer(HOST, 0, skip=skipped.append) as server,
+        RegistryServer(HOST, 0) as no_skips,
+        RegistryClient("test") as client,
+    ):
+        client.skip(server.address, SkipPrefill(request_id=41, sender="decode-0"), timeout_s=5.0)
+        client.skip(server.address, SkipPrefill(request_id=41, sender="decode-0"), timeout_s=5.0)
+        with pytest.raises(BootstrapError, match="takes no skipped rooms"):
+            client.skip(no_skips.address, SkipPrefill(request_id=42, sender="d"), timeout_s=5.0)
+    assert skipped == [41, 41]  # a repeated notice is harmless (`SkippedRooms.skip`)

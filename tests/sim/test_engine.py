@@ -125,3 +125,34 @@ def test_traces_in_published_formats(tmp_path) -> None:  # type: ignore[no-untyp
     empty.write_text("")
     with pytest.raises(ValueError, match="no requests"):
         load_trace(empty)
+
+
+def test_a_follow_up_is_prefilled_on_the_decoder_when_local_prefill_is_on() -> None:
+    """A follow-up turn holding all but 30 of its 1001 prompt tokens: with local prefill
+    the decoder computes those 30 in one step (30 ms) and samples the first token there;
+    off, the prefill server computes 29 (D16), sends their KV, and the decoder's first
+    step feeds the last token."""
+
+    def follow_up() -> list[SimRequest]:
+        return [SimRequest(0, 0.0, 1001, 3, held_tokens=971)]
+
+    (local,), _ = PdSetup(COST, COST, 1, 1, LAYERWISE, local_prefill_max_tokens=64).run(follow_up())
+    assert local.kv_complete is None  # nothing crossed the wire
+    assert local.token_times == pytest.approx([0.030, 0.040, 0.050])
+    (remote,), _ = PdSetup(COST, COST, 1, 1, LAYERWISE).run(follow_up())
+    assert remote.kv_complete is not None and remote.token_times[0] > local.token_times[0]
+    # a fresh prompt that long stays with the prefill server either way
+    (fresh,), _ = PdSetup(COST, COST, 1, 1, LAYERWISE, local_prefill_max_tokens=64).run(_one())
+    assert fresh.kv_complete is not None
+
+
+def test_local_steps_interleave_with_running_streams() -> None:
+    """A stream decoding while the decoder prefills a 100-token suffix: the stream waits
+    for at most one local step (100 ms at this cost) between two of its tokens."""
+    stream = SimRequest(0, 0.0, 1001, 12, held_tokens=1000)
+    follow_up = SimRequest(1, 0.015, 1100, 2, held_tokens=1000)
+    setup = PdSetup(COST, COST, 1, 1, LAYERWISE, local_prefill_max_tokens=100)
+    (s, f), _ = setup.run([stream, follow_up])
+    gaps = [b - a for a, b in zip(s.token_times, s.token_times[1:], strict=False)]
+    assert max(gaps) <= 0.010 + 0.100 + 1e-9  # at most one local step between two tokens
+    assert f.token_times and f.kv_complete is None

@@ -30,7 +30,13 @@ the local queue, to be recomputed here on resume.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
+
+from sgl_pd.backend.first_token import queued_request_flags, whole_prompt_reason
+from sgl_pd.backend.metrics import PlacementMetrics
+from sgl_pd.core.dispatch import PrefillerLoad
+from sgl_pd.core.placement import prefill_locally
 
 logger = logging.getLogger("sgl_pd.local_prefill")
 
@@ -41,8 +47,12 @@ _STATE = "_sgl_pd_local_prefills"  # the Scheduler attribute holding `LocalPrefi
 class LocalPrefills:
     """One decode scheduler's local prefill queue and its per-step token budget."""
 
-    def __init__(self, step_tokens: int) -> None:
+    def __init__(
+        self, step_tokens: int, *, prefix_cache: bool = False, metrics: bool = False
+    ) -> None:
         self.step_tokens = step_tokens
+        self.prefix_cache = prefix_cache  # the decoder's tree cache holds conversations
+        self.metrics = PlacementMetrics(metrics)  # router flow's local prefills
         self.queue: list[Any] = []  # SGLang Reqs waiting for a local step, in arrival order
         self.launched: Any = None  # the last local step's ScheduleBatch, until merged
         self.chunked: Any = None  # the local request mid-prefill (SGLang's chunked_req)
@@ -74,7 +84,11 @@ def _configured(scheduler: Any) -> LocalPrefills | None:
     if limit <= 0:
         return None
     logger.info("local prefill on: suffixes of at most %d prompt tokens, one step each", limit)
-    return LocalPrefills(limit)
+    return LocalPrefills(
+        limit,
+        prefix_cache=bool(getattr(server_args, "disaggregation_decode_enable_radix_cache", False)),
+        metrics=bool(getattr(server_args, "enable_metrics", False)),
+    )
 
 
 def around_add_request_to_queue(
@@ -84,7 +98,9 @@ def around_add_request_to_queue(
     request retracted without a KV backup (it resumes by recomputing its KV) is
     recomputed here too: it has no prefill server to do it."""
     local = _state(scheduler)
-    if local is None or not is_local(req):
+    if local is None:
+        return original(scheduler, req, is_retracted)
+    if not is_local(req) and (is_retracted or not _router_request_here(scheduler, local, req)):
         return original(scheduler, req, is_retracted)
     if is_retracted and getattr(getattr(req, "kv", None), "retraction_backup", None) is not None:
         return original(scheduler, req, is_retracted)  # resumes from its host copy
@@ -94,6 +110,52 @@ def around_add_request_to_queue(
     local.queue.append(req)
     req.time_stats.set_wait_queue_entry_time()
     return None
+
+
+def _router_request_here(scheduler: Any, local: LocalPrefills, req: Any) -> bool:
+    """Router flow: whether to prefill this request here, as its uncached suffix is
+    short (`core.placement.prefill_locally`, with what this decoder's tree cache really
+    holds); if so the prefill server, which has the request too, is told to skip it, and
+    the request becomes a local one. Requests whose answer holds something the router
+    takes from the prefill server's (input logprobs, whole-prompt features) are not."""
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+    if not local.prefix_cache or getattr(req, "bootstrap_room", None) is None:
+        return False
+    if getattr(req, "bootstrap_host", None) in (None, FAKE_BOOTSTRAP_HOST) or req.output_ids:
+        return False
+    if getattr(req, "return_logprob", False):
+        return False  # the router merges the prefill server's input logprobs
+    if whole_prompt_reason(len(req.origin_input_ids), **queued_request_flags(req)) is not None:
+        return False
+    prompt = len(req.origin_input_ids)
+    reason = prefill_locally(
+        prompt, _cached_tokens(scheduler.tree_cache, req),
+        max_tokens=local.step_tokens, loads=_UNKNOWN_PREFILLERS, saturated_tokens=sys.maxsize,
+    )  # fmt: skip
+    if reason is None:
+        return False
+    from sglang.srt.disaggregation.decode import _bootstrap_addr
+
+    manager = scheduler.disagg_decode_prealloc_queue.kv_manager
+    manager.skip_prefill(_bootstrap_addr(req), int(req.bootstrap_room))
+    req.bootstrap_host = LOCAL_HOST
+    if manager.rank == 0:
+        local.metrics.local(reason)
+    return True
+
+
+# the router flow's decoder does not see the prefill servers' queues
+_UNKNOWN_PREFILLERS = {"router": PrefillerLoad(available=True, outstanding_tokens=0)}
+
+
+def _cached_tokens(tree_cache: Any, req: Any) -> int:
+    """The prompt tokens this decoder's tree cache holds (a lookup: nothing locked)."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.common import _req_radix_key
+
+    key = _req_radix_key(tree_cache, req, req.origin_input_ids, None)
+    return int(tree_cache.match_prefix(MatchPrefixParams(key=key, req=req)).device_prefix_len)
 
 
 def around_get_next_batch(original: Any, scheduler: Any, running_batch: Any) -> Any:

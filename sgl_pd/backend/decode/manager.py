@@ -23,6 +23,7 @@ from sgl_pd.core.wire import (
     ErrorMsg,
     Message,
     Role,
+    SkipPrefill,
     SubmitPrefill,
     TransferRequest,
 )
@@ -77,7 +78,9 @@ class DecodeKVManager(SglPdKVManager):
         self._recompute_tails: OrderedDict[int, int] = OrderedDict()
         # room -> its recomputes so far: each is a new hand-off (`SubmitPrefill.attempt`)
         self._recompute_attempts: OrderedDict[int, int] = OrderedDict()
-        self._recomputes: ThreadPoolExecutor | None = None  # made at the first recompute
+        # registry calls off the scheduler thread (recomputes, skipped rooms), made at the
+        # first one
+        self._recomputes: ThreadPoolExecutor | None = None
         self._recompute_client: RegistryClient | None = None
         self.peers = PeerDirectory(
             self.codec.layout_hash,
@@ -119,16 +122,37 @@ class DecodeKVManager(SglPdKVManager):
             body["input_ids"] = [*payload["input_ids"], tail]
         attempt = self._recompute_attempts.get(room, 0) + 1
         _remember(self._recompute_attempts, room, attempt)
-        if self._recomputes is None:
-            self._recomputes = ThreadPoolExecutor(1, thread_name_prefix="sgl-pd-recompute")
-            self._recompute_client = RegistryClient(f"decode-{self.rank}-recompute", auth=self.auth)
         message = SubmitPrefill(
             request_id=room,
             sender=f"decode-{self.rank}",
             request=json.dumps(body).encode(),
             attempt=attempt,
         )
-        self._recomputes.submit(self._recompute, kv_receiver, message)
+        self._registry_calls().submit(self._recompute, kv_receiver, message)
+
+    def skip_prefill(self, bootstrap_addr: str, room: int) -> None:
+        """Router flow: this decoder prefills `room` itself (`local_prefill`). One rank
+        tells the prefill server's registry, resending until it acknowledges, so that
+        the prefill server answers its copy of the request at once (`prefill/skips.py`)."""
+        if self.rank != 0:
+            return
+        message = SkipPrefill(request_id=room, sender=f"decode-{self.rank}")
+        self._registry_calls().submit(self._skip, bootstrap_addr, message)
+
+    def _registry_calls(self) -> ThreadPoolExecutor:
+        if self._recomputes is None:
+            self._recomputes = ThreadPoolExecutor(1, thread_name_prefix="sgl-pd-registry")
+            self._recompute_client = RegistryClient(f"decode-{self.rank}-registry", auth=self.auth)
+        return self._recomputes
+
+    def _skip(self, addr: str, message: SkipPrefill) -> None:
+        assert self._recompute_client is not None
+        try:
+            self._recompute_client.skip(addr, message)
+        except SglPdError as e:
+            # its copy waits out the prefill's bootstrap timeout; our answer is unaffected
+            logger.warning("prefill server %s was not told room %d is prefilled here: %s",
+                           addr, message.request_id, e)  # fmt: skip
 
     def _recompute(self, kv_receiver: Any, message: SubmitPrefill) -> None:
         assert self._recompute_client is not None

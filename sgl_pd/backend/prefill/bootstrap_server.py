@@ -14,6 +14,7 @@ from sglang.srt.runtime_context import get_serving
 from sgl_pd.backend.addresses import bind_address, host_port, local_connect_host
 from sgl_pd.backend.manager import cluster_auth
 from sgl_pd.backend.prefill.direct import LocalSubmitter
+from sgl_pd.backend.prefill.skips import SKIPPED
 from sgl_pd.config import SglPdConfig
 from sgl_pd.messenger.registry import RegistryServer
 
@@ -36,6 +37,7 @@ class SglPdBootstrapServer(BaseKVBootstrapServer):
             auth=auth,
             submit=self._submitter.submit,
             refusals=self._submitter.refused_for,
+            skip=SKIPPED.skip,  # router flow: rooms their decoder prefills itself
         )
         logger.info("sgl_pd registry listening on %s:%d", bind_host, port)
 

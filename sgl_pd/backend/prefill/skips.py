@@ -1,0 +1,141 @@
+"""Prefill server, router flow: requests whose decoder prefills them itself.
+
+The router sends every request to both servers. A decoder that holds most of a prompt
+prefills it locally (`backend/decode/local_prefill.py`) and tells this server's registry
+so (`SkipPrefill`, sent until acknowledged). This server's copy then never runs: it is
+answered at once, with no token, holding no page and no room - whichever arrives first:
+
+- the request is already here (it waits for the decoder's `TransferRequest`s, which for
+  a skipped room never come, so no prefill of it can have started): it is aborted in
+  SGLang's queue and its client, the router, gets an empty answer;
+- the notice came first: the room is remembered (the last `MAX_SKIPPED_ROOMS`), and the
+  request is answered as it arrives, before any scheduler sees it.
+
+A room forgotten before its request arrived (more than `MAX_SKIPPED_ROOMS` skips in
+between) costs a prefill request that waits out the bootstrap timeout and fails; the
+decoder's answer is unaffected, it asked for nothing.
+
+Runs in the HTTP front-end process: the registry thread calls `SkippedRooms.skip`, the
+HTTP event loop runs `around_generate_request`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+from sgl_pd.config import sgl_pd_role
+
+logger = logging.getLogger("sgl_pd.skips")
+
+MAX_SKIPPED_ROOMS = 1 << 16  # skips remembered before their request arrived
+
+
+class SkippedRooms:
+    """Rooms decoders prefill themselves, and the requests here waiting for such news."""
+
+    def __init__(self, max_rooms: int = MAX_SKIPPED_ROOMS) -> None:
+        self._max_rooms = max_rooms
+        self._lock = threading.Lock()
+        self._early: OrderedDict[int, None] = OrderedDict()  # skipped, request not seen
+        # room -> (its loop, resolved when the room is skipped); under _lock
+        self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = {}
+
+    def skip(self, room: int) -> None:
+        """A decoder prefills `room` itself (any thread; idempotent)."""
+        with self._lock:
+            waiting = self._waiting.pop(room, None)
+            if waiting is None:
+                self._early[room] = None
+                self._early.move_to_end(room)
+                while len(self._early) > self._max_rooms:
+                    self._early.popitem(last=False)
+        if waiting is not None:
+            loop, future = waiting
+            loop.call_soon_threadsafe(_resolve, future)
+
+    def watch(self, room: int) -> asyncio.Future[None] | None:
+        """None when `room` was skipped already; else a future resolved if it is."""
+        with self._lock:
+            if room in self._early:
+                del self._early[room]
+                return None
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiting[room] = (asyncio.get_running_loop(), future)
+            return future
+
+    def unwatch(self, room: int) -> None:
+        with self._lock:
+            self._waiting.pop(room, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._early) + len(self._waiting)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+SKIPPED = SkippedRooms()  # this process's (the registry and the HTTP API share it)
+
+
+def skipped_answer(obj: Any) -> dict[str, Any]:
+    """What the router gets for a skipped room: a finished request with no token (it
+    reads the decoder's answer; this one only has to end well)."""
+    return {
+        "text": "",
+        "output_ids": [],
+        "meta_info": {
+            "id": getattr(obj, "rid", None),
+            "finish_reason": {"type": "length", "length": 0},
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "pd_prefilled_by_decoder": True,
+        },
+    }
+
+
+async def around_generate_request(
+    original: Any, manager: Any, obj: Any, request: Any = None
+) -> AsyncIterator[Any]:
+    """AROUND hook of ``TokenizerManager.generate_request`` on a prefill server of ours:
+    a request whose room is skipped ends at once, without a prefill."""
+    room = getattr(obj, "bootstrap_room", None)
+    if sgl_pd_role(manager.server_args) != "prefill" or not isinstance(room, int):
+        async for out in original(manager, obj, request):
+            yield out
+        return
+    skipped = SKIPPED.watch(room)
+    if skipped is None:
+        logger.debug("room %d is prefilled by its decoder: answered at once", room)
+        yield skipped_answer(obj)
+        return
+    outputs = aiter(original(manager, obj, request))
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(outputs))
+            await asyncio.wait({step, skipped}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():  # skipped while it waits for the decoder: drop our copy
+                manager.abort_request(obj.rid)
+                with contextlib.suppress(Exception):
+                    await step  # the abort ends it in SGLang's queue, pages and room freed
+                with contextlib.suppress(Exception):
+                    await outputs.aclose()
+                logger.debug("room %d is prefilled by its decoder: copy dropped", room)
+                yield skipped_answer(obj)
+                return
+            try:
+                out = step.result()
+            except StopAsyncIteration:
+                return
+            yield out
+    finally:
+        SKIPPED.unwatch(room)
