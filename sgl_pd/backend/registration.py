@@ -124,6 +124,11 @@ def register_backend() -> None:
         direct.around_generate_request,
         HookType.AROUND,
     )
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._init_req_state",
+        direct.after_init_req_state,
+        HookType.AFTER,
+    )
     from sgl_pd.backend.prefill import skips
 
     HookRegistry.register(

@@ -30,6 +30,7 @@ from sgl_pd.core.timeline import Timeline, room_trace_ids
 logger = logging.getLogger("sgl_pd.trace")
 
 TRACE_LINE_PREFIX = "sgl_pd timeline:"
+PLACEMENT_SPAN = "sgl_pd.placement"  # where a request's prefill runs, and why
 # SGLang request contexts kept for rooms whose timeline has not ended yet: requests in
 # flight on one scheduler are far fewer; the oldest go first (a request dropped on a path
 # that never emits must not hold memory)
@@ -58,6 +59,45 @@ def remember_request(queue: Any, req: Any, *args: Any, **kw: Any) -> None:
 def _take_context(room: int) -> Any:
     with _contexts_lock:
         return _contexts.pop(room, None)
+
+
+def _room_parent(room: int) -> Any:
+    """The parent of a request's spans when no SGLang context of it is known: derived
+    from its bootstrap room, so both sides' spans land in one trace."""
+    from opentelemetry import trace
+    from opentelemetry.trace import SpanContext, TraceFlags
+
+    trace_id, span_id = room_trace_ids(room)
+    remote = SpanContext(
+        trace_id, span_id, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED)
+    )
+    return trace.set_span_in_context(trace.NonRecordingSpan(remote))
+
+
+def placement_span(
+    request_trace: Any, room: int, attrs: dict[str, Any], provider: Any = None
+) -> None:
+    """A span inside SGLang's span of the request (`request_trace`: SGLang's trace
+    context of it; the room's derived parent when it is not traced) that says where its
+    prefill runs and why: `attrs` (`sgl_pd.` prefixed). Never raises."""
+    try:
+        from opentelemetry import trace
+
+        tracer = (provider or trace.get_tracer_provider()).get_tracer("sgl_pd")
+        parent = None
+        if getattr(request_trace, "tracing_enable", False):
+            parent = getattr(request_trace, "root_span_context", None)
+        span = tracer.start_span(
+            PLACEMENT_SPAN,
+            context=parent if parent is not None else _room_parent(room),
+            attributes={
+                "sgl_pd.bootstrap_room": str(room),
+                **{f"sgl_pd.{k}": v for k, v in attrs.items()},
+            },
+        )
+        span.end()
+    except Exception:  # a tracing bug must never fail a request
+        logger.exception("request %d: placement span not emitted", room)
 
 
 class RequestTracing:
@@ -94,15 +134,11 @@ class RequestTracing:
 
     def _spans(self, timeline: Timeline) -> None:
         from opentelemetry import trace
-        from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
+        from opentelemetry.trace import Status, StatusCode
 
         parent = _take_context(timeline.room)
         if parent is None:
-            trace_id, span_id = room_trace_ids(timeline.room)
-            remote = SpanContext(
-                trace_id, span_id, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED)
-            )
-            parent = trace.set_span_in_context(trace.NonRecordingSpan(remote))
+            parent = _room_parent(timeline.room)
         attrs = {
             "sgl_pd.role": timeline.role,
             "sgl_pd.bootstrap_room": str(timeline.room),  # 63 bits: a string stays exact

@@ -215,3 +215,28 @@ def test_spans_attach_under_sglangs_request_span_when_the_request_was_seen() -> 
     RequestTracing(True, provider).emit(timeline)
     last = [s for s in exporter.get_finished_spans() if s.name == REQUEST][-1]
     assert last.context.trace_id == room_trace_ids(ROOM)[0]
+
+
+def test_the_placement_decision_is_a_span_inside_the_requests_own() -> None:
+    """Where a request's prefill runs, and why, is a span of its own: inside SGLang's span
+    of the request when it is traced, else under the room's derived parent."""
+    from sgl_pd.backend.tracing import PLACEMENT_SPAN, placement_span
+
+    exporter, provider = _exporter()
+    tracer = provider.get_tracer("sglang")
+    with tracer.start_as_current_span("sglang request") as request_span:
+        request_trace = SimpleNamespace(
+            tracing_enable=True, root_span_context=trace.set_span_in_context(request_span)
+        )
+        placement_span(
+            request_trace, ROOM, {"prefill": "local", "reason": "cached_prefix"}, provider
+        )
+    placement_span(None, ROOM, {"prefill": "10.0.0.1:8998", "predicted_s": 0.25}, provider)
+    inside, derived = [s for s in exporter.get_finished_spans() if s.name == PLACEMENT_SPAN]
+    assert inside.parent is not None
+    assert inside.parent.span_id == request_span.get_span_context().span_id
+    assert inside.attributes is not None and inside.attributes["sgl_pd.reason"] == "cached_prefix"
+    trace_id, parent_id = room_trace_ids(ROOM)
+    assert derived.context.trace_id == trace_id and derived.parent.span_id == parent_id
+    assert derived.attributes["sgl_pd.predicted_s"] == 0.25
+    assert derived.attributes["sgl_pd.bootstrap_room"] == str(ROOM)

@@ -76,6 +76,7 @@ FORWARDED = (
 )
 UNSUPPORTED = ("image_data", "video_data", "audio_data", "input_embeds")
 _HERE = ""  # this decoder, among the "servers" whose cached prefixes are predicted
+MAX_TRACED_PLACEMENTS = 4096  # decisions waiting for their request's span (bounded)
 
 
 class NoPrefillServer(ValueError):
@@ -96,6 +97,7 @@ class DirectDispatcher:
         local_max_tokens: int = 0,
         saturated_tokens: int = 8192,
         prefix_cache: bool = False,
+        tracing: bool = False,
     ) -> None:
         self._spec = spec
         # local prefill (`local_prefill`): the largest uncached suffix this decoder
@@ -104,6 +106,8 @@ class DirectDispatcher:
         self._saturated_tokens = saturated_tokens
         self._prefix_cache = prefix_cache
         self._held = SentPrefixes()  # under _lock; one "server": this decoder
+        self._tracing = tracing  # SGLang's --enable-trace: decisions go into request spans
+        self._placements: dict[int, dict[str, Any]] = {}  # room -> decision; under _lock
         self._lock = threading.Lock()
         self._loads: dict[str, PrefillerLoad] = {}  # under _lock
         # submitted requests still served -> (their loop, resolved with a refusal); under _lock
@@ -132,6 +136,18 @@ class DirectDispatcher:
     def loads(self) -> dict[str, PrefillerLoad]:
         with self._lock:
             return dict(self._loads)
+
+    def trace_placement(self, room: int, attrs: dict[str, Any]) -> None:
+        """Keeps the decision for the request's span (`after_init_req_state`)."""
+        if self._tracing:
+            with self._lock:
+                self._placements[room] = attrs
+                while len(self._placements) > MAX_TRACED_PLACEMENTS:
+                    self._placements.pop(next(iter(self._placements)))
+
+    def traced_placement(self, room: int) -> dict[str, Any] | None:
+        with self._lock:
+            return self._placements.pop(room, None)
 
     def prefill_here(self, prompt: PromptKey, *, none_took: bool = False) -> str | None:
         """Why this decoder should prefill `prompt` itself (`core.placement.
@@ -324,6 +340,7 @@ def _dispatcher_for(manager: Any) -> DirectDispatcher | None:
                 prefix_cache=bool(
                     getattr(server_args, "disaggregation_decode_enable_radix_cache", False)
                 ),
+                tracing=bool(getattr(server_args, "enable_trace", False)),
             )
         return _dispatcher
 
@@ -351,6 +368,21 @@ def _prompt_key(obj: Any) -> PromptKey:
     if isinstance(ids, list):
         return PromptKey.of_ids(ids)
     return PromptKey.of_text(text or "", CHARS_PER_TOKEN)
+
+
+def after_init_req_state(result: Any, manager: Any, obj: Any, *args: Any, **kw: Any) -> Any:
+    """AFTER hook of ``TokenizerManager._init_req_state``: SGLang's span of a direct
+    request exists now; the decision of where it is prefilled goes inside it."""
+    room = getattr(obj, "bootstrap_room", None)
+    if _dispatcher is None or not isinstance(room, int):
+        return result
+    attrs = _dispatcher.traced_placement(room)
+    if attrs is not None:
+        from sgl_pd.backend.tracing import placement_span
+
+        state = manager.rid_to_state.get(getattr(obj, "rid", None))
+        placement_span(getattr(getattr(state, "time_stats", None), "trace_ctx", None), room, attrs)
+    return result
 
 
 def _note_served(dispatcher: DirectDispatcher, obj: Any, out: Any) -> None:
@@ -407,10 +439,12 @@ async def around_generate_request(
     tried: list[str] = []
     refusals: list[str] = []
     chosen = None
-    while dispatcher.prefill_here(prompt) is None:
+    while (local_reason := dispatcher.prefill_here(prompt)) is None:
         chosen = dispatcher.choose(prompt, tried)
-        if chosen is None and dispatcher.prefill_here(prompt, none_took=True) is not None:
-            break  # no prefill server took it (busy, refusing): short enough for here
+        if chosen is None:
+            local_reason = dispatcher.prefill_here(prompt, none_took=True)
+            if local_reason is not None:
+                break  # no prefill server took it (busy, refusing): short enough for here
         if chosen is None:
             known = ", ".join(
                 f"{a} ({'up' if load.available else 'down'})"
@@ -435,11 +469,25 @@ async def around_generate_request(
         chosen = None
     if chosen is None:  # prefilled here (`local_prefill`): no prefill server involved
         obj.bootstrap_host, obj.bootstrap_port, obj.bootstrap_room = LOCAL_HOST, 0, room
+        dispatcher.trace_placement(
+            room, {"prefill": "local", "reason": local_reason or "", "prompt_tokens": prompt.tokens}
+        )
         async for out in original(manager, obj, request):
             _note_served(dispatcher, obj, out)
             yield out
         return
     (obj.bootstrap_host, obj.bootstrap_port), obj.bootstrap_room = _host_and_port(addr), room
+    dispatcher.trace_placement(
+        room,
+        {
+            "prefill": addr,
+            "reason": "cached_prefix" if chosen.cached_tokens else "load",
+            "prompt_tokens": prompt.tokens,
+            "predicted_cached_tokens": chosen.cached_tokens,
+            "predicted_queued_tokens": chosen.queued_tokens,
+            "predicted_s": chosen.seconds,
+        },
+    )
     released = False
     refused = dispatcher.watch(room)
     try:

@@ -11,9 +11,10 @@ its own, with two limits that keep the running streams flowing - the reason PD e
 - a local step computes at most `step_tokens` prompt tokens (SGLang's
   `max_prefill_tokens` and chunk size for that step: requests are sent here when their
   uncached suffix fits, and one that does not after all is chunked over several steps);
-- after a local step the next one is SGLang's own whenever it has work (running streams
-  to decode, transferred requests to admit), so a stream waits for at most one local
-  step between two of its tokens.
+- the running streams decode in the same forward as the local chunk (SGLang's mixed
+  chunk), so they get a token every step; where SGLang does not mix (logprob requests)
+  the next step is their decode step, and it is SGLang's own whenever transferred
+  requests wait to be admitted.
 
 The finished local batch joins the running batch at the next step, exactly as SGLang's
 monolithic loop merges its last prefill batch. Nothing of sgl_pd's transfer machinery
@@ -48,15 +49,22 @@ class LocalPrefills:
     """One decode scheduler's local prefill queue and its per-step token budget."""
 
     def __init__(
-        self, step_tokens: int, *, prefix_cache: bool = False, metrics: bool = False
+        self,
+        step_tokens: int,
+        *,
+        prefix_cache: bool = False,
+        metrics: bool = False,
+        tracing: bool = False,
     ) -> None:
         self.step_tokens = step_tokens
         self.prefix_cache = prefix_cache  # the decoder's tree cache holds conversations
         self.metrics = PlacementMetrics(metrics)  # router flow's local prefills
+        self.tracing = tracing  # SGLang's --enable-trace: decisions go into request spans
         self.queue: list[Any] = []  # SGLang Reqs waiting for a local step, in arrival order
         self.launched: Any = None  # the last local step's ScheduleBatch, until merged
         self.chunked: Any = None  # the local request mid-prefill (SGLang's chunked_req)
         self.chunk_launched = False  # a chunk of it ran since its KV was last stashed
+        self.last_mixed = False  # the last local step also decoded the running streams
         self.steps = 0  # local steps run
 
 
@@ -88,6 +96,7 @@ def _configured(scheduler: Any) -> LocalPrefills | None:
         limit,
         prefix_cache=bool(getattr(server_args, "disaggregation_decode_enable_radix_cache", False)),
         metrics=bool(getattr(server_args, "enable_metrics", False)),
+        tracing=bool(getattr(server_args, "enable_trace", False)),
     )
 
 
@@ -129,8 +138,9 @@ def _router_request_here(scheduler: Any, local: LocalPrefills, req: Any) -> bool
     if whole_prompt_reason(len(req.origin_input_ids), **queued_request_flags(req)) is not None:
         return False
     prompt = len(req.origin_input_ids)
+    cached = _cached_tokens(scheduler.tree_cache, req)
     reason = prefill_locally(
-        prompt, _cached_tokens(scheduler.tree_cache, req),
+        prompt, cached,
         max_tokens=local.step_tokens, loads=_UNKNOWN_PREFILLERS, saturated_tokens=sys.maxsize,
     )  # fmt: skip
     if reason is None:
@@ -142,6 +152,18 @@ def _router_request_here(scheduler: Any, local: LocalPrefills, req: Any) -> bool
     req.bootstrap_host = LOCAL_HOST
     if manager.rank == 0:
         local.metrics.local(reason)
+        if local.tracing:
+            from sgl_pd.backend.tracing import placement_span
+
+            attrs = {
+                "prefill": "local",
+                "reason": reason,
+                "prompt_tokens": prompt,
+                "cached_tokens": cached,
+            }
+            placement_span(
+                getattr(req.time_stats, "trace_ctx", None), int(req.bootstrap_room), attrs
+            )
     return True
 
 
@@ -176,7 +198,9 @@ def around_get_next_batch(original: Any, scheduler: Any, running_batch: Any) -> 
                 running_batch = last
             else:
                 running_batch.merge_batch(last)
-    sglang_waiting = after_local and (not running_batch.is_empty() or scheduler.waiting_queue)
+    # the running streams advanced in the local step when it was mixed with their decode
+    streams_wait = not running_batch.is_empty() and not (last is not None and local.last_mixed)
+    sglang_waiting = after_local and (streams_wait or bool(scheduler.waiting_queue))
     if (local.queue or local.chunked is not None) and not sglang_waiting:
         step = _local_step(scheduler, local, running_batch)
         if step is not None:
@@ -201,7 +225,9 @@ def _local_step(scheduler: Any, local: LocalPrefills, running_batch: Any) -> Any
     scheduler.chunked_req = local.chunked
     scheduler.max_prefill_tokens = local.step_tokens
     scheduler.chunked_prefill_size = local.step_tokens
-    scheduler.is_mixed_chunk = False  # the decode step is the next one, on its own
+    # the running streams' decode rides in the same forward (SGLang's mixed chunk, which
+    # it skips for logprob requests: those decode in the next step instead)
+    scheduler.is_mixed_chunk = True
     # preempting running requests would hand remote ones back to the transfer queues
     scheduler.enable_priority_preemption = False
     try:
@@ -227,6 +253,7 @@ def _local_step(scheduler: Any, local: LocalPrefills, running_batch: Any) -> Any
     if batch is None:
         return None
     local.launched = batch
+    local.last_mixed = bool(getattr(batch, "decoding_reqs", None))
     local.chunk_launched = local.chunked is not None
     local.steps += 1
     batch = scheduler.dp_attn_adapter.maybe_prepare_mlp_sync_batch(batch)
