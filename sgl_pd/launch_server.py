@@ -116,7 +116,7 @@ def _option_view(sglang_argv: list[str]) -> SimpleNamespace:
     for flag in (
         "--optimistic-prefill-attempts", "--disaggregation-decode-allocation-policy",
         "--attn-cp-size", "--return-hidden-states-mode", "--speculative-algorithm",
-        "--chunked-prefill-size",
+        "--chunked-prefill-size", "--tokenizer-worker-num",
     ):  # fmt: skip
         value = flag_value(sglang_argv, flag)
         if value is not None:

@@ -132,8 +132,8 @@ def register_backend() -> None:
     from sgl_pd.backend.prefill import skips
 
     HookRegistry.register(
-        "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
-        skips.around_generate_request,
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._stream_one_response",
+        skips.around_stream_one_response,
         HookType.AROUND,
     )
 

@@ -68,6 +68,14 @@ LOCAL_PREFILL_MAX_DERIVED = 512  # the derived limit's ceiling: one step of a de
 DEFAULT_CHUNKED_PREFILL_SIZE = 2048  # what the derived limit assumes when SGLang's is unset
 
 
+# The registry (which hears decoders' skip notices, router flow) and the request handling
+# share one HTTP process's memory (`prefill/skips.py`).
+TOKENIZER_WORKERS = (
+    "--tokenizer-worker-num {workers} is not served on a prefill server: its registry and"
+    " its HTTP API must be one process; drop the flag"
+)
+
+
 def _local_prefill_blocker(options: Any) -> str | None:
     spec = getattr(options, "speculative_algorithm", None)
     if spec not in (None, "", "None", "NONE"):
@@ -112,6 +120,9 @@ def unsupported_option(
     kinds of extra per-request state the model's pools keep (SGLang's
     ``KVArgs.state_types``), known once the pools exist."""
     prefill = role == "prefill"
+    workers = _int(options, "tokenizer_worker_num", 1)
+    if prefill and workers > 1:
+        return TOKENIZER_WORKERS.format(workers=workers)
     blocker = _local_prefill_blocker(options)
     if not prefill and local_prefill_max_tokens > 0 and blocker is not None:
         return LOCAL_PREFILL_UNSERVED.format(tokens=local_prefill_max_tokens, what=blocker)

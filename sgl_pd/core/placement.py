@@ -207,3 +207,18 @@ def prefill_locally(
     if all(load.outstanding_tokens >= saturated_tokens for load in available):
         return "saturated"
     return None
+
+
+# The low 16 bits of every bootstrap room a decoder makes for its own direct-mode
+# requests: its scheduler then leaves their placement to the decision already taken
+# (a router's random room carries them by chance once in 65536: not prefilled locally).
+DIRECT_ROOM_TAG = 0x5D16
+
+
+def direct_room(random_bits: int) -> int:
+    """A bootstrap room for a direct-mode request, from 63 random bits."""
+    return (random_bits & ~0xFFFF & ((1 << 63) - 1)) | DIRECT_ROOM_TAG
+
+
+def is_direct_room(room: int) -> bool:
+    return room & 0xFFFF == DIRECT_ROOM_TAG

@@ -11,8 +11,8 @@ results and, if it has work, starts the next one with everything that arrived me
            layer while it is computed (layer-wise) or after its forward (after-forward)
   decode:  one decode step of every request whose KV has arrived; a request's first step
            processes the last prompt token and samples the first output token (D16);
-           with local prefill, a step of at most `local_step_tokens` prompt tokens of
-           requests it prefills itself, then a decode step whenever streams run
+           with local prefill, each step also carries up to `local_step_tokens` prompt
+           tokens of requests it prefills itself (SGLang's mixed chunk)
 A request may arrive with `held_tokens` of its prompt already cached (a conversation's
 follow-up turn): only the rest is prefilled and its KV sent.
 """
@@ -187,7 +187,6 @@ class DecodeInstance(Instance):
         self.on_done = on_done
         self.local_step_tokens = local_step_tokens
         self.local: deque[_Prefilling] = deque()  # requests it prefills itself
-        self.after_local = False  # the last step was a local prefill step
         self.local_prefills = 0
 
     def receive(self, request: SimRequest) -> None:
@@ -203,10 +202,14 @@ class DecodeInstance(Instance):
 
     def plan_step(self) -> StepPlan | None:
         self.streams.admit()
-        if self.local and not (self.after_local and self.streams.running):
+        if self.local:
+            # a chunk of local prefill rides in the running streams' decode step (mixed)
             taken = _take_chunk(self.local, self.local_step_tokens)
+            works = self.streams.works()
+            works[0] += [Work(n, p.request.held_tokens + p.done) for p, n in taken]
 
             def finish(start: float, end: float) -> None:
+                self.streams.emit(end, self.on_done)
                 for p, n in taken:
                     p.done += n
                     if p.done >= p.tokens:
@@ -217,10 +220,7 @@ class DecodeInstance(Instance):
                         else:
                             self.streams.add(p.request)
 
-            self.after_local = True
-            works = [[Work(n, p.request.held_tokens + p.done) for p, n in taken]]
             return works, finish
-        self.after_local = False
         if not self.streams.running:
             return None
         return self.streams.works(), lambda start, end: self.streams.emit(end, self.on_done)

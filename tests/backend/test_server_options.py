@@ -129,3 +129,12 @@ def test_the_local_prefill_limit_is_derived_from_the_chunk_size_unless_given() -
     assert server_options.local_prefill_limit(sglang_options(), -1) == 256  # SGLang's unset
     assert server_options.local_prefill_limit(sglang_options(), 0) == 0
     assert server_options.local_prefill_limit(sglang_options(), 1000) == 1000
+
+
+def test_a_prefill_server_with_several_tokenizer_workers_is_refused() -> None:
+    """Its registry hears which rooms decoders prefill themselves; the requests are
+    answered by the HTTP process that holds that knowledge."""
+    options = sglang_options("--tokenizer-worker-num", "2")
+    why = unsupported_option(options, "prefill", kv_send="layerwise", first_token="decode")
+    assert why is not None and "--tokenizer-worker-num 2" in why
+    assert unsupported_option(options, "decode", kv_send="layerwise", first_token="decode") is None

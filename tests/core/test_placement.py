@@ -172,3 +172,13 @@ def test_short_fresh_prompts_stay_local_only_when_no_prefill_server_can_take_the
     assert _local(100, 0, down) == "unavailable"
     assert _local(100, 0, {}) == "unavailable"
     assert _local(400, 0, down) is None  # long prompts never: the client hears why
+
+
+def test_direct_rooms_are_told_apart_from_router_rooms() -> None:
+    from sgl_pd.core.placement import direct_room, is_direct_room
+
+    for bits in (0, 1, (1 << 63) - 1, 0x123456789ABCDEF):
+        room = direct_room(bits)
+        assert 0 <= room < 1 << 63 and is_direct_room(room)
+    router_rooms = [0x123456789ABCDEF0 >> 1, 7, (1 << 63) - 1]
+    assert not any(is_direct_room(r) for r in router_rooms)

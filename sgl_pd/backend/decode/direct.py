@@ -44,6 +44,7 @@ from sgl_pd.core.placement import (
     RateEstimate,
     SentPrefixes,
     choose_prefiller,
+    direct_room,
     prefill_locally,
 )
 from sgl_pd.core.wire import MAX_SUBMIT_BYTES, ErrorCode, RefusedSubmission, SubmitPrefill
@@ -434,7 +435,7 @@ async def around_generate_request(
         async for out in original(manager, obj, request):
             yield out
         return
-    room = secrets.randbits(63)
+    room = direct_room(secrets.randbits(63))
     prompt = _prompt_key(obj)
     tried: list[str] = []
     refusals: list[str] = []

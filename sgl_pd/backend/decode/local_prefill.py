@@ -37,7 +37,7 @@ from typing import Any
 from sgl_pd.backend.first_token import queued_request_flags, whole_prompt_reason
 from sgl_pd.backend.metrics import PlacementMetrics
 from sgl_pd.core.dispatch import PrefillerLoad
-from sgl_pd.core.placement import prefill_locally
+from sgl_pd.core.placement import is_direct_room, prefill_locally
 
 logger = logging.getLogger("sgl_pd.local_prefill")
 
@@ -129,8 +129,9 @@ def _router_request_here(scheduler: Any, local: LocalPrefills, req: Any) -> bool
     takes from the prefill server's (input logprobs, whole-prompt features) are not."""
     from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 
-    if not local.prefix_cache or getattr(req, "bootstrap_room", None) is None:
-        return False
+    room = getattr(req, "bootstrap_room", None)
+    if not local.prefix_cache or room is None or is_direct_room(int(room)):
+        return False  # (direct mode decided where, in the HTTP process)
     if getattr(req, "bootstrap_host", None) in (None, FAKE_BOOTSTRAP_HOST) or req.output_ids:
         return False
     if getattr(req, "return_logprob", False):
@@ -267,12 +268,21 @@ def around_pause_generation(original: Any, scheduler: Any, recv_req: Any) -> Any
     local = _state(scheduler)
     if local is None or local.chunked is None or getattr(recv_req, "mode", None) != "retract":
         return original(scheduler, recv_req)
-    saved, scheduler.chunked_req = scheduler.chunked_req, local.chunked
+    chunked = local.chunked
+    aborted = scheduler._pending_chunked_abort_req is chunked  # (its client is gone)
+    saved, scheduler.chunked_req = scheduler.chunked_req, chunked
     try:
         return original(scheduler, recv_req)
     finally:
         local.chunked, local.chunk_launched = None, False
         scheduler.chunked_req = saved
+        if aborted and chunked in local.queue:  # retracted into the queue: end it there
+            from sglang.srt.managers.scheduler import _make_abort_req
+
+            local.queue.remove(chunked)
+            scheduler._pending_chunked_abort_req = None
+            scheduler._release_aborted_request(chunked)
+            scheduler.send_abort_output(_make_abort_req(chunked), chunked)
 
 
 def around_hold_rebootstrap(original: Any, queue: Any, req: Any) -> Any:

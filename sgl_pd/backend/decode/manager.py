@@ -32,6 +32,7 @@ from sgl_pd.messenger.peers import PeerDirectory, PrefillTable
 from sgl_pd.messenger.registry import RegistryClient
 
 logger = logging.getLogger("sgl_pd.manager")
+SKIP_THREADS = 4  # skip notices in flight at once (one slow registry does not hold others)
 
 # requests SGLang queued but refused before making their receiver, remembered at most
 MAX_EXPECTED_PROMPTS = 4096
@@ -82,6 +83,8 @@ class DecodeKVManager(SglPdKVManager):
         # first one
         self._recomputes: ThreadPoolExecutor | None = None
         self._recompute_client: RegistryClient | None = None
+        self._skips: ThreadPoolExecutor | None = None  # skip notices, made at the first
+        self._skip_client: RegistryClient | None = None
         self.peers = PeerDirectory(
             self.codec.layout_hash,
             query_timeout_s=self.config.bootstrap_timeout_s,
@@ -137,7 +140,10 @@ class DecodeKVManager(SglPdKVManager):
         if self.rank != 0:
             return
         message = SkipPrefill(request_id=room, sender=f"decode-{self.rank}")
-        self._registry_calls().submit(self._skip, bootstrap_addr, message)
+        if self._skips is None:  # (apart from recomputes: neither waits behind the other)
+            self._skips = ThreadPoolExecutor(SKIP_THREADS, thread_name_prefix="sgl-pd-skip")
+            self._skip_client = RegistryClient(f"decode-{self.rank}-skip", auth=self.auth)
+        self._skips.submit(self._skip, bootstrap_addr, message)
 
     def _registry_calls(self) -> ThreadPoolExecutor:
         if self._recomputes is None:
@@ -146,11 +152,11 @@ class DecodeKVManager(SglPdKVManager):
         return self._recomputes
 
     def _skip(self, addr: str, message: SkipPrefill) -> None:
-        assert self._recompute_client is not None
+        assert self._skip_client is not None
         try:
-            self._recompute_client.skip(addr, message)
+            self._skip_client.skip(addr, message)
         except SglPdError as e:
-            # its copy waits out the prefill's bootstrap timeout; our answer is unaffected
+            # its copy waits out the prefill's bootstrap timeout and fails (`prefill/skips.py`)
             logger.warning("prefill server %s was not told room %d is prefilled here: %s",
                            addr, message.request_id, e)  # fmt: skip
 
@@ -238,6 +244,10 @@ class DecodeKVManager(SglPdKVManager):
             self._recomputes.shutdown(wait=False, cancel_futures=True)
         if self._recompute_client is not None:
             self._recompute_client.close()
+        if self._skips is not None:
+            self._skips.shutdown(wait=False, cancel_futures=True)
+        if self._skip_client is not None:
+            self._skip_client.close()
 
 
 def _remember(table: OrderedDict[int, int], room: int, value: int | None) -> None:

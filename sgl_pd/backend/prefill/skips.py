@@ -9,14 +9,18 @@ answered at once, with no token, holding no page and no room - whichever arrives
   a skipped room never come, so no prefill of it can have started): it is aborted in
   SGLang's queue and its client, the router, gets an empty answer;
 - the notice came first: the room is remembered (the last `MAX_SKIPPED_ROOMS`), and the
-  request is answered as it arrives, before any scheduler sees it.
+  request is aborted and answered as it arrives.
 
-A room forgotten before its request arrived (more than `MAX_SKIPPED_ROOMS` skips in
-between) costs a prefill request that waits out the bootstrap timeout and fails; the
-decoder's answer is unaffected, it asked for nothing.
+Each request (or item of a batch) is handled once SGLang has handed it to the scheduler
+(`around_stream_one_response`), so the abort always follows it on the same channel. A
+room forgotten before its request arrived (more than `MAX_SKIPPED_ROOMS` skips in
+between), or a notice that never came (the registry unreachable for the decoder's whole
+resending), leaves a copy that waits out the bootstrap timeout and fails - and the router
+then answers with that failure, though the decoder answered.
 
 Runs in the HTTP front-end process: the registry thread calls `SkippedRooms.skip`, the
-HTTP event loop runs `around_generate_request`.
+HTTP event loop runs `around_stream_one_response`. Hence one HTTP process: a prefill
+server with several tokenizer workers is refused at start (`server_options`).
 """
 
 from __future__ import annotations
@@ -103,39 +107,42 @@ def skipped_answer(obj: Any) -> dict[str, Any]:
     }
 
 
-async def around_generate_request(
-    original: Any, manager: Any, obj: Any, request: Any = None
+async def around_stream_one_response(
+    original: Any, manager: Any, *args: Any, **kw: Any
 ) -> AsyncIterator[Any]:
-    """AROUND hook of ``TokenizerManager.generate_request`` on a prefill server of ours:
-    a request whose room is skipped ends at once, without a prefill."""
+    """AROUND hook of ``TokenizerManager._stream_one_response`` (one request, or one
+    item of a batch, already handed to the scheduler), on a prefill server of ours: a
+    request whose room is skipped ends at once, without a prefill."""
+    obj: Any = kw.get("obj", args[0] if args else None)
     room = getattr(obj, "bootstrap_room", None)
     if sgl_pd_role(manager.server_args) != "prefill" or not isinstance(room, int):
-        async for out in original(manager, obj, request):
+        async for out in original(manager, *args, **kw):
             yield out
         return
     skipped = SKIPPED.watch(room)
-    if skipped is None:
-        logger.debug("room %d is prefilled by its decoder: answered at once", room)
-        yield skipped_answer(obj)
-        return
-    outputs = aiter(original(manager, obj, request))
+    outputs = aiter(original(manager, *args, **kw))
     try:
-        while True:
+        while skipped is not None:
             step = asyncio.ensure_future(anext(outputs))
             await asyncio.wait({step, skipped}, return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():  # skipped while it waits for the decoder: drop our copy
-                manager.abort_request(obj.rid)
-                with contextlib.suppress(Exception):
-                    await step  # the abort ends it in SGLang's queue, pages and room freed
-                with contextlib.suppress(Exception):
-                    await outputs.aclose()
-                logger.debug("room %d is prefilled by its decoder: copy dropped", room)
-                yield skipped_answer(obj)
-                return
+            if not step.done():
+                step.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await step
+                break  # skipped while it waits for the decoder
             try:
                 out = step.result()
             except StopAsyncIteration:
                 return
             yield out
+        # Its decoder prefills it: drop our copy (it waits in the bootstrap queue for the
+        # decoder's pages, which never come; the abort follows it on the same channel),
+        # and let the abort's answer go by before ours.
+        manager.abort_request(obj.rid)
+        with contextlib.suppress(Exception):
+            async for _ in outputs:
+                pass
+        logger.debug("room %d is prefilled by its decoder: copy dropped", room)
+        yield skipped_answer(obj)
     finally:
         SKIPPED.unwatch(room)
