@@ -132,12 +132,14 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> ModeResult:
         servers = monolithic_server(work / mode, extra=COMMON, patience=patience)
     else:
         local = str(LOCAL_MAX_TOKENS if mode == "on" else 0)
+        step = args.local_step_tokens if mode == "on" and args.local_step_tokens else None
         servers = direct_cluster(
             work / mode,
             prefill_extra=COMMON,
             decode_extra=[
                 *COMMON, "--enable-metrics", "--disaggregation-decode-enable-radix-cache",
                 "--pd-local-prefill-max-tokens", local,
+                *(["--pd-local-prefill-step-tokens", str(step)] if step else []),
             ],
             decoders=1,
             patience=patience,
@@ -173,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--message-tokens", type=int, default=40)
     parser.add_argument("--streams", type=int, default=2)
     parser.add_argument("--stream-tokens", type=int, default=64)
+    parser.add_argument(
+        "--local-step-tokens", type=int, default=None,
+        help="--pd-local-prefill-step-tokens of the `on` decoder (default: one step a suffix)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     args.conversations = args.conversations or (3 if args.quick else 12)
     args.follow_ups = args.follow_ups or (3 if args.quick else 5)
@@ -181,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"[bench] {args.conversations} conversations x ({args.fresh_tokens}-token fresh prompt"
         f" + {args.follow_ups} follow-ups of {args.message_tokens} tokens), {args.streams}"
-        f" running streams; local prefill limit {LOCAL_MAX_TOKENS}; logs in {work}",
+        f" running streams; local prefill limit {LOCAL_MAX_TOKENS}"
+        f" ({args.local_step_tokens or LOCAL_MAX_TOKENS} a step); logs in {work}",
         flush=True,
     )
     results: dict[str, ModeResult] = {}

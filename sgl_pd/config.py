@@ -63,6 +63,9 @@ class SglPdConfig:
     # the request to a prefill server (`backend/decode/local_prefill.py`); negative =
     # derived (`local_prefill_limit`), 0 = never
     local_prefill_max_tokens: int = -1
+    # Decoder: prompt tokens of local prefill one decode step carries (a longer suffix
+    # takes several steps); negative = the largest local suffix, one step each
+    local_prefill_step_tokens: int = -1
     # Decoder, direct mode: prefill servers with this many prompt tokens outstanding
     # from it are saturated; when all are, short fresh prompts are prefilled locally too
     prefill_saturated_tokens: int = 8192
@@ -113,6 +116,8 @@ class SglPdConfig:
                 parse_bootstrap_addresses(self.prefill_bootstrap)
             except ValueError as e:
                 raise ConfigError(f"--pd-prefill-bootstrap: {e}") from None
+        if self.local_prefill_step_tokens == 0:
+            raise ConfigError("--pd-local-prefill-step-tokens must be > 0 (or unset)")
         if self.prefill_saturated_tokens <= 0:
             raise ConfigError(
                 f"--pd-prefill-saturated-tokens must be > 0, got {self.prefill_saturated_tokens}"
@@ -308,6 +313,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "most 512), 0 with speculative decoding or DP attention; 0 turns it off.",
     )
     group.add_argument(
+        "--pd-local-prefill-step-tokens",
+        type=int,
+        default=SglPdConfig.local_prefill_step_tokens,
+        metavar="N",
+        help="Decoder: prompt tokens of local prefill that ride in one decode step (a "
+        "longer suffix is chunked over several): what a running stream's step may carry "
+        "on top of its decode. Default: --pd-local-prefill-max-tokens (one step each).",
+    )
+    group.add_argument(
         "--pd-prefill-saturated-tokens",
         type=int,
         default=SglPdConfig.prefill_saturated_tokens,
@@ -411,5 +425,6 @@ def config_from_args(
         allow_loopback_advertise=args.pd_allow_loopback_advertise,
         prefill_bootstrap=args.pd_prefill_bootstrap.strip(),
         local_prefill_max_tokens=args.pd_local_prefill_max_tokens,
+        local_prefill_step_tokens=args.pd_local_prefill_step_tokens,
         prefill_saturated_tokens=args.pd_prefill_saturated_tokens,
     )

@@ -50,13 +50,15 @@ class LocalPrefills:
 
     def __init__(
         self,
-        step_tokens: int,
+        max_tokens: int,
         *,
+        step_tokens: int | None = None,
         prefix_cache: bool = False,
         metrics: bool = False,
         tracing: bool = False,
     ) -> None:
-        self.step_tokens = step_tokens
+        self.max_tokens = max_tokens  # the largest uncached suffix prefilled here
+        self.step_tokens = step_tokens or max_tokens  # prompt tokens a step carries
         self.prefix_cache = prefix_cache  # the decoder's tree cache holds conversations
         self.metrics = PlacementMetrics(metrics)  # router flow's local prefills
         self.tracing = tracing  # SGLang's --enable-trace: decisions go into request spans
@@ -87,13 +89,17 @@ def _configured(scheduler: Any) -> LocalPrefills | None:
     server_args = scheduler.server_args
     if sgl_pd_role(server_args) != "decode":
         return None
-    configured = SglPdConfig.from_environment().local_prefill_max_tokens
-    limit = local_prefill_limit(server_args, configured)
+    config = SglPdConfig.from_environment()
+    limit = local_prefill_limit(server_args, config.local_prefill_max_tokens)
     if limit <= 0:
         return None
-    logger.info("local prefill on: suffixes of at most %d prompt tokens, one step each", limit)
+    step = config.local_prefill_step_tokens if config.local_prefill_step_tokens > 0 else limit
+    logger.info(
+        "local prefill on: suffixes of at most %d prompt tokens, %d per decode step", limit, step
+    )
     return LocalPrefills(
         limit,
+        step_tokens=step,
         prefix_cache=bool(getattr(server_args, "disaggregation_decode_enable_radix_cache", False)),
         metrics=bool(getattr(server_args, "enable_metrics", False)),
         tracing=bool(getattr(server_args, "enable_trace", False)),
@@ -142,7 +148,7 @@ def _router_request_here(scheduler: Any, local: LocalPrefills, req: Any) -> bool
     cached = _cached_tokens(scheduler.tree_cache, req)
     reason = prefill_locally(
         prompt, cached,
-        max_tokens=local.step_tokens, loads=_UNKNOWN_PREFILLERS, saturated_tokens=sys.maxsize,
+        max_tokens=local.max_tokens, loads=_UNKNOWN_PREFILLERS, saturated_tokens=sys.maxsize,
     )  # fmt: skip
     if reason is None:
         return False
