@@ -90,7 +90,9 @@ from sgl_pd.models import TINY_LLAMA_PATH
 MODES = ("monolithic", "pd_cache_on", "pd_cache_off")
 TWO_DECODERS = "pd_2_decoders"  # cache on, two decoders, the router's cache-aware policy
 PREFILL_ARGS = ("--log-level", "info", "--enable-metrics")  # info: the timing lines
-CACHE_ON = "--disaggregation-decode-enable-radix-cache"
+# the decoder's prefix cache, every turn still sent to the prefill server (local prefill
+# of short turns, `bench_placement.py`'s subject, would take them off the wire)
+CACHE_ON = ("--disaggregation-decode-enable-radix-cache", "--pd-local-prefill-max-tokens", "0")
 DECODE_COUNTERS = (  # the decoder's, summed over its ranks
     "sgl_pd_decode_prefix_tokens_total",
     "sgl_pd_decode_received_tokens_total",
@@ -137,7 +139,7 @@ def serve(
         with direct_cluster(
             work / mode,
             prefill_extra=PREFILL_ARGS,
-            decode_extra=[*decode_args, CACHE_ON],
+            decode_extra=[*decode_args, *CACHE_ON],
             decoders=2,
             with_router=True,
             patience=patience,
@@ -149,7 +151,7 @@ def serve(
     with pd_cluster(
         work / mode,
         prefill_extra=PREFILL_ARGS,
-        decode_extra=[*decode_args, *([CACHE_ON] if mode == "pd_cache_on" else [])],
+        decode_extra=[*decode_args, *(CACHE_ON if mode == "pd_cache_on" else ())],
         patience=patience,
     ) as cluster:
         yield cluster.router_url, cluster.prefill.process.log_path, [cluster.decode.url]

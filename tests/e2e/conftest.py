@@ -43,8 +43,12 @@ def mono(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterat
         yield server
 
 
-# the decoder keeps a prefix cache: a prompt's held prefix is not transferred
-DECODE_PREFIX_CACHE = ("--disaggregation-decode-enable-radix-cache",)
+# the decoder keeps a prefix cache and prefills short uncached suffixes itself (local
+# prefill, on by default with the cache)
+DECODE_LOCAL_PREFILL = ("--disaggregation-decode-enable-radix-cache",)
+# the decoder keeps a prefix cache, and every request crosses the wire: a prompt's held
+# prefix is not transferred (what the tests of prefix reuse and transfers measure)
+DECODE_PREFIX_CACHE = (*DECODE_LOCAL_PREFILL, "--pd-local-prefill-max-tokens", "0")
 
 
 def start_pd(

@@ -25,7 +25,7 @@ from sgl_pd.cluster.logs import last_pool_state, timing_lines
 from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids, varied_prompts
 from sgl_pd.cluster.streaming import metric_sums
 
-from .conftest import CHUNKED_PREFILL_SIZE, COMMON_ARGS, DECODE_PREFIX_CACHE
+from .conftest import CHUNKED_PREFILL_SIZE, COMMON_ARGS, DECODE_LOCAL_PREFILL
 
 pytestmark = pytest.mark.e2e
 
@@ -40,7 +40,7 @@ def direct(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DirectCluster]:
     with direct_cluster(
         tmp_path_factory.mktemp("direct"),
         prefill_extra=[*args, "--pd-inject-write-delay-ms", str(WRITE_DELAY_MS)],
-        decode_extra=[*args, *DECODE_PREFIX_CACHE, "--enable-metrics"],
+        decode_extra=[*args, *DECODE_LOCAL_PREFILL, "--enable-metrics"],
         decoders=2,
         with_router=True,
         decode_policy="cache_aware",

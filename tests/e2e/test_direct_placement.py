@@ -22,7 +22,7 @@ from sgl_pd.cluster.logs import pools_idle, timing_lines, wait_pools_idle
 from sgl_pd.cluster.prompts import long_prompt_ids
 from sgl_pd.core.placement import BLOCK_TOKENS
 
-from .conftest import COMMON_ARGS, DECODE_PREFIX_CACHE
+from .conftest import COMMON_ARGS, DECODE_LOCAL_PREFILL
 
 pytestmark = pytest.mark.e2e
 
@@ -38,7 +38,7 @@ def two_prefills(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DirectClu
         decode_extra=[
             *COMMON_ARGS,
             "--enable-metrics",
-            *DECODE_PREFIX_CACHE,
+            *DECODE_LOCAL_PREFILL,
             "--pd-local-prefill-max-tokens",
             str(LOCAL_MAX_TOKENS),
             "--pd-prefill-saturated-tokens",
