@@ -43,6 +43,9 @@ def two_prefills(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DirectClu
             str(LOCAL_MAX_TOKENS),
             "--pd-prefill-saturated-tokens",
             str(SATURATED_TOKENS),
+            # two ranks: local steps are decided and batched alike on each
+            "--tp",
+            "2",
         ],
         decoders=1,
         prefills=2,
