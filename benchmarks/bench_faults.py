@@ -27,7 +27,7 @@ was stopped when they were sent) and ends with one JSON line: faults_injected,
 requests_lost, wrong_tokens, pages_leaked, fault_to_error_p99_s, false_failures
 (requests that failed though no fault but a pause or a dropped frame hit them: target 0),
 control_frames_dropped, checksum_mismatches (0 without corruption; with it, the requests
-corrupted). SGL_PD_LOCAL_PATIENCE scales every start-up wait.
+corrupted). SGLPD_LOCAL_PATIENCE scales every start-up wait.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ sends the same requests to the three deployments in turn, streaming, and reports
     python benchmarks/bench_first_token.py [--quick] [--out benchmarks/out]
 
 Prints a table, writes a PNG plot, and ends with one JSON line. On a loaded machine,
-SGL_PD_LOCAL_PATIENCE=3 makes every wait (servers, router, requests) three times longer.
+SGLPD_LOCAL_PATIENCE=3 makes every wait (servers, router, requests) three times longer.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ d. the cost of authentication: frames/s from a `Link` to an `Inbox` on loopback 
     python benchmarks/bench_hostile.py [--quick]
 
 Prints a table and ends with one JSON line: frames_sent, server_crashes, health_failures,
-output_changed, auth_overhead_us_per_frame, ... SGL_PD_LOCAL_PATIENCE scales every wait.
+output_changed, auth_overhead_us_per_frame, ... SGLPD_LOCAL_PATIENCE scales every wait.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ the last chunk) / layers. TTFT through the router is printed alongside.
     python benchmarks/bench_layerwise.py [--quick] [--out benchmarks/out]
 
 Prints a table, writes a PNG plot, and ends with one JSON line. On a loaded machine,
-SGL_PD_LOCAL_PATIENCE=3 makes every wait (servers, router, requests) three times longer.
+SGLPD_LOCAL_PATIENCE=3 makes every wait (servers, router, requests) three times longer.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ then the same probes under a namespace of their own. Writes per probe, fragmente
     python benchmarks/bench_multiturn.py [--quick] [--out benchmarks/out] [--trace FILE]
 
 Prints tables, writes two PNGs and a JSON file under --out, and ends with one JSON line.
-SGL_PD_LOCAL_PATIENCE=3 makes every wait three times longer on a loaded machine.
+SGLPD_LOCAL_PATIENCE=3 makes every wait three times longer on a loaded machine.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ as in BRIEF.md). A PNG and a JSON file go under --out.
 The last line is JSON: tokens_identical, followup_ttft_p50_on_over_mono (target <= 1.2),
 followup_ttft_p50_off_over_on, fresh_ttft_p50_on_over_off (target <= 1.1),
 itl_p99_over_p50_on, itl_p99_over_p50_off (on no more than 1.5x off), local_prefills_on.
-SGL_PD_LOCAL_PATIENCE=3 makes every wait three times longer on a loaded machine.
+SGLPD_LOCAL_PATIENCE=3 makes every wait three times longer on a loaded machine.
 """
 
 from __future__ import annotations

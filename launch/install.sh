@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs everything sgl_pd needs into .venv at the checkout's root, on a fresh Linux
-# machine, with or without a GPU. Safe to run again: finished steps are skipped quickly.
+# Installs what sgl_pd needs to serve into .venv at the checkout's root, on a fresh Linux
+# machine, with or without a GPU (the test tools are launch/install_test_tools.sh's).
+# Safe to run again: finished steps are skipped quickly.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -49,22 +50,6 @@ if ((${#missing[@]})); then
     DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
-# Test tools for the Kubernetes manifests and the monitoring rules (tests/k8s, and the
-# e2e check that a real Prometheus scrapes a PD pair): kubectl renders the kustomizations
-# (Debian's kubernetes-client unless a kubectl is there already: the two packages clash);
-# Debian's prometheus brings prometheus and promtool. Without recommends: no exporters.
-tools=()
-command -v kubectl >/dev/null 2>&1 || tools+=(kubernetes-client)
-dpkg -s prometheus >/dev/null 2>&1 || tools+=(prometheus)
-if ((${#tools[@]})); then
-    say "installing test tools: ${tools[*]}"
-    sudo_cmd=()
-    [[ $(id -u) -eq 0 ]] || sudo_cmd=(sudo)
-    "${sudo_cmd[@]}" apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq \
-        --no-install-recommends "${tools[@]}" >/dev/null
-fi
-
 if [[ ! -x "$venv/bin/python" ]]; then
     say "creating $venv with $("$python" --version)"
     "$python" -m venv "$venv"
@@ -81,9 +66,9 @@ stamp="$venv/.sgl_pd-installed"
 fingerprint="$extra $(sha256sum "$root/pyproject.toml" | cut -c1-16)"
 if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$fingerprint" ]]; then
     : >"$pip_log"
-    say "installing sgl_pd[$extra,test] and SGLang into $venv (first run: about 5 minutes)"
+    say "installing sgl_pd[$extra] and SGLang into $venv (first run: about 5 minutes)"
     pip_quietly "upgrading pip" --upgrade pip
-    pip_quietly "installing sgl_pd and its dependencies" -e "$root[$extra,test]"
+    pip_quietly "installing sgl_pd and its dependencies" -e "$root[$extra]"
     echo "$fingerprint" >"$stamp"
 else
     say "python packages up to date"

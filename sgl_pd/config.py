@@ -1,8 +1,13 @@
 """sgl_pd's own settings: parsed once from the command line, then passed down explicitly.
 
 SGLang starts its scheduler processes itself, so the launcher hands this object to
-them through one environment variable (``SGL_PD_CONFIG``, JSON) that the plugin reads
-once at load time. Nothing else in sgl_pd reads the environment.
+them through one environment variable (``SGLPD_CONFIG``, JSON) that the plugin reads
+once at load time. Nothing else in sgl_pd reads the environment but through `env_value`.
+
+sgl_pd's variables start with ``SGLPD_``: SGLang renames every ``SGL_*`` variable to
+``SGLANG_*`` in each of its processes, copying the value and logging that ours is
+deprecated, which the old ``SGL_PD_*`` names suffered (the secret among them). The old
+names are still read, with a warning of our own, for one release.
 """
 
 from __future__ import annotations
@@ -18,8 +23,36 @@ from pathlib import Path
 from sgl_pd.core.bounds import TimingBounds, deferred_release_s, engine_transfer_timeout_s
 from sgl_pd.errors import ConfigError
 
-CONFIG_ENV = "SGL_PD_CONFIG"
-SECRET_ENV = "SGL_PD_AUTH_SECRET"  # the cluster secret itself, when no secret file is given
+ENV_PREFIX = "SGLPD_"  # a prefix SGLang leaves alone (it renames SGL_* to SGLANG_*)
+OLD_ENV_PREFIXES = ("SGL_PD_", "SGLANG_PD_")  # before; the second is SGLang's rename of it
+CONFIG_ENV = "SGLPD_CONFIG"
+SECRET_ENV = "SGLPD_AUTH_SECRET"  # the cluster secret itself, when no secret file is given
+_warned_old_names: set[str] = set()
+
+
+def env_value(name: str, environ: Mapping[str, str] = os.environ) -> str | None:
+    """sgl_pd's variable `name` (``SGLPD_...``), or the value under its old name (one
+    warning per name and process); None when neither is set."""
+    value = environ.get(name)
+    if value is not None:
+        return value
+    rest = name[len(ENV_PREFIX) :]
+    for old in (prefix + rest for prefix in OLD_ENV_PREFIXES):
+        if old in environ:
+            if old not in _warned_old_names and not old.startswith("SGLANG_"):
+                _warned_old_names.add(old)
+                import logging
+
+                logging.getLogger("sgl_pd.config").warning(
+                    "%s is an old name: set %s instead (the old one is read until the next"
+                    " release)",
+                    old,
+                    name,
+                )
+            return environ[old]
+    return None
+
+
 MIN_SECRET_BYTES = 16
 BACKEND_NAME = "sgl_pd"  # the value of SGLang's --disaggregation-transfer-backend that selects us
 TRANSPORTS = ("auto", "tcp", "rdma", "efa")
@@ -163,7 +196,7 @@ class SglPdConfig:
     @classmethod
     def from_environment(cls) -> SglPdConfig:
         """The configuration the launcher handed down, or defaults for a plain SGLang launch."""
-        text = os.environ.get(CONFIG_ENV)
+        text = env_value(CONFIG_ENV)
         return cls() if text is None else cls.from_json(text)
 
 
@@ -210,7 +243,7 @@ def read_secret_file(path: str) -> bytes:
 
 
 def _secret_hex(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
-    from_env = environ.get(SECRET_ENV, "").strip()
+    from_env = (env_value(SECRET_ENV, environ) or "").strip()
     if args.pd_auth_secret_file and from_env:
         raise ConfigError(
             f"both --pd-auth-secret-file and {SECRET_ENV} give a cluster secret: keep one"
@@ -220,7 +253,7 @@ def _secret_hex(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
     if from_env and len(from_env.encode()) < MIN_SECRET_BYTES:
         raise ConfigError(
             f"{SECRET_ENV} holds {len(from_env)} characters, at least {MIN_SECRET_BYTES} are"
-            " needed: `export SGL_PD_AUTH_SECRET=$(openssl rand -hex 32)`"
+            f" needed: `export {SECRET_ENV}=$(openssl rand -hex 32)`"
         )
     return from_env.encode().hex()
 
@@ -403,7 +436,7 @@ def config_from_args(
     args: argparse.Namespace, environ: Mapping[str, str] = os.environ
 ) -> SglPdConfig:
     """The configuration of one launch; `environ` supplies the secret's variable."""
-    if args.pd_no_auth and (args.pd_auth_secret_file or environ.get(SECRET_ENV)):
+    if args.pd_no_auth and (args.pd_auth_secret_file or env_value(SECRET_ENV, environ)):
         raise ConfigError("--pd-no-auth contradicts the cluster secret also given: keep one")
     return SglPdConfig(
         harness=args.pd_harness,

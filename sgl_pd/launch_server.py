@@ -30,7 +30,7 @@ from sgl_pd.harness.cpu import Harness, flag_value, plan_harness, uses_dp_attent
 logger = logging.getLogger("sgl_pd.launch_server")
 
 # Set on the re-executed process so the harness is applied exactly once.
-_HARNESS_APPLIED_ENV = "SGL_PD_HARNESS_APPLIED"
+_HARNESS_APPLIED_ENV = "SGLPD_HARNESS_APPLIED"
 
 
 # SGLang's deferred release of a decode request that ended early: how long it waits for
@@ -134,19 +134,30 @@ def _split_args(argv: list[str]) -> tuple[SglPdConfig, list[str]]:
 
 
 def _print_help() -> None:
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.server_args import ServerArgs
+    """Usage first, then sgl_pd's flags, then SGLang's; no start-up log lines (loading
+    the plugins to list the sgl_pd backend among SGLang's choices logs each hook)."""
+    logging.disable(logging.WARNING)
+    try:
+        from sglang.srt.plugins import load_plugins
+        from sglang.srt.server_args import ServerArgs
 
-    load_plugins()  # so SGLang's choices include the sgl_pd backend
-    parser = argparse.ArgumentParser(
+        load_plugins()
+    finally:
+        logging.disable(logging.NOTSET)
+    ours = argparse.ArgumentParser(
         prog="python -m sgl_pd.launch_server",
-        description="SGLang server with sgl_pd disaggregated prefill/decode. "
-        "Select sgl_pd with --disaggregation-mode prefill|decode "
-        "--disaggregation-transfer-backend sgl_pd.",
+        usage="%(prog)s --model-path MODEL --disaggregation-mode prefill|decode"
+        " --disaggregation-transfer-backend sgl_pd [sgl_pd's --pd-* flags] [SGLang's flags]",
+        description="SGLang's server with sgl_pd's disaggregated prefill and decode: SGLang's"
+        " own arguments, plus sgl_pd's (listed first). Docs: docs/running.md, docs/flags.md.",
     )
-    ServerArgs.add_cli_args(parser)
-    add_cli_args(parser)
-    parser.print_help()
+    add_cli_args(ours)
+    sglang = argparse.ArgumentParser(prog="python -m sgl_pd.launch_server", add_help=False)
+    ServerArgs.add_cli_args(sglang)
+    sglang_help = sglang.format_help()
+    print(ours.format_help())
+    print("SGLang's arguments:")
+    print(sglang_help[sglang_help.find("\n\n") + 2 :])  # (without its own usage line)
 
 
 def _serve(sglang_argv: list[str]) -> None:
@@ -165,6 +176,12 @@ def _serve(sglang_argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:  # usage first: before any start-up step logs
+        import warnings
+
+        warnings.simplefilter("ignore")  # (SGLang's imports warn about absent kernels)
+        _print_help()
+        return
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s")
     try:
         config, sglang_argv = _split_args(argv)
@@ -181,7 +198,10 @@ def main(argv: list[str] | None = None) -> None:
 
     if os.environ.get(_HARNESS_APPLIED_ENV) != "1":
         requested = None if config.harness == "auto" else Harness(config.harness)
-        plan = plan_harness(requested, sglang_argv)
+        try:
+            plan = plan_harness(requested, sglang_argv)
+        except ConfigError as e:
+            sys.exit(f"sgl_pd: {e}")
         logger.info("harness: %s (%s)", plan.harness.value, plan.reason)
         env = {
             **server_env(os.environ, config),
@@ -199,9 +219,6 @@ def main(argv: list[str] | None = None) -> None:
             env,
         )
 
-    if "-h" in sglang_argv or "--help" in sglang_argv:
-        _print_help()
-        return
     _serve(sglang_argv)
 
 

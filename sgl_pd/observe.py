@@ -11,7 +11,7 @@ SGLang hooks, whatever backend moves the bytes:
 
 The hooks only read and log (``time.monotonic()``, shared by every process of a host):
 one INFO line per request and side, ``sgl_pd observe: side=... room=... t=...``. They
-are installed only when ``SGL_PD_OBSERVE_TIMING=1``; otherwise this plugin does nothing.
+are installed only when ``SGLPD_OBSERVE_TIMING=1``; otherwise this plugin does nothing.
 It is its own entry point (``sgl_pd_observe``) so that an upstream-only server can load
 it alone (``SGLANG_PLUGINS=sgl_pd_observe``).
 """
@@ -19,22 +19,23 @@ it alone (``SGLANG_PLUGINS=sgl_pd_observe``).
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sgl_pd.config import env_value
+
 logger = logging.getLogger("sgl_pd.observe")
 
-OBSERVE_ENV = "SGL_PD_OBSERVE_TIMING"
+OBSERVE_ENV = "SGLPD_OBSERVE_TIMING"
 LINE_PREFIX = "sgl_pd observe:"
 _LINE = re.compile(rf"{LINE_PREFIX} side=(\w+) room=(\d+) t=([0-9.]+)")
 
 
 def register() -> None:
-    if os.environ.get(OBSERVE_ENV) != "1":
+    if env_value(OBSERVE_ENV) != "1":
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 

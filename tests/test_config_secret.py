@@ -107,3 +107,23 @@ def test_the_log_limiter_holds_back_repeats_and_counts_them() -> None:
     now[0] = 11.0
     assert limiter.warning("k", "bad frame %d", 3)
     assert lines == ["bad frame 1", "another kind", "bad frame 3 (1 more like this not logged)"]
+
+
+def test_variables_use_a_prefix_sglang_leaves_alone_and_old_names_still_work(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SGLang renames every SGL_* variable to SGLANG_* in its processes (copying the
+    value, warning that ours is deprecated): sgl_pd's are SGLPD_*; an old SGL_PD_* name
+    is read with one warning of our own, and SGLang's renamed copy without one."""
+    from sgl_pd import config
+
+    assert config.CONFIG_ENV.startswith("SGLPD_") and config.SECRET_ENV.startswith("SGLPD_")
+    assert config.env_value("SGLPD_X", {"SGLPD_X": "new", "SGL_PD_X": "old"}) == "new"
+    with caplog.at_level("WARNING", logger="sgl_pd.config"):
+        assert config.env_value("SGLPD_Y", {"SGL_PD_Y": "old"}) == "old"
+        assert config.env_value("SGLPD_Y", {"SGL_PD_Y": "old"}) == "old"
+        assert config.env_value("SGLPD_Z", {"SGLANG_PD_Z": "copied"}) == "copied"
+    assert [r.getMessage() for r in caplog.records] == [
+        "SGL_PD_Y is an old name: set SGLPD_Y instead (the old one is read until the next release)"
+    ]
+    assert config.env_value("SGLPD_NONE", {}) is None

@@ -9,7 +9,7 @@
 # Environment (the same on every node):
 #   PREFILL_HOSTS   cluster-network addresses of the prefill nodes, in order ("10.0.0.11 ...")
 #   DECODE_HOSTS    the same for the decode nodes
-#   SGL_PD_SECRET_FILE  the cluster secret, mode 600 (default /etc/sgl_pd/pd.secret):
+#   SGLPD_SECRET_FILE   the cluster secret, mode 600 (default /etc/sgl_pd/pd.secret):
 #                   `openssl rand -hex 32 > /etc/sgl_pd/pd.secret`, copied to every node
 #   IB_DEVICES      the node's RDMA NICs, one per GPU in GPU order (default mlx5_0 .. mlx5_7)
 #   MODEL_PATH      local path or Hugging Face id (default: the recipe's model)
@@ -20,7 +20,7 @@ set -euo pipefail
 RECIPES_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$RECIPES_DIR/../.." && pwd)"
 PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
-SECRET_FILE="${SGL_PD_SECRET_FILE:-/etc/sgl_pd/pd.secret}"
+SECRET_FILE="${SGLPD_SECRET_FILE:-${SGL_PD_SECRET_FILE:-/etc/sgl_pd/pd.secret}}"
 read -r -a IB <<<"${IB_DEVICES:-mlx5_0 mlx5_1 mlx5_2 mlx5_3 mlx5_4 mlx5_5 mlx5_6 mlx5_7}"
 read -r -a PREFILLS <<<"${PREFILL_HOSTS:-10.0.0.11}"
 read -r -a DECODES <<<"${DECODE_HOSTS:-10.0.0.21 10.0.0.22 10.0.0.23}"
@@ -39,7 +39,9 @@ nic_per_rank() {
 
 # the flags every sgl_pd server of a recipe shares
 pd_common_args() {
-    printf '%s\n' --disaggregation-transfer-backend sgl_pd \
+    # --pd-harness gpu: a node whose GPUs are not visible refuses at once, rather than
+    # serve the model on the CPU engine
+    printf '%s\n' --disaggregation-transfer-backend sgl_pd --pd-harness gpu \
         --pd-auth-secret-file "$SECRET_FILE" --port "$SERVER_PORT" --trust-remote-code
 }
 

@@ -14,7 +14,7 @@ MODEL="${MODEL_PATH:-$ROOT/sgl_pd/models/tiny_llama}"
 BASE="${PORT_BASE:-30000}"
 PREFILLS=(127.0.0.1)
 DECODES=(127.0.0.1 127.0.0.1)
-SECRET_FILE="${SGL_PD_SECRET_FILE:-$ROOT/.cluster.secret}"
+SECRET_FILE="${SGLPD_SECRET_FILE:-${SGL_PD_SECRET_FILE:-$ROOT/.cluster.secret}}"
 
 # small pools (the model is tiny; SGLang's CPU engine sizes them from free host memory,
 # which three servers starting together all see at once) and no idle polling

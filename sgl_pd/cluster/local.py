@@ -4,7 +4,7 @@ Used by the demo, the end-to-end tests and the benchmarks, so they all start ser
 the same way: free ports, readiness waits with a timeout, and everything stopped on exit.
 
 How long they wait, and how much slowness SGLang's router forgives a worker, is one
-setting, `Patience`: a factor read once per process from ``SGL_PD_LOCAL_PATIENCE``
+setting, `Patience`: a factor read once per process from ``SGLPD_LOCAL_PATIENCE``
 (default 1.0; 3 waits three times as long). This is test, benchmark and demo tooling,
 not the server, which takes its settings from its command line only.
 """
@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sgl_pd.cluster.processes import ManagedProcess, free_ports, managed, python_module_argv
+from sgl_pd.config import env_value
 from sgl_pd.errors import ConfigError
 from sgl_pd.harness.cpu import flag_value, uses_dp_attention
 from sgl_pd.models import TINY_LLAMA_PATH
 
 HOST = "127.0.0.1"
-PATIENCE_ENV = "SGL_PD_LOCAL_PATIENCE"
+PATIENCE_ENV = "SGLPD_LOCAL_PATIENCE"
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,8 @@ class Patience:
 
     @classmethod
     def from_environment(cls) -> Patience:
-        """The factor in ``SGL_PD_LOCAL_PATIENCE``, or 1.0 when it is unset or empty."""
-        text = os.environ.get(PATIENCE_ENV, "").strip()
+        """The factor in ``SGLPD_LOCAL_PATIENCE``, or 1.0 when it is unset or empty."""
+        text = (env_value(PATIENCE_ENV) or "").strip()
         if not text:
             return cls()
         try:

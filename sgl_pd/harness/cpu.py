@@ -12,6 +12,7 @@ import enum
 import os
 from dataclasses import dataclass
 
+from sgl_pd.errors import ConfigError
 from sgl_pd.harness.build_stub import STUB_PATH, ensure_stub
 
 # Flags SGLang's CPU engine needs (facts in the design brief): no CUDA graphs or overlap
@@ -19,7 +20,9 @@ from sgl_pd.harness.build_stub import STUB_PATH, ensure_stub
 CPU_SERVER_FLAGS: dict[str, str | None] = {
     "--device": "cpu",
     "--attention-backend": "torch_native",
-    "--disable-cuda-graph": None,
+    # (SGLang's spelling of --disable-cuda-graph that it does not warn about)
+    "--cuda-graph-backend-decode": "disabled",
+    "--cuda-graph-backend-prefill": "disabled",
     "--disable-overlap-schedule": None,
 }
 
@@ -85,6 +88,12 @@ def plan_harness(requested: Harness | None, argv: list[str]) -> HarnessPlan:
         )
     else:
         reason = f"--pd-harness {requested.value} was given"
+        if requested is Harness.GPU and not real_driver_has_devices():
+            raise ConfigError(
+                "--pd-harness gpu: no GPU is visible here (no CUDA driver reports a device):"
+                " check the GPU device plugin or CUDA_VISIBLE_DEVICES, or serve on SGLang's"
+                " CPU engine with --pd-harness cpu"
+            )
     if requested is Harness.GPU:
         return HarnessPlan(Harness.GPU, reason, {}, ())
 

@@ -2,7 +2,7 @@
 cluster secret.
 
 Every server of a cluster holds the same secret (`--pd-auth-secret-file` or the
-``SGL_PD_AUTH_SECRET`` environment variable). From it each process derives one CURVE key
+``SGLPD_AUTH_SECRET`` environment variable). From it each process derives one CURVE key
 pair; listeners (inboxes, the registry) are CURVE servers with that pair, and every
 connecting socket presents the same pair. What that gives, all from libzmq's CurveZMQ
 (RFC 26), none of it hand-written:

@@ -74,7 +74,7 @@ def test_every_server_command_parses(
     assert prefills >= 1 and decodes >= 1
     for role, count in (("prefill", prefills), ("decode", decodes)):
         for index in range(count):
-            env = {"SGL_PD_SECRET_FILE": secret_file}
+            env = {"SGLPD_SECRET_FILE": secret_file}
             module, *argv = _argv(recipe, role, str(index), env=env)
             assert module == "sgl_pd.launch_server"
             config, sglang_argv = _split_args(argv)  # ours: raises on a bad value

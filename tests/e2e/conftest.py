@@ -31,7 +31,7 @@ COMMON_ARGS = [
 
 @pytest.fixture(scope="session")
 def patience() -> Patience:
-    """How long the tests wait for servers (SGL_PD_LOCAL_PATIENCE scales it)."""
+    """How long the tests wait for servers (SGLPD_LOCAL_PATIENCE scales it)."""
     return local_patience()
 
 

@@ -267,3 +267,14 @@ def test_every_page_is_free_again(two_prefills: DirectCluster, patience: Patienc
     servers.update({f"prefill{i + 1}": s for i, s in enumerate(two_prefills.more_prefills)})
     states = wait_pools_idle(servers, patience.seconds(60))
     assert pools_idle(servers, states), f"pools still hold pages: {states}"
+
+
+def test_no_server_log_warns_about_sgl_pds_own_settings(two_prefills: DirectCluster) -> None:
+    """SGLang warns about every SGL_* variable it finds (it renames them); sgl_pd's are
+    named so that it finds none."""
+    servers = (two_prefills.prefill, *two_prefills.more_prefills, *two_prefills.decoders)
+    for server in servers:
+        log = server.process.log_path.read_text(errors="replace")
+        assert not re.search(r"SGL_PD_\w+ is deprecated|SGLPD_\w+ is deprecated", log), (
+            server.process.name
+        )

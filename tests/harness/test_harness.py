@@ -20,21 +20,32 @@ def test_stub_exports_the_one_symbol_and_reports_no_device() -> None:
 
 
 def test_cpu_plan_adds_only_missing_flags_and_the_library_path() -> None:
-    plan = plan_harness(Harness.CPU, ["--device", "cpu", "--disable-cuda-graph"])
+    given = ["--device", "cpu", "--cuda-graph-backend-decode", "disabled"]
+    plan = plan_harness(Harness.CPU, given)
     assert plan.harness is Harness.CPU
-    assert "--device" not in plan.extra_args and "--disable-cuda-graph" not in plan.extra_args
     assert plan.extra_args == (
         "--attention-backend",
         "torch_native",
+        "--cuda-graph-backend-prefill",
+        "disabled",
         "--disable-overlap-schedule",
     )
     assert plan.env["SGLANG_USE_CPU_ENGINE"] == "1"
     assert str(ensure_stub().parent) in plan.env["LD_LIBRARY_PATH"].split(":")
 
 
-def test_gpu_plan_changes_nothing() -> None:
-    plan = plan_harness(Harness.GPU, [])
-    assert plan.env == {} and plan.extra_args == ()
+def test_gpu_plan_changes_nothing_and_needs_a_gpu() -> None:
+    """Asked for explicitly, the GPU harness changes nothing - where a GPU is visible; a
+    pod whose GPUs are not would otherwise serve on CPU: it refuses in one line."""
+    from sgl_pd.errors import ConfigError
+    from sgl_pd.harness.cpu import real_driver_has_devices
+
+    if real_driver_has_devices():
+        plan = plan_harness(Harness.GPU, [])
+        assert plan.env == {} and plan.extra_args == ()
+    else:
+        with pytest.raises(ConfigError, match="no GPU is visible"):
+            plan_harness(Harness.GPU, [])
 
 
 def test_every_cpu_flag_is_an_sglang_flag() -> None:

@@ -121,9 +121,13 @@ async def around_stream_one_response(
         return
     skipped = SKIPPED.watch(room)
     outputs = aiter(original(manager, *args, **kw))
+    step: asyncio.Future[Any] | None = None
     try:
         while skipped is not None:
             step = asyncio.ensure_future(anext(outputs))
+            # (its error, should this generator be closed while it waits, is not left
+            # unread: the HTTP side's own disconnect handling raised it)
+            step.add_done_callback(_read_outcome)
             await asyncio.wait({step, skipped}, return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
                 step.cancel()
@@ -145,4 +149,11 @@ async def around_stream_one_response(
         logger.debug("room %d is prefilled by its decoder: copy dropped", room)
         yield skipped_answer(obj)
     finally:
+        if step is not None and not step.done():
+            step.cancel()
         SKIPPED.unwatch(room)
+
+
+def _read_outcome(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
