@@ -215,28 +215,31 @@ def around_get_next_batch(original: Any, scheduler: Any, running_batch: Any) -> 
     return original(scheduler, running_batch)
 
 
+# the scheduler's attributes a local step sets for SGLang's prefill scheduling, and restores
+_SWAPPED = (
+    "waiting_queue", "chunked_req", "max_prefill_tokens", "chunked_prefill_size",
+    "is_mixed_chunk", "enable_priority_preemption",
+)  # fmt: skip
+
+
 def _local_step(scheduler: Any, local: LocalPrefills, running_batch: Any) -> Any:
     """SGLang's prefill scheduling over the local queue, at most `step_tokens` prompt
     tokens (a longer suffix - the prediction was wrong, or a retracted request recomputes
     its output too - is chunked, one chunk per local step, as SGLang chunks prefills);
     None when nothing could be admitted (no free memory or request slot)."""
-    saved = (
-        scheduler.waiting_queue,
-        scheduler.chunked_req,
-        scheduler.max_prefill_tokens,
-        scheduler.chunked_prefill_size,
-        scheduler.is_mixed_chunk,
-        scheduler.enable_priority_preemption,
-    )
-    scheduler.waiting_queue = local.queue
-    scheduler.chunked_req = local.chunked
-    scheduler.max_prefill_tokens = local.step_tokens
-    scheduler.chunked_prefill_size = local.step_tokens
+    saved = {name: getattr(scheduler, name) for name in _SWAPPED}
     # the running streams' decode rides in the same forward (SGLang's mixed chunk, which
-    # it skips for logprob requests: those decode in the next step instead)
-    scheduler.is_mixed_chunk = True
-    # preempting running requests would hand remote ones back to the transfer queues
-    scheduler.enable_priority_preemption = False
+    # it skips for logprob requests: those decode in the next step instead); preempting
+    # running requests would hand remote ones back to the transfer queues
+    for name, value in (
+        ("waiting_queue", local.queue),
+        ("chunked_req", local.chunked),
+        ("max_prefill_tokens", local.step_tokens),
+        ("chunked_prefill_size", local.step_tokens),
+        ("is_mixed_chunk", True),
+        ("enable_priority_preemption", False),
+    ):
+        setattr(scheduler, name, value)
     try:
         scheduler.process_pending_chunked_abort()  # (an abort `around_abort_request` saw)
         chunked = scheduler.chunked_req
@@ -248,14 +251,8 @@ def _local_step(scheduler: Any, local: LocalPrefills, running_batch: Any) -> Any
     finally:
         local.queue = scheduler.waiting_queue  # rebound without the admitted requests
         local.chunked = scheduler.chunked_req
-        (
-            scheduler.waiting_queue,
-            scheduler.chunked_req,
-            scheduler.max_prefill_tokens,
-            scheduler.chunked_prefill_size,
-            scheduler.is_mixed_chunk,
-            scheduler.enable_priority_preemption,
-        ) = saved
+        for name, value in saved.items():
+            setattr(scheduler, name, value)
     batch = plan.batch_to_run
     if batch is None:
         return None
