@@ -23,7 +23,6 @@ Runs in the decoder's HTTP front-end process (a hook on `TokenizerManager.genera
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import secrets
@@ -36,6 +35,7 @@ from typing import Any
 
 from sgl_pd.backend.decode.local_prefill import LOCAL_HOST
 from sgl_pd.backend.metrics import PlacementMetrics
+from sgl_pd.backend.streams import Stopped, until_stopped
 from sgl_pd.config import SglPdConfig, sgl_pd_role
 from sgl_pd.core.dispatch import PrefillerLoad, parse_bootstrap_addresses
 from sgl_pd.core.placement import (
@@ -514,19 +514,8 @@ async def _unless_refused(
     """`outputs` until the prefill server refuses the request: then the decoder aborts it
     (its pages go back once the prefill ranks acked) and the client gets the reason as a
     400 rather than waiting for the transfer timeout."""
-    outputs = aiter(outputs)
-    while True:
-        step = asyncio.ensure_future(anext(outputs))
-        await asyncio.wait({step, refused}, return_when=asyncio.FIRST_COMPLETED)
-        if not step.done():
-            abort()
-            with contextlib.suppress(Exception):
-                await step  # the abort ends the request
-            with contextlib.suppress(Exception):
-                await outputs.aclose()  # type: ignore[attr-defined]
-            raise NoPrefillServer(refused.result())
-        try:
-            out = step.result()
-        except StopAsyncIteration:
-            return
-        yield out
+    try:
+        async for out in until_stopped(outputs, refused, abort):
+            yield out
+    except Stopped:
+        raise NoPrefillServer(refused.result()) from None

@@ -26,13 +26,13 @@ server with several tokenizer workers is refused at start (`server_options`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
+from sgl_pd.backend.streams import Stopped, until_stopped
 from sgl_pd.config import sgl_pd_role
 
 logger = logging.getLogger("sgl_pd.skips")
@@ -120,40 +120,19 @@ async def around_stream_one_response(
             yield out
         return
     skipped = SKIPPED.watch(room)
-    outputs = aiter(original(manager, *args, **kw))
-    step: asyncio.Future[Any] | None = None
+    if skipped is None:  # the notice came first: end it at once
+        skipped = asyncio.get_running_loop().create_future()
+        skipped.set_result(None)
+    # Once skipped, our copy (waiting in the bootstrap queue for the decoder's pages,
+    # which never come) is aborted - the abort follows it on the same channel - and the
+    # router gets an empty answer.
     try:
-        while skipped is not None:
-            step = asyncio.ensure_future(anext(outputs))
-            # (its error, should this generator be closed while it waits, is not left
-            # unread: the HTTP side's own disconnect handling raised it)
-            step.add_done_callback(_read_outcome)
-            await asyncio.wait({step, skipped}, return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():
-                step.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await step
-                break  # skipped while it waits for the decoder
-            try:
-                out = step.result()
-            except StopAsyncIteration:
-                return
+        async for out in until_stopped(
+            original(manager, *args, **kw), skipped, lambda: manager.abort_request(obj.rid)
+        ):
             yield out
-        # Its decoder prefills it: drop our copy (it waits in the bootstrap queue for the
-        # decoder's pages, which never come; the abort follows it on the same channel),
-        # and let the abort's answer go by before ours.
-        manager.abort_request(obj.rid)
-        with contextlib.suppress(Exception):
-            async for _ in outputs:
-                pass
+    except Stopped:
         logger.debug("room %d is prefilled by its decoder: copy dropped", room)
         yield skipped_answer(obj)
     finally:
-        if step is not None and not step.done():
-            step.cancel()
         SKIPPED.unwatch(room)
-
-
-def _read_outcome(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
