@@ -2,12 +2,9 @@
 
 SGLang starts its scheduler processes itself, so the launcher hands this object to
 them through one environment variable (``SGLPD_CONFIG``, JSON) that the plugin reads
-once at load time. Nothing else in sgl_pd reads the environment but through `env_value`.
-
-sgl_pd's variables start with ``SGLPD_``: SGLang renames every ``SGL_*`` variable to
-``SGLANG_*`` in each of its processes, copying the value and logging that ours is
-deprecated, which the old ``SGL_PD_*`` names suffered (the secret among them). The old
-names are still read, with a warning of our own, for one release.
+once at load time. The cluster secret is not in it: each process reads it where the operator put it
+(the secret file, or ``SGLPD_AUTH_SECRET``), so it sits in no second variable. Every
+variable sgl_pd reads or sets is listed in `sgl_pd.environment`.
 """
 
 from __future__ import annotations
@@ -17,40 +14,15 @@ import json
 import os
 import stat
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sgl_pd.core.bounds import TimingBounds, deferred_release_s, engine_transfer_timeout_s
+from sgl_pd.environment import AUTH_SECRET, CONFIG, env_value
 from sgl_pd.errors import ConfigError
 
-ENV_PREFIX = "SGLPD_"  # a prefix SGLang leaves alone (it renames SGL_* to SGLANG_*)
-OLD_ENV_PREFIXES = ("SGL_PD_", "SGLANG_PD_")  # before; the second is SGLang's rename of it
-CONFIG_ENV = "SGLPD_CONFIG"
-SECRET_ENV = "SGLPD_AUTH_SECRET"  # the cluster secret itself, when no secret file is given
-_warned_old_names: set[str] = set()
-
-
-def env_value(name: str, environ: Mapping[str, str] = os.environ) -> str | None:
-    """sgl_pd's variable `name` (``SGLPD_...``), or the value under its old name (one
-    warning per name and process); None when neither is set."""
-    value = environ.get(name)
-    if value is not None:
-        return value
-    rest = name[len(ENV_PREFIX) :]
-    for old in (prefix + rest for prefix in OLD_ENV_PREFIXES):
-        if old in environ:
-            if old not in _warned_old_names and not old.startswith("SGLANG_"):
-                _warned_old_names.add(old)
-                import logging
-
-                logging.getLogger("sgl_pd.config").warning(
-                    "%s is an old name: set %s instead (the old one is read until the next"
-                    " release)",
-                    old,
-                    name,
-                )
-            return environ[old]
-    return None
+CONFIG_ENV = CONFIG.name
+SECRET_ENV = AUTH_SECRET.name  # the cluster secret itself, when no secret file is given
 
 
 MIN_SECRET_BYTES = 16
@@ -83,9 +55,12 @@ class SglPdConfig:
     # MiB of staging for re-laying out KV heads under mismatched TP (`core.relayout`):
     # negative = derived from the pool and chunk size, 0 = none (one write per token slot)
     staging_mb: float = -1.0
-    # The cluster secret (hex of its bytes) that authenticates every control connection;
-    # "" with no_auth=False: not configured, and PD serving refuses to start.
-    auth_secret_hex: str = field(default="", repr=False)
+    # Where the cluster secret that authenticates every control connection is: a file
+    # (its absolute path), or SGLPD_AUTH_SECRET (each process reads it there, so the
+    # secret itself is in no second variable); neither with no_auth=False: not
+    # configured, and PD serving refuses to start.
+    auth_secret_file: str = ""
+    auth_secret_from_env: bool = False
     no_auth: bool = False  # serve without authentication (--pd-no-auth; trusted hosts only)
     allow_loopback_advertise: bool = False  # advertise 127.x while binding all interfaces
     # Direct mode (decoder): prefill bootstrap addresses "host:port,..." or "@FILE" (one per
@@ -155,20 +130,17 @@ class SglPdConfig:
             raise ConfigError(
                 f"--pd-prefill-saturated-tokens must be > 0, got {self.prefill_saturated_tokens}"
             )
-        if self.auth_secret_hex and len(self.auth_secret_hex) < 2 * MIN_SECRET_BYTES:
-            raise ConfigError(
-                f"the cluster secret must have at least {MIN_SECRET_BYTES} bytes: make one"
-                " with `openssl rand -hex 32`"
-            )
 
     def auth_secret(self) -> bytes | None:
         """The cluster secret, None when serving without authentication. Raises
         `ConfigError` when neither a secret nor --pd-no-auth was given."""
         if self.no_auth:
             return None
-        if not self.auth_secret_hex:
-            raise ConfigError(MISSING_SECRET)
-        return bytes.fromhex(self.auth_secret_hex)
+        if self.auth_secret_file:
+            return read_secret_file(self.auth_secret_file)
+        if self.auth_secret_from_env:
+            return env_secret(os.environ)
+        raise ConfigError(MISSING_SECRET)
 
     def bounds(
         self, *, decode: bool = False, environ: Mapping[str, str] = os.environ
@@ -242,20 +214,35 @@ def read_secret_file(path: str) -> bytes:
     return secret
 
 
-def _secret_hex(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
+def env_secret(environ: Mapping[str, str]) -> bytes:
+    """The secret in SGLPD_AUTH_SECRET (surrounding whitespace removed); refuses one too
+    short to be a secret, or none."""
+    secret = (env_value(SECRET_ENV, environ) or "").strip().encode()
+    if not secret:
+        raise ConfigError(MISSING_SECRET)
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(
+            f"{SECRET_ENV} holds {len(secret)} characters, at least {MIN_SECRET_BYTES} are"
+            f" needed: `export {SECRET_ENV}=$(openssl rand -hex 32)`"
+        )
+    return secret
+
+
+def _secret_source(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, bool]:
+    """Where the launch's cluster secret is (`SglPdConfig.auth_secret_file`,
+    `auth_secret_from_env`), checked by reading it once here."""
     from_env = (env_value(SECRET_ENV, environ) or "").strip()
     if args.pd_auth_secret_file and from_env:
         raise ConfigError(
             f"both --pd-auth-secret-file and {SECRET_ENV} give a cluster secret: keep one"
         )
     if args.pd_auth_secret_file:
-        return read_secret_file(args.pd_auth_secret_file).hex()
-    if from_env and len(from_env.encode()) < MIN_SECRET_BYTES:
-        raise ConfigError(
-            f"{SECRET_ENV} holds {len(from_env)} characters, at least {MIN_SECRET_BYTES} are"
-            f" needed: `export {SECRET_ENV}=$(openssl rand -hex 32)`"
-        )
-    return from_env.encode().hex()
+        read_secret_file(args.pd_auth_secret_file)
+        return str(Path(args.pd_auth_secret_file).resolve()), False
+    if from_env:
+        env_secret(environ)
+        return "", True
+    return "", False
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -438,6 +425,7 @@ def config_from_args(
     """The configuration of one launch; `environ` supplies the secret's variable."""
     if args.pd_no_auth and (args.pd_auth_secret_file or env_value(SECRET_ENV, environ)):
         raise ConfigError("--pd-no-auth contradicts the cluster secret also given: keep one")
+    secret_file, secret_from_env = ("", False) if args.pd_no_auth else _secret_source(args, environ)
     return SglPdConfig(
         harness=args.pd_harness,
         transport=args.pd_transport,
@@ -453,11 +441,12 @@ def config_from_args(
         inject_control_drop_rate=args.pd_inject_control_drop_rate,
         inject_kv_corruption_rate=args.pd_inject_kv_corruption_rate,
         kv_checksum=args.pd_kv_checksum,
-        auth_secret_hex="" if args.pd_no_auth else _secret_hex(args, environ),
         no_auth=args.pd_no_auth,
         allow_loopback_advertise=args.pd_allow_loopback_advertise,
         prefill_bootstrap=args.pd_prefill_bootstrap.strip(),
         local_prefill_max_tokens=args.pd_local_prefill_max_tokens,
         local_prefill_step_tokens=args.pd_local_prefill_step_tokens,
         prefill_saturated_tokens=args.pd_prefill_saturated_tokens,
+        auth_secret_file=secret_file,
+        auth_secret_from_env=secret_from_env,
     )

@@ -24,13 +24,15 @@ from sgl_pd.config import (
     config_from_args,
 )
 from sgl_pd.core.bounds import DEFAULT_DEFERRED_RELEASE_S, DEFERRED_RELEASE_ENV, TimingBounds
+from sgl_pd.environment import HARNESS_APPLIED, KEEP_ALIVE
 from sgl_pd.errors import ConfigError
 from sgl_pd.harness.cpu import Harness, flag_value, plan_harness, uses_dp_attention
+from sgl_pd.harness.patches import require_patches
 
 logger = logging.getLogger("sgl_pd.launch_server")
 
 # Set on the re-executed process so the harness is applied exactly once.
-_HARNESS_APPLIED_ENV = "SGLPD_HARNESS_APPLIED"
+_HARNESS_APPLIED_ENV = HARNESS_APPLIED.name
 
 
 # SGLang's deferred release of a decode request that ended early: how long it waits for
@@ -49,7 +51,7 @@ DEFERRED_RELEASE_TIMEOUT_S = f"{DEFAULT_DEFERRED_RELEASE_S:g}"
 # the request waiting in it is read. So a server keeps an idle connection longer than the
 # router does, plus the longest pause that must fail nothing (the hang timeout; see
 # `TimingBounds.required_keep_alive_s`), with a margin.
-KEEP_ALIVE_ENV = "SGLANG_TIMEOUT_KEEP_ALIVE"
+KEEP_ALIVE_ENV = KEEP_ALIVE.name
 KEEP_ALIVE_S = "75"
 KEEP_ALIVE_MARGIN_S = 5.0
 
@@ -188,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
         refusal = _unsupported(sglang_argv, config) if _serves_pd(sglang_argv) else None
         if refusal is not None:
             raise ConfigError(refusal)
+        if _serves_pd(sglang_argv) and config.first_token == "decode":
+            require_patches()
         if _serves_pd(sglang_argv) and config.auth_secret() is None:
             logger.warning(
                 "--pd-no-auth: peers are not authenticated; any process that reaches this"

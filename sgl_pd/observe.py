@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sgl_pd.config import env_value
+from sgl_pd.environment import OBSERVE_TIMING, env_value
 
 logger = logging.getLogger("sgl_pd.observe")
 
-OBSERVE_ENV = "SGLPD_OBSERVE_TIMING"
+OBSERVE_ENV = OBSERVE_TIMING.name
 LINE_PREFIX = "sgl_pd observe:"
 _LINE = re.compile(rf"{LINE_PREFIX} side=(\w+) room=(\d+) t=([0-9.]+)")
 

@@ -33,10 +33,16 @@ def _secret_file(tmp_path: Path, text: str = SECRET, mode: int = 0o600) -> str:
 def test_the_secret_comes_from_a_file_or_the_environment(tmp_path: Path) -> None:
     from_file = _config(["--pd-auth-secret-file", _secret_file(tmp_path)])
     from_env = _config([], {SECRET_ENV: SECRET})
-    assert from_file.auth_secret() == from_env.auth_secret() == SECRET.encode()
-    # it crosses to SGLang's processes in the configuration, and is never printed
+    assert from_file.auth_secret() == SECRET.encode()
+    with pytest.MonkeyPatch.context() as env:  # (SGLang's processes inherit the variable)
+        env.setenv(SECRET_ENV, SECRET)
+        assert from_env.auth_secret() == SECRET.encode()
+    # SGLang's processes find it where the operator put it: the configuration handed to
+    # them names the place, never the secret, so it sits in no second variable
     assert SglPdConfig.from_json(from_file.to_json()).auth_secret() == SECRET.encode()
-    assert SECRET not in repr(from_file) and SECRET.encode().hex() not in repr(from_file)
+    for config in (from_file, from_env):
+        shown = config.to_json() + repr(config)
+        assert SECRET not in shown and SECRET.encode().hex() not in shown
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,8 @@ a newcomer reads on one screen or two."""
 
 from __future__ import annotations
 
+import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,12 +25,62 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     assert (tmp_path / "flags" / "index.html").exists()
 
 
-def test_the_flags_page_is_what_the_parser_says() -> None:
-    """Adding or changing a flag without regenerating its page (`python -m
-    sgl_pd.reference`) fails here."""
-    from sgl_pd.reference import FLAGS_PAGE, flags_markdown
+def test_the_generated_pages_are_what_the_code_says() -> None:
+    """Adding or changing a flag, variable or metric without regenerating its page
+    (`python -m sgl_pd.reference`) fails here."""
+    pytest.importorskip("prometheus_client")
+    from sgl_pd.reference import PAGES
 
-    assert FLAGS_PAGE.read_text() == flags_markdown(), "run: python -m sgl_pd.reference"
+    for page, markdown in PAGES.items():
+        assert page.read_text() == markdown(), f"{page.name}: run python -m sgl_pd.reference"
+
+
+def _string_constants(tree: ast.AST) -> set[str]:
+    return {
+        n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    }
+
+
+# a name the code passes to or reads from the environment (prefixes: ours, SGLang's, Mooncake's)
+_VARIABLE = re.compile(r"^(SGLPD|SGLANG|MC)_[A-Z0-9_]*[A-Z0-9]$")
+
+
+def test_every_variable_the_code_names_is_documented() -> None:
+    """A new environment variable in sgl_pd/ without its entry in `sgl_pd.environment`
+    (and so on the generated page) fails here; so does one the CPU harness sets."""
+    from sgl_pd.environment import VARIABLES
+    from sgl_pd.harness.cpu import Harness, plan_harness
+    from sgl_pd.reference import ENVIRONMENT_PAGE
+
+    listed = {v.name for v in VARIABLES}
+    for path in (ROOT / "sgl_pd").rglob("*.py"):
+        for name in _string_constants(ast.parse(path.read_text())):
+            if _VARIABLE.match(name):
+                assert name in listed, (
+                    f"{path.relative_to(ROOT)}: {name} is not in sgl_pd/environment.py"
+                )
+    page = ENVIRONMENT_PAGE.read_text()
+    for name in plan_harness(Harness.CPU, ["--disaggregation-mode", "decode"]).env:
+        assert f"`{name}" in page, name
+
+
+def test_every_metric_the_code_registers_is_documented() -> None:
+    """A Prometheus series created anywhere in sgl_pd/ outside the objects the generator
+    reads fails here (its page would miss it)."""
+    pytest.importorskip("prometheus_client")
+    from sgl_pd.reference import metric_families
+
+    documented = {name.removesuffix("_total") for name, *_ in metric_families()}
+    makers = {"Counter", "Gauge", "Histogram", "Summary", "counter", "gauge", "histogram"}
+    found = set()
+    for path in (ROOT / "sgl_pd").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+                func = node.func
+                called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+                if called in makers and str(node.args[0].value).startswith("sgl_pd_"):
+                    found.add(str(node.args[0].value))
+    assert found and found <= documented, found - documented
 
 
 def test_every_flag_is_on_the_flags_page() -> None:

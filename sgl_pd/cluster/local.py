@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sgl_pd.cluster.processes import ManagedProcess, free_ports, managed, python_module_argv
-from sgl_pd.config import env_value
+from sgl_pd.environment import LOCAL_PATIENCE, env_value
 from sgl_pd.errors import ConfigError
 from sgl_pd.harness.cpu import flag_value, uses_dp_attention
 from sgl_pd.models import TINY_LLAMA_PATH
 
 HOST = "127.0.0.1"
-PATIENCE_ENV = "SGLPD_LOCAL_PATIENCE"
+PATIENCE_ENV = LOCAL_PATIENCE.name
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sgl_pd.errors import SglPdError
+from sgl_pd.errors import ConfigError, SglPdError
 
 PATCH_DIR = Path(__file__).resolve().parents[2] / "patches"
 
@@ -52,15 +52,55 @@ def apply(patch: Path, target_root: Path) -> bool:
     return True
 
 
+def _sglang_site_packages() -> tuple[str, Path]:
+    """The installed SGLang's version and the directory that holds its package, found
+    without importing it (its import takes seconds)."""
+    import importlib.metadata
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:
+        raise ConfigError("SGLang is not installed: run launch/install.sh")
+    return importlib.metadata.version("sglang"), Path(spec.origin).resolve().parents[1]
+
+
+def require_patches() -> None:
+    """Refuses, in one line, to serve `--pd-first-token decode` on an SGLang without
+    sgl_pd's pinned patches (an image that installed sgl_pd with pip but never applied
+    them, or SGLang reinstalled over them): that SGLang would hand the decoder KV for
+    every prompt token and sample a second first token."""
+    version, site_packages = _sglang_site_packages()
+    patches = patches_for(version)
+    if not patches:
+        raise ConfigError(
+            f"sgl_pd has no patches for SGLang {version} (it is pinned to the version in its"
+            " pyproject.toml): reinstall with launch/install.sh, or serve with"
+            " --pd-first-token prefill on both servers"
+        )
+    try:
+        missing = [p.name for p in patches if not is_applied(p, site_packages)]
+    except FileNotFoundError:
+        raise ConfigError(
+            "the `patch` program is missing (apt-get install patch): sgl_pd needs it to"
+            " check its SGLang patches"
+        ) from None
+    if missing:
+        raise ConfigError(
+            f"--pd-first-token decode needs sgl_pd's pinned SGLang patches, and"
+            f" {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not applied to"
+            f" {site_packages / 'sglang'}: run launch/install.sh (python -m"
+            " sgl_pd.harness.patches apply), or serve with --pd-first-token prefill on both"
+            " servers"
+        )
+
+
 def main(argv: list[str]) -> None:
     if argv != ["apply"]:
         sys.exit("usage: python -m sgl_pd.harness.patches apply")
-    import importlib.metadata
-
-    import sglang  # only to find where it is installed
-
-    version = importlib.metadata.version("sglang")
-    site_packages = Path(sglang.__file__).resolve().parents[1]
+    try:
+        version, site_packages = _sglang_site_packages()
+    except ConfigError as e:
+        sys.exit(f"[install] {e}")
     patches = patches_for(version)
     for patch in patches:
         try:

@@ -51,3 +51,55 @@ def test_shipped_patches_apply_to_the_pinned_sglang() -> None:
     site_packages = Path(sglang.__file__).resolve().parents[1]
     for patch in patches_for(version, PATCH_DIR):
         assert is_applied(patch, site_packages), f"{patch.name} is not applied: run install.sh"
+
+
+def _unpatched_sglang(tmp_path: Path) -> Path:
+    """A copy of the installed SGLang files the pinned patches touch, with the patches
+    taken out again (as `pip install sglang` leaves them)."""
+    import importlib.metadata
+    import shutil
+    import subprocess
+
+    import sglang
+
+    site_packages = Path(sglang.__file__).resolve().parents[1]
+    root = tmp_path / "site-packages"
+    for patch in patches_for(importlib.metadata.version("sglang")):
+        for line in patch.read_text().splitlines():
+            if line.startswith("+++ b/"):
+                target = line.removeprefix("+++ b/").split("\t")[0]
+                (root / target).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(site_packages / target, root / target)
+        subprocess.run(["patch", "-p1", "-R", "-s", "-d", str(root), "-i", str(patch)], check=True)
+    return root
+
+
+def test_a_decode_first_token_server_refuses_to_start_without_the_patches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The installed SGLang passes; a copy without the patches (an image that pip-installed
+    sgl_pd and never patched SGLang) is refused by the launcher in one line naming them,
+    before SGLang starts; --pd-first-token prefill needs none."""
+    import importlib.metadata
+
+    from sgl_pd import launch_server
+    from sgl_pd.errors import ConfigError
+    from sgl_pd.harness import patches
+
+    patches.require_patches()
+    version = importlib.metadata.version("sglang")
+    unpatched = _unpatched_sglang(tmp_path)
+    monkeypatch.setattr(patches, "_sglang_site_packages", lambda: (version, unpatched))
+    with pytest.raises(ConfigError, match=r"decode-samples-first.*launch/install\.sh"):
+        patches.require_patches()
+    started: list[list[str]] = []
+    monkeypatch.setattr(launch_server, "_serve", started.append)
+    monkeypatch.setattr(launch_server, "plan_harness", lambda *_: pytest.fail("harness planned"))
+    pd = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "sgl_pd"]
+    with pytest.raises(SystemExit) as refused:
+        launch_server.main([*pd, "--pd-no-auth"])
+    assert str(refused.value).startswith("sgl_pd: --pd-first-token decode needs")
+    assert "\n" not in str(refused.value) and not started
+    monkeypatch.setenv("SGLPD_HARNESS_APPLIED", "1")  # (as in the re-executed launcher)
+    launch_server.main([*pd, "--pd-no-auth", "--pd-first-token", "prefill"])
+    assert started

@@ -45,7 +45,8 @@ class DecodeKVManager(SglPdKVManager):
     enable_deferred_decode_kv_release = True
 
     def _start_role(self, server_args: Any, clock: Clock) -> Watched:
-        require_decode_patches()
+        if self.config.first_token == "decode":  # (a server SGLang's own launcher started)
+            require_decode_patches()
         self.decode = DecodeMessenger(
             rank=self.rank,
             instance=self.instance,
