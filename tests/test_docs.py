@@ -103,3 +103,12 @@ def test_the_readme_is_short_and_links_only_to_what_exists() -> None:
     assert len(readme.splitlines()) <= 150
     for target in ("docs/running.md", "docs/design.md", "docs/benchmarks.md", "docs/flags.md"):
         assert target in readme and (ROOT / target).exists(), target
+
+
+def test_every_committed_result_says_how_it_was_made() -> None:
+    """The README and docs quote committed results: each is headed by its command and
+    commit (benchmarks/record.sh writes them)."""
+    for result in sorted((ROOT / "benchmarks" / "results").glob("*.txt")):
+        head = result.read_text().splitlines()[:2]
+        assert len(head) == 2 and head[0].startswith("# command: "), result.name
+        assert head[1].startswith("# commit: "), result.name
