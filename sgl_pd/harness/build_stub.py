@@ -6,9 +6,11 @@ Run by the installer (``python -m sgl_pd.harness.build_stub``); the launcher cal
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from sgl_pd.errors import SglPdError
@@ -33,10 +35,15 @@ def ensure_stub() -> Path:
             "(apt-get install gcc) and run launch/install.sh again"
         )
     BUILD_DIR.mkdir(exist_ok=True)
-    tmp = STUB_PATH.with_suffix(".tmp")
+    # a name of this build's own: launchers started side by side on a fresh checkout
+    # each build it, and one's rename must not take the file another is writing
+    handle, name = tempfile.mkstemp(prefix="libcuda.so.", suffix=".tmp", dir=BUILD_DIR)
+    os.close(handle)
+    tmp = Path(name)
     cmd = [compiler, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(tmp), str(SOURCE)]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
+        tmp.unlink(missing_ok=True)
         raise StubBuildError(f"building {STUB_PATH.name} failed:\n{result.stderr}")
     tmp.replace(STUB_PATH)  # atomic, so a concurrent launcher never loads half a file
     return STUB_PATH

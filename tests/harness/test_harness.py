@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -156,3 +157,22 @@ def test_launcher_refuses_unserved_options_without_a_traceback(flags: list[str],
     )
     assert result.returncode == 1 and says in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_launchers_building_the_stub_side_by_side_all_get_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Servers started together on a fresh checkout each build the stand-in driver; none
+    may take another's half-written file or fail on its rename."""
+    import ctypes
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sgl_pd.harness import build_stub
+
+    monkeypatch.setattr(build_stub, "BUILD_DIR", tmp_path)
+    monkeypatch.setattr(build_stub, "STUB_PATH", tmp_path / "libcuda.so.1")
+    with ThreadPoolExecutor(4) as pool:
+        built = list(pool.map(lambda _: build_stub.ensure_stub(), range(4)))
+    assert built == [tmp_path / "libcuda.so.1"] * 4
+    ctypes.CDLL(str(built[0]))
+    assert [p.name for p in tmp_path.iterdir()] == ["libcuda.so.1"]
