@@ -44,6 +44,14 @@ AUTH_SECRET = Variable(
     "The cluster secret itself (at least 16 bytes), instead of `--pd-auth-secret-file`."
     " It stays in this one variable: SGLang's processes inherit it and read it there.",
 )
+WARNINGS_LOG = Variable(
+    "SGLPD_WARNINGS_LOG",
+    "sgl_pd",
+    "you (local clusters: beside each server's log)",
+    "A file where every process of a server appends the warnings of sgl_pd's and SGLang's"
+    " loggers, with level and logger (SGLang's log format shows neither): see"
+    " `sgl_pd/warnings_log.py`.",
+)
 HARNESS_APPLIED = Variable(
     "SGLPD_HARNESS_APPLIED",
     "sgl_pd",
@@ -106,6 +114,7 @@ VARIABLES = (
     CONFIG,
     OBSERVE_TIMING,
     LOCAL_PATIENCE,
+    WARNINGS_LOG,
     HARNESS_APPLIED,
     DEFERRED_RELEASE,
     KEEP_ALIVE,

@@ -18,7 +18,9 @@ logger = logging.getLogger("sgl_pd.plugin")
 def register() -> None:
     from sgl_pd.backend.registration import register_backend
     from sgl_pd.harness.cpu_shims import apply_cpu_shims
+    from sgl_pd.warnings_log import attach
 
+    attach()  # (SGLPD_WARNINGS_LOG: this process's warnings, gathered in one file)
     register_backend()
     apply_cpu_shims()  # acts only on SGLang's CPU engine
     logger.info("sgl_pd plugin registered (transfer backend %r)", BACKEND_NAME)

@@ -176,3 +176,24 @@ def test_launchers_building_the_stub_side_by_side_all_get_it(
     assert built == [tmp_path / "libcuda.so.1"] * 4
     ctypes.CDLL(str(built[0]))
     assert [p.name for p in tmp_path.iterdir()] == ["libcuda.so.1"]
+
+
+def test_a_gpu_pinned_server_without_a_gpu_exits_at_once_with_one_line() -> None:
+    """What the recipes and manifests start (`--pd-harness gpu`) on a host whose GPUs are
+    not visible: the launcher exits before SGLang starts, one line, no traceback."""
+    from sgl_pd.harness.cpu import real_driver_has_devices
+
+    if real_driver_has_devices():
+        pytest.skip("a GPU is visible here")
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "sgl_pd.launch_server", "--pd-harness", "gpu",
+            "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "sgl_pd",
+            "--pd-no-auth", "--model-path", "unused",
+        ],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("sgl_pd: ")]
+    assert len(errors) == 1 and "no GPU is visible" in errors[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
