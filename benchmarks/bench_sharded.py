@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sgl_pd.backend.decode.messenger import SCATTER_LINE_PREFIX
+from sgl_pd.backend.decode.staging_grants import SCATTER_LINE_PREFIX
 from sgl_pd.cluster.client import generate_ids
 from sgl_pd.cluster.load import plot_grouped_bars
 from sgl_pd.cluster.local import Patience, Server, local_patience, monolithic_server

@@ -112,3 +112,21 @@ def test_every_committed_result_says_how_it_was_made() -> None:
         head = result.read_text().splitlines()[:2]
         assert len(head) == 2 and head[0].startswith("# command: "), result.name
         assert head[1].startswith("# commit: "), result.name
+
+
+def test_the_design_page_points_at_code_that_exists() -> None:
+    """Each safety argument's row names files, and the symbols in them, that exist: moving
+    or renaming the code that enforces one fails here until the page follows."""
+    page = (ROOT / "docs" / "design.md").read_text()
+    table = page.split("## The safety arguments", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "`sgl_pd/" in line]
+    assert len(rows) >= 10
+    for row in rows:
+        where = row.rsplit("|", 2)[1]
+        for path, symbols in re.findall(r"`(sgl_pd/[\w/]+\.py)`(?: \(([^)]*)\))?", where):
+            source = (ROOT / path).read_text()
+            for symbol in re.findall(r"`([\w.]+)`", symbols):
+                name = symbol.rsplit(".", 1)[-1]
+                assert re.search(rf"\b(def|class) {name}\b|\b{name}\b\s*[:=]", source), (
+                    f"{path} has no {symbol}"
+                )

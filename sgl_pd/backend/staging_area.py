@@ -5,7 +5,7 @@ Prefill ranks hold gather blocks for one write job at a time (`take` waits for s
 back-pressure, bounded by the writes of the jobs holding it, each a few Mooncake batches);
 decode ranks hold a request's receive blocks from its transfer request to its scatter,
 or, when it ends early, until its pages may be freed (`try_take` never waits: a request
-that finds no space waits in its own state, see `decode.messenger`).
+that finds no space waits in its own state, see `decode.staging_grants`).
 """
 
 from __future__ import annotations

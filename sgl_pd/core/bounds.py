@@ -6,9 +6,9 @@ one is the transfer engine's; the rest follow from them:
 - `engine_transfer_timeout_s`: a write posted to the engine has landed or failed within
   this long (Mooncake: 30 s, or ``MC_TRANSFER_TIMEOUT``, plus 1 s per GiB of the batch;
   sgl_pd's batches stay far under `LARGEST_BATCH_GIB`).
-- `quarantine_s`: a failed batch reports failure as soon as one of its writes failed while
-  others may still be posted, so its request stays undrained (no drain ack, source pages
-  pinned) this long: twice the engine's timeout.
+- `quarantine_s`: how long a request stays undrained (no drain ack, source pages pinned)
+  after one of its write batches failed (why: `backend.prefill.drain`, `Drain.quarantine`):
+  twice the engine's timeout.
 - `deferred_release_s`: how long SGLang's decode scheduler keeps an early-ended request's
   pages waiting for the prefill ranks' drain acks before it frees them anyway. A prefill
   rank posts nothing for a request once it failed it, which it does at the latest when it

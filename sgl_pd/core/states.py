@@ -6,7 +6,8 @@ From every non-final state: FAILED, ABORTED, TIMED_OUT. A state with no way out 
 
 A final state ends a request's *state*, not its writes: a request that failed while
 writes were in flight keeps its pages until those writes have stopped (the backend
-counts them; see `backend/prefill/rooms.py` and the decoder's drain acks).
+counts them; see the drain rule in `backend/prefill/drain.py` and the decoder's drain
+acks).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_pd.backend.prefill import rooms
+from sgl_pd.backend.prefill import retention
 from sgl_pd.core.errors import InvalidMessage
 from sgl_pd.core.states import DecodeState, PrefillState
 from sgl_pd.core.wire import (
@@ -134,7 +134,7 @@ def test_an_early_notice_from_a_stranger_does_not_seal_a_later_request() -> None
 def test_requests_nobody_prefills_are_bounded(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A decoder (or a flood of forged requests) cannot make a prefill rank hold more
     than MAX_UNOWNED_ROOMS requests that its SGLang never received."""
-    monkeypatch.setattr(rooms, "MAX_UNOWNED_ROOMS", 8)
+    monkeypatch.setattr(retention, "MAX_UNOWNED_ROOMS", 8)
     rig = Rig()
     d = rig.add_decoder("decode-a")
     for room in range(20):

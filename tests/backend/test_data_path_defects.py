@@ -14,7 +14,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from sgl_pd.backend.prefill.rooms import FAILED_BATCH_QUARANTINE_S, UNOWNED_GRACE_S
+from sgl_pd.backend.prefill.drain import FAILED_BATCH_QUARANTINE_S
+from sgl_pd.backend.prefill.retention import UNOWNED_GRACE_S
 from sgl_pd.core.page_ids import PageIds
 from sgl_pd.core.sharding import ShardingScheme
 from sgl_pd.core.states import DecodeState, PrefillState

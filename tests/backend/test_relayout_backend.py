@@ -111,6 +111,34 @@ def test_requests_wait_for_receive_staging_and_go_with_their_grant() -> None:
     assert granted in grants[1]  # the space request 1 gave back
 
 
+def test_pages_and_staging_wait_for_every_prefill_rank_asked() -> None:
+    """One release rule (`decode.release`): a request asked of two prefill ranks, of
+    which one acked its Abort, keeps its pages and its receive staging whatever count
+    SGLang's deferred release passes (`required_acks`: 0 on a rank that holds only for
+    a peer rank, 1 from an older or differently counting caller) - the other rank may
+    still be writing into both."""
+    d = Decoder()
+    d.request(1, pages=4, slot=1)
+    d.messenger.fail(1, "aborted by the client")
+    d.messenger.on_abort_ack(AbortAck(request_id=1, prefill_rank=0, prefill_instance=100))
+    for required_acks in (0, 1, 2):
+        assert not d.messenger.is_release_safe(1, required_acks)
+    assert d.area.used == 512  # its staging is held too, not orphaned
+    d.messenger.on_abort_ack(AbortAck(request_id=1, prefill_rank=1, prefill_instance=101))
+    assert d.messenger.is_release_safe(1, 0)
+    assert d.area.used == 0  # both go back at the same moment
+
+
+def test_a_provably_gone_prefill_rank_counts_as_drained() -> None:
+    d = Decoder()
+    d.request(1, pages=4, slot=1)
+    d.messenger.peer_lost("prefill-1", "prefill-1 refuses connections", gone=True)
+    d.messenger.fail(1, "peer lost")
+    assert not d.messenger.is_release_safe(1, 2)  # prefill-0 may still write
+    d.messenger.on_abort_ack(AbortAck(request_id=1, prefill_rank=0, prefill_instance=100))
+    assert d.messenger.is_release_safe(1, 2) and d.area.used == 0
+
+
 def test_staging_is_granted_in_arrival_order() -> None:
     """A request that needs more than is free waits, and a later, smaller one waits
     behind it rather than take the space first-fit (which could starve the large one)."""
@@ -288,3 +316,97 @@ def test_staging_areas_by_what_a_rank_can_stage() -> None:
         DECODE_STAGING_TOKENS * 62 * 2 * 2 * 256
     )
     assert staging_bytes(0, Role.DECODE, pool(gqa, 2), 16384) == 0  # --pd-staging-mb 0
+
+
+def test_no_transfer_request_goes_out_after_the_abort() -> None:
+    """A request granted by the scheduler thread is sent once that thread let go of the
+    messenger's lock; an abort from another thread (the liveness thread after a freeze,
+    say) landing in between must not be followed by the request - the prefill rank would
+    ack the Abort, then write into pages the ack let this rank free. The abort either
+    comes first (and nothing is sent) or after the request."""
+    import threading
+
+    d = Decoder()
+    d.request(1, pages=4, slot=1)  # 512 bytes: granted
+    d.request(2, pages=8, slot=2)  # waits for staging
+    send_request = d.messenger._send_request
+    granted, go_on = threading.Event(), threading.Event()
+
+    def paused(track, message):  # type: ignore[no-untyped-def]
+        granted.set()  # request 2 was granted under the lock, not yet sent
+        assert go_on.wait(10)
+        send_request(track, message)
+
+    d.messenger._send_request = paused  # type: ignore[method-assign]
+    d.messenger.fail(1, "aborted by the client")
+    for rank in range(2):
+        d.messenger.on_abort_ack(
+            AbortAck(request_id=1, prefill_rank=rank, prefill_instance=100 + rank)
+        )
+    d.messenger.forget(1)
+    poller = threading.Thread(target=d.messenger.poll, args=(2,))
+    poller.start()
+    assert granted.wait(10)
+    aborter = threading.Thread(
+        target=d.messenger.resumed_after_freeze,
+        args=(25.0,),  # the liveness thread's abort
+    )
+    aborter.start()
+    aborter.join(0.5)
+    go_on.set()
+    poller.join(10)
+    aborter.join(10)
+    about_2 = [type(m).__name__ for _, m in d.sent if getattr(m, "request_id", None) == 2]
+    assert about_2 in (["TransferRequest", "TransferRequest", "Abort", "Abort"], []), about_2
+
+
+def test_a_refused_duplicates_release_leaves_the_live_requests_staging() -> None:
+    """SGLang asks "may the pages go?" by room only. A receiver refused its room (an
+    earlier request still holds it) asks with `required_acks=0` for pages no prefill rank
+    ever heard of; if the earlier request completed meanwhile (its last notice read on the
+    inbox thread) but was not handed off yet, that answer must not give its staging back:
+    its staged blocks still have to be scattered into its pages."""
+    import pytest
+
+    from sgl_pd.core.errors import DuplicateRequest
+    from sgl_pd.core.states import DecodeState
+
+    d = Decoder()
+    d.request(1, pages=4, slot=1)
+    assert d.area.used == 512
+    with pytest.raises(DuplicateRequest):
+        d.request(1, pages=4, slot=2)
+    m = d.messenger
+    assert not m.is_release_safe(1, 0)  # the earlier request is still in flight
+    with m._lock:  # its writes all landed: complete, not handed off yet
+        m._tracks[1].done_s = d.clock.monotonic()
+        m._states.transition(1, DecodeState.TRANSFERRING)
+        m._states.transition(1, DecodeState.COMPLETE)
+    assert m.is_release_safe(1, 0)  # (nothing can land in the refused one's pages)
+    assert d.area.used == 512
+    scattered: list[int] = []
+    m._grants.scatter = lambda track, offset: scattered.append(offset)  # type: ignore[method-assign]
+    assert m.hand_off(1) and scattered and d.area.used == 0
+
+
+def test_an_abort_decided_while_a_request_is_being_sent_follows_every_copy() -> None:
+    """A failure decided on the sending thread itself, while the TransferRequest goes out
+    to one prefill rank after another (an in-process peer's answer, say), queues the Abort
+    after the last copy, to every rank."""
+    d = Decoder()
+    m = d.messenger
+    send = m._send
+    answered: list[int] = []
+
+    def send_then_fail(inbox, message):  # type: ignore[no-untyped-def]
+        sent = send(inbox, message)
+        if isinstance(message, TransferRequest) and not answered:
+            answered.append(message.request_id)
+            m.fail(message.request_id, "the peer answered with a failure")
+        return sent
+
+    m._send = send_then_fail  # type: ignore[method-assign]
+    d.request(1, pages=4, slot=1)
+    kinds = [(inbox, type(message).__name__) for inbox, message in d.sent]
+    for inbox in ("prefill-0", "prefill-1"):
+        assert kinds.index((inbox, "TransferRequest")) < kinds.index((inbox, "Abort")), kinds

@@ -41,7 +41,7 @@ MAX_EXPECTED_PROMPTS = 4096
 class DecodeKVManager(SglPdKVManager):
     role = Role.DECODE
     # A decode request that ends early keeps its pages in SGLang's deferred release until
-    # `is_abort_release_safe`: every prefill rank acked its Abort or was declared lost.
+    # `is_abort_release_safe`: the release rule, `decode.release.nothing_can_land`.
     enable_deferred_decode_kv_release = True
 
     def _start_role(self, server_args: Any, clock: Clock) -> Watched:

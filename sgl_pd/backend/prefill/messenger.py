@@ -18,7 +18,7 @@ after the forward they go with the rest.
 Who does what: `PrefillRooms` holds every request's state and counts its writes in
 flight; `DestinationWriters` run the writes, one thread per decode rank; this class
 turns SGLang's calls, the streamer's progress and the decoders' messages into jobs, and
-answers aborts with drain acks once a request's writes have stopped.
+sends the drain acks the drain rule releases (`drain.Drain.settle`).
 """
 
 from __future__ import annotations
@@ -33,13 +33,9 @@ from sgl_pd.backend.kv_sums import KvSums
 from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.pool_report import note_live
-from sgl_pd.backend.prefill.rooms import (
-    FAILED_BATCH_QUARANTINE_S,
-    Chunk,
-    Destination,
-    PrefillRooms,
-    Room,
-)
+from sgl_pd.backend.prefill.drain import FAILED_BATCH_QUARANTINE_S
+from sgl_pd.backend.prefill.room_types import Chunk, Destination, Room
+from sgl_pd.backend.prefill.rooms import PrefillRooms
 from sgl_pd.backend.prefill.writer import DestinationWriters, KvWriter, LayersJob, MetadataJob
 from sgl_pd.backend.staging_area import Staging
 from sgl_pd.backend.tracing import RequestTracing
@@ -261,7 +257,7 @@ class PrefillMessenger:
 
     def peer_lost(self, inbox: str, why: str, gone: bool) -> None:
         """A decode rank stopped answering: stop writing to it (always safe, whether it
-        is `gone` or slow); its requests' source pages free once their writes ended."""
+        is `gone` or slow); its requests' source pages free once they drained (`Drain.settle`)."""
         for room_id, others in self.rooms.decoder_lost(inbox, why):
             logger.warning("request %d: %s", room_id, why)
             self._metrics.add_failure(FailureCause.PEER_LOST)

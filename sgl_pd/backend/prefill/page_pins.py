@@ -1,5 +1,6 @@
 """SGLang glue for `core.pins`: a prefill scheduler's KV allocator holds back the pages
-sgl_pd's writes still read, and takes them once the writes ended.
+sgl_pd's writes still read, and takes them once the request drained (the drain rule,
+`drain.Drain.settle`, unpins them).
 
 SGLang 0.5.23's two plain allocators free through one narrow place each, which we wrap
 on the instance (every free path, free groups and `free_segment` included, ends there):

@@ -6,7 +6,8 @@ in order on one thread: the count word this rank writes after each batch only gr
 
 A job writes one chunk's layers (`LayersJob`) or, after the last chunk, the metadata row
 and the last chunk's notice (`MetadataJob`). Every job runs between `begin_write` and
-`end_write` of `PrefillRooms`, which is how an abort waits for writes in flight.
+`end_write` of `PrefillRooms`, which count it in flight for the drain rule
+(`drain.Drain.settle`).
 
 Under mismatched TP a link's heads may be strided in this rank's pages (`core.relayout`):
 the job then gathers them into staging blocks, a few layers at a time as the staging
@@ -24,7 +25,8 @@ from typing import Any
 from sgl_pd.backend.failure_cause import cause_of
 from sgl_pd.backend.kv_sums import KvSums, token_slots
 from sgl_pd.backend.pool import PoolDescription
-from sgl_pd.backend.prefill.rooms import Chunk, Destination, PrefillRooms, Room
+from sgl_pd.backend.prefill.room_types import Chunk, Destination, Room
+from sgl_pd.backend.prefill.rooms import PrefillRooms
 from sgl_pd.backend.staging_area import Staging
 from sgl_pd.core.counting import count_word, metadata_word, source_word_offset
 from sgl_pd.core.failures import FailureCause
@@ -189,7 +191,8 @@ class KvWriter:
                 posted += len(lengths)
             finally:
                 # a failed batch may still read the blocks: it failed its request, whose
-                # destination pages stay quarantined, so reused blocks reach no live page
+                # destination pages stay held (`Drain.quarantine`): reused blocks reach no
+                # live page
                 area.give_back(offset)
         return posted
 
