@@ -7,6 +7,8 @@ enum) and the ``get_kv_class`` if-chain. We add one enum member and wrap the fun
 from __future__ import annotations
 
 import enum
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from sgl_pd.config import BACKEND_NAME
@@ -54,6 +56,20 @@ def kv_class_around_hook(original: Any, transfer_backend: Any, class_type: Any) 
         KVClassType.RECEIVER: SglPdKVReceiver,
         KVClassType.BOOTSTRAP_SERVER: SglPdBootstrapServer,
     }[class_type]
+
+
+def nested(*hooks: Callable[..., Any]) -> Callable[..., Any]:
+    """One AROUND hook that runs `hooks` nested as SGLang would nest them if each were
+    registered on the target (the first innermost): SGLang warns about every target with
+    more than one AROUND hook."""
+
+    def around(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        wrapped = original
+        for hook in hooks:
+            wrapped = functools.partial(hook, wrapped)
+        return wrapped(*args, **kwargs)
+
+    return around
 
 
 def register_backend() -> None:
@@ -108,20 +124,16 @@ def register_backend() -> None:
         refusals.after_exceed_kv_capacity,
         HookType.AFTER,
     )
+    from sgl_pd.backend.decode import local_prefill
+
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
-        refusals.around_generate_request,
+        nested(refusals.around_generate_request, direct.around_generate_request),
         HookType.AROUND,
     )
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.abort_request",
-        refusals.around_abort_request,
-        HookType.AROUND,
-    )
-
-    HookRegistry.register(
-        "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
-        direct.around_generate_request,
+        nested(refusals.around_abort_request, local_prefill.around_abort_request),
         HookType.AROUND,
     )
     HookRegistry.register(
@@ -137,8 +149,6 @@ def register_backend() -> None:
         HookType.AROUND,
     )
 
-    from sgl_pd.backend.decode import local_prefill
-
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue",
         local_prefill.around_add_request_to_queue,
@@ -148,11 +158,6 @@ def register_backend() -> None:
         "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin"
         ".get_next_disagg_decode_batch_to_run",
         local_prefill.around_get_next_batch,
-        HookType.AROUND,
-    )
-    HookRegistry.register(
-        "sglang.srt.managers.scheduler.Scheduler.abort_request",
-        local_prefill.around_abort_request,
         HookType.AROUND,
     )
     HookRegistry.register(
