@@ -138,7 +138,10 @@ class Heartbeats:
             known = ping.sender in self._peers
             self.unanswered += not known
         if not known:
-            self._log.warning(
+            # INFO: a healthy peer pings a rank that has just let go of their last
+            # request, or not yet taken their next; a stranger is counted all the same
+            self._log.log(
+                logging.INFO,
                 "stranger",
                 "unanswered ping from %s, which has no requests here (%d so far)",
                 peer_text(ping.sender),

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sgl_pd.cluster.processes import ManagedProcess, free_ports, managed, python_module_argv
-from sgl_pd.environment import LOCAL_PATIENCE, env_value
+from sgl_pd.environment import LOCAL_PATIENCE, WARNINGS_LOG, env_value
 from sgl_pd.errors import ConfigError
 from sgl_pd.harness.cpu import flag_value, uses_dp_attention
 from sgl_pd.models import TINY_LLAMA_PATH
@@ -329,7 +329,16 @@ def scheduler_ranks(argv: Sequence[str]) -> int:
 def placed_process(
     name: str, argv: Sequence[str], log_path: Path, placement: Placement
 ) -> ManagedProcess:
-    return ManagedProcess(name, placement.wrap(argv), log_path, placement.env())
+    """A process pinned to `placement`, logging to `log_path`; a server's warnings are
+    also gathered, with their level and logger, beside it (`warnings_path`)."""
+    warnings_path(log_path).unlink(missing_ok=True)  # (appended to by every process)
+    env = {**placement.env(), WARNINGS_LOG.name: str(warnings_path(log_path))}
+    return ManagedProcess(name, placement.wrap(argv), log_path, env)
+
+
+def warnings_path(log_path: Path) -> Path:
+    """Where a local server's processes gather their warnings (`sgl_pd.warnings_log`)."""
+    return log_path.with_suffix(".warnings")
 
 
 def write_cluster_secret(path: Path) -> Path:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from sgl_pd.backend.pool_report import POOL_LINE_PREFIX
 from sgl_pd.backend.prefill.messenger import TIMING_LINE_PREFIX
-from sgl_pd.cluster.local import Server, scheduler_ranks
+from sgl_pd.cluster.local import Server, scheduler_ranks, warnings_path
 
 TimingLine = dict[str, str | float]
 
@@ -101,3 +101,35 @@ def pools_idle(servers: Mapping[str, Server], states: PoolStates) -> bool:
         and all(state == (0, True) for state in states[name].values())
         for name, s in servers.items()
     )
+
+
+# Warnings SGLang logs on a healthy local server whatever sgl_pd's settings, with why
+# (`sgl_pd.warnings_log` gathers them, with their logger, beside the server's log):
+EXPECTED_WARNINGS = tuple(
+    re.compile(pattern)
+    for pattern in (
+        # SGLang's CPU engine (the CPU harness): what a host without CUDA cannot do
+        r"sglang\.srt\.models\.registry: Ignore import error when loading",
+        r"Cannot detect CUDA architecture",
+        r"shared memory based AllReduce is disabled",
+        r"Cuda graph is disabled because of using torch native attention backend",
+        # local clusters pin each rank's threads to its cores (`Placement`), on a host
+        # with one NUMA node however many ranks
+        r"SGLANG_CPU_OMP_THREADS_BIND is set for explicit control",
+        r"total number of ranks \(\d+\) is larger than numa node number",
+        # this host's open-file limit
+        r"Fail to set RLIMIT_NOFILE",
+        # the bundled tiny model's tokenizer has no yes/no tokens for SGLang's rerank API
+        r"Using fallback token IDs for yes/no",
+        # SGLang's note on its own decode prefix cache, which tests turn on
+        r"EXPERIMENTAL: Radix cache is enabled for decode server",
+    )
+)
+
+
+def unexpected_warnings(server: Server) -> list[str]:
+    """The warnings a local server's processes logged (sgl_pd's and SGLang's) that
+    `EXPECTED_WARNINGS` does not explain."""
+    path = warnings_path(server.process.log_path)
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return [line for line in lines if not any(p.search(line) for p in EXPECTED_WARNINGS)]

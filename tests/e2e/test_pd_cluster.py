@@ -16,7 +16,7 @@ import requests
 from sgl_pd.cluster.client import chat, generate_ids, stream_chat
 from sgl_pd.cluster.conversations import replay, script, wrong_turns
 from sgl_pd.cluster.local import PdCluster, Server
-from sgl_pd.cluster.logs import pools_idle, timing_lines, wait_pools_idle
+from sgl_pd.cluster.logs import pools_idle, timing_lines, unexpected_warnings, wait_pools_idle
 from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids, varied_prompts
 
 from .conftest import CHUNKED_PREFILL_SIZE, DECODE_PREFIX_CACHE, start_pd
@@ -353,3 +353,11 @@ def test_every_page_is_free_again(pd: PdCluster) -> None:
     pair = {"prefill": pd.prefill, "decode": pd.decode}
     states = wait_pools_idle(pair, 60)
     assert pools_idle(pair, states), f"pools still hold pages after the requests: {states}"
+
+
+def test_no_server_warned_about_anything_its_settings_cause(pd: PdCluster, mono: Server) -> None:
+    """Runs last: after every request of this module, the servers' processes logged no
+    warning (sgl_pd's or SGLang's, gathered with their level by SGLPD_WARNINGS_LOG) but
+    those SGLang logs on any healthy server (`cluster.logs.EXPECTED_WARNINGS`)."""
+    for server in (pd.prefill, pd.decode, mono):
+        assert unexpected_warnings(server) == [], server.process.name
