@@ -21,7 +21,7 @@ Reports per mode: TTFT p50/p99 of fresh prompts and of follow-ups, the running s
 inter-token gaps p50/p99, the prefills placed locally (the decoder's
 `sgl_pd_local_prefills_total`), and whether every request got monolithic's tokens (a
 first divergence where monolithic's top two logprobs were within 0.05 nat is a near tie,
-as in BRIEF.md). A PNG and a JSON file go under --out.
+as `sgl_pd.cluster.streaming.TIE_NATS` counts them). A PNG and a JSON file go under --out.
 
     python benchmarks/bench_placement.py [--quick] [--out benchmarks/out]
 

@@ -152,6 +152,7 @@ def _print_help() -> None:
         " --disaggregation-transfer-backend sgl_pd [sgl_pd's --pd-* flags] [SGLang's flags]",
         description="SGLang's server with sgl_pd's disaggregated prefill and decode: SGLang's"
         " own arguments, plus sgl_pd's (listed first). Docs: docs/running.md, docs/flags.md.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_cli_args(ours)
     sglang = argparse.ArgumentParser(prog="python -m sgl_pd.launch_server", add_help=False)

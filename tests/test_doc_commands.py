@@ -121,6 +121,8 @@ def _check(command: Command) -> None:
         assert syntax.returncode == 0, syntax.stderr
     elif argv[0] == "kubectl" and "-k" in argv:
         assert (ROOT / argv[argv.index("-k") + 1] / "kustomization.yaml").is_file()
+    elif argv[:2] == ("docker", "build") and "-f" in argv:
+        assert (ROOT / argv[argv.index("-f") + 1]).is_file()
     elif argv[0].startswith("--"):  # a flag to add to a command shown above it
         from sgl_pd.config import add_cli_args
 
@@ -128,7 +130,8 @@ def _check(command: Command) -> None:
         add_cli_args(ours)
         ours.parse_args(list(argv))
     else:
-        assert argv[0] in ("openssl", "export", "kubectl", "curl", "pip"), (
+        standard = ("openssl", "export", "kubectl", "curl", "sudo", "scp", "umask", "docker")
+        assert argv[0] in standard, (
             f"no parser known for {argv[0]!r}: teach tests/test_doc_commands.py to check it"
         )
 

@@ -130,3 +130,11 @@ def test_the_design_page_points_at_code_that_exists() -> None:
                 assert re.search(rf"\b(def|class) {name}\b|\b{name}\b\s*[:=]", source), (
                     f"{path} has no {symbol}"
                 )
+
+
+def test_the_parity_matrix_size_quoted_is_the_tables() -> None:
+    from sgl_pd.cluster.parity import ROWS
+
+    for page in (ROOT / "README.md", ROOT / "docs" / "index.md"):
+        quoted = re.findall(r"(\d+)-row parity matrix", page.read_text())
+        assert quoted == [str(len(ROWS))], page.name

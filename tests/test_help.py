@@ -18,3 +18,5 @@ def test_help_starts_with_usage_and_lists_sgl_pds_flags_first() -> None:
     text = done.stdout
     assert text.index("--pd-local-prefill-max-tokens") < text.index("--tp-size")
     assert "Applied" not in done.stdout + done.stderr  # no hook-registration log lines
+    ours = text[: text.index("SGLang's arguments:")]
+    assert "(default: 120.0)" in ours and "(default: layerwise)" in ours  # sgl_pd's defaults

@@ -10,7 +10,7 @@
 #   PREFILL_HOSTS   cluster-network addresses of the prefill nodes, in order ("10.0.0.11 ...")
 #   DECODE_HOSTS    the same for the decode nodes
 #   SGLPD_SECRET_FILE   the cluster secret, mode 600 (default /etc/sgl_pd/pd.secret):
-#                   `openssl rand -hex 32 > /etc/sgl_pd/pd.secret`, copied to every node
+#                   `umask 077; openssl rand -hex 32 > /etc/sgl_pd/pd.secret`, copied to every node
 #   IB_DEVICES      the node's RDMA NICs, one per GPU in GPU order (default mlx5_0 .. mlx5_7)
 #   MODEL_PATH      local path or Hugging Face id (default: the recipe's model)
 #   ROUTER_PORT     (default 8000)

@@ -225,9 +225,11 @@ PLACEMENT_REASONS = ("cached_prefix", "load")  # why a prefill server was chosen
 
 
 class PlacementMetrics:
-    """Direct mode, in a decoder's HTTP process: the prefill servers it chose, and why -
-    `cached_prefix` when the chosen one was predicted to hold part of the prompt, `load`
-    when only its queue and rate decided. A no-op object when metrics are off."""
+    """A decoder's placement of requests: in direct mode (its HTTP process) the prefill
+    servers it chose, and why - `cached_prefix` when the chosen one was predicted to hold
+    part of the prompt, `load` when only its queue and rate decided; in both flows the
+    requests it prefilled itself (the router flow's in its scheduler ranks). A no-op
+    object when metrics are off."""
 
     def __init__(self, enabled: bool, registry: Any = None) -> None:
         self._counter: Any = None
@@ -242,8 +244,9 @@ class PlacementMetrics:
         reg = REGISTRY if registry is None else registry
         self._local = Counter(
             "sgl_pd_local_prefills",
-            "Requests a decoder prefilled itself (direct mode), by why: cached_prefix (it"
-            " held most of the prompt), saturated or unavailable (its prefill servers)",
+            "Requests a decoder prefilled itself, by why: cached_prefix (it held most of the"
+            " prompt; the router flow counts it in each scheduler rank, direct mode in the"
+            " HTTP process), saturated or unavailable (direct mode: its prefill servers)",
             ["reason"],
             registry=reg,
         )

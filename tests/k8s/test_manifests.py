@@ -195,7 +195,7 @@ def test_every_container_command_parses(
     for name, template in _pod_templates(docs):
         container = template["spec"]["containers"][0]
         python, dash_m, module, *argv = _expand(container, docs, leader=name.endswith("leader"))
-        assert (python, dash_m) == ("python", "-m")
+        assert (python, dash_m) == ("python3", "-m")
         if module == "sglang_router.launch_router":
             router = (parse_router_args(argv), template)
             continue
