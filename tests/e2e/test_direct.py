@@ -143,12 +143,17 @@ def test_the_cache_aware_router_keeps_turns_where_their_prefix_lives(
 ) -> None:
     """Conversations sharing a system prompt through the router (cache-aware decode
     policy, which matches prompt texts) over two decoders, a round of turns at a time:
-    every turn has monolithic's tokens, and every turn after the first round lands on a
-    decoder that holds at least the system prompt. How many also find their own
-    conversation there is the router's hit rate, which bench_multiturn measures."""
+    every turn has monolithic's tokens, and every turn after the first round finds at
+    least the system prompt held where it lands. Both decoders are sent the system
+    prompt first: the router may put a whole round on one decoder and the next on the
+    other (its choice, not ours); how many turns also find their own conversation there
+    is the router's hit rate, which bench_multiturn measures."""
     assert direct.router_url is not None
     system = "Count: " + " ".join(str(i) for i in range(500, 560))
     system_tokens = len(prompt_ids(system))
+    for decoder in direct.decoders:  # (direct mode: each decoder's cache holds it after)
+        warm = {"text": f"{system} Warm.", "sampling_params": {"max_new_tokens": 1}}
+        requests.post(f"{decoder.url}/generate", json=warm, timeout=120).raise_for_status()
     openers = [
         f"{system} Next {i}: " + " ".join(str(7 * i + j) for j in range(9))
         for i in range(CONVERSATIONS)
