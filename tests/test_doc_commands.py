@@ -71,11 +71,7 @@ def _python_program(argv: tuple[str, ...]) -> tuple[str, str, list[str]] | None:
     return "path", argv[1], list(argv[2:])
 
 
-def _parse_server(module: str, args: list[str]) -> None:
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.server_args import ServerArgs
-
-    load_plugins()  # (lists sgl_pd among --disaggregation-transfer-backend's choices)
+def _parse_server(module: str, args: list[str], sglang: argparse.ArgumentParser) -> None:
     if module == "sgl_pd.launch_server":
         from sgl_pd import launch_server
         from sgl_pd.config import SglPdConfig, add_cli_args
@@ -92,18 +88,16 @@ def _parse_server(module: str, args: list[str]) -> None:
         )
     if "--model-path" not in args:  # (a page's `...`)
         args = ["--model-path", "placeholder", *args]
-    sglang = argparse.ArgumentParser(exit_on_error=False)
-    ServerArgs.add_cli_args(sglang)
     sglang.parse_args(args)
 
 
-def _check(command: Command) -> None:
+def _check(command: Command, server_parser: argparse.ArgumentParser) -> None:
     argv = command.argv
     program = _python_program(argv)
     if program is not None:
         kind, target, args = program
         if target in ("sgl_pd.launch_server", "sglang.launch_server"):
-            _parse_server(target, args)
+            _parse_server(target, args, server_parser)
         elif target == "sglang_router.launch_router":
             from sglang_router.launch_router import parse_router_args
 
@@ -137,9 +131,9 @@ def _check(command: Command) -> None:
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=str)
-def test_the_command_parses(command: Command) -> None:
+def test_the_command_parses(command: Command, server_parser: argparse.ArgumentParser) -> None:
     try:
-        _check(command)
+        _check(command, server_parser)
     except (argparse.ArgumentError, SystemExit) as e:
         pytest.fail(f"{command}\n  rejected: {e}")
 

@@ -38,17 +38,6 @@ def _nodes(recipe: Path) -> tuple[int, int]:
     return text.count("# prefill node"), text.count("# decode node")
 
 
-@pytest.fixture(scope="module")
-def server_parser() -> argparse.ArgumentParser:
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.server_args import ServerArgs
-
-    load_plugins()  # sgl_pd's backend becomes a choice of --disaggregation-transfer-backend
-    parser = argparse.ArgumentParser(exit_on_error=False)
-    ServerArgs.add_cli_args(parser)
-    return parser
-
-
 def test_there_are_the_three_recipes() -> None:
     assert {r.name for r in RECIPES} >= {
         "deepseek-r1-tp8-1p3d.sh",

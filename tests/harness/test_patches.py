@@ -56,15 +56,14 @@ def test_shipped_patches_apply_to_the_pinned_sglang() -> None:
 def _unpatched_sglang(tmp_path: Path) -> Path:
     """A copy of the installed SGLang files the pinned patches touch, with the patches
     taken out again (as `pip install sglang` leaves them)."""
-    import importlib.metadata
     import shutil
     import subprocess
 
-    import sglang
+    from sgl_pd.harness.patches import _sglang_site_packages
 
-    site_packages = Path(sglang.__file__).resolve().parents[1]
+    version, site_packages = _sglang_site_packages()
     root = tmp_path / "site-packages"
-    for patch in patches_for(importlib.metadata.version("sglang")):
+    for patch in patches_for(version):
         for line in patch.read_text().splitlines():
             if line.startswith("+++ b/"):
                 target = line.removeprefix("+++ b/").split("\t")[0]

@@ -154,17 +154,6 @@ def _expand(container: dict[str, Any], docs: list[dict[str, Any]], leader: bool)
     return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in argv]
 
 
-@pytest.fixture(scope="module")
-def server_parser() -> argparse.ArgumentParser:
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.server_args import ServerArgs
-
-    load_plugins()
-    parser = argparse.ArgumentParser(exit_on_error=False)
-    ServerArgs.add_cli_args(parser)
-    return parser
-
-
 def _secret_volume(template: dict[str, Any], path: str) -> dict[str, Any]:
     container = template["spec"]["containers"][0]
     mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
