@@ -186,13 +186,14 @@ def main(argv: list[str] | None = None) -> None:
         _print_help()
         return
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s")
+    first_pass = os.environ.get(_HARNESS_APPLIED_ENV) != "1"  # (before the re-execution)
     try:
         config, sglang_argv = _split_args(argv)
         refusal = _unsupported(sglang_argv, config) if _serves_pd(sglang_argv) else None
         if refusal is not None:
             raise ConfigError(refusal)
-        if _serves_pd(sglang_argv) and config.first_token == "decode":
-            require_patches()
+        if first_pass and _serves_pd(sglang_argv) and config.first_token == "decode":
+            require_patches()  # (the installed files: the re-executed process has the same)
         if _serves_pd(sglang_argv) and config.auth_secret() is None:
             logger.warning(
                 "--pd-no-auth: peers are not authenticated; any process that reaches this"
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         sys.exit(f"sgl_pd: {e}")
 
-    if os.environ.get(_HARNESS_APPLIED_ENV) != "1":
+    if first_pass:
         requested = None if config.harness == "auto" else Harness(config.harness)
         try:
             plan = plan_harness(requested, sglang_argv)
