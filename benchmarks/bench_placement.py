@@ -11,23 +11,29 @@ a time:
 - off: the same with `--pd-local-prefill-max-tokens 0`: every prompt goes to the prefill
   server (which transfers only what the decoder lacks).
 
-Workload, the same for each: `--streams` decode streams run throughout (a 100-token
-prompt, `--stream-tokens` output tokens, restarted when done); meanwhile `--conversations`
-conversations run one after another, each a fresh prompt of `--fresh-tokens` tokens then
-`--follow-ups` turns adding the answer and a message of `--message-tokens` tokens. Every
-request is streamed /generate, greedy, EOS ignored (`sgl_pd.cluster.streaming.send`).
+Workload, the same for each, once per running stream count of the sweep (`--streams`,
+2 and 20 with --quick; 2, 20, 64 and 300 in the full run): that many decode streams run
+throughout (a 100-token prompt, `--stream-tokens` output tokens, restarted when done);
+meanwhile `--conversations` conversations run one after another, each a fresh prompt of
+`--fresh-tokens` tokens then `--follow-ups` turns adding the answer and a message of
+`--message-tokens` tokens. Every request is streamed /generate, greedy, EOS ignored
+(`sgl_pd.cluster.streaming.send`).
 
-Reports per mode: TTFT p50/p99 of fresh prompts and of follow-ups, the running streams'
-inter-token gaps p50/p99, the prefills placed locally (the decoder's
-`sgl_pd_local_prefills_total`), and whether every request got monolithic's tokens (a
-first divergence where monolithic's top two logprobs were within 0.05 nat is a near tie,
-as `sgl_pd.cluster.streaming.TIE_NATS` counts them). A PNG and a JSON file go under --out.
+Reports per stream count and mode: TTFT p50/p99 of fresh prompts and of follow-ups, the
+running streams' inter-token gaps p50/p99, the follow-ups placed for local prefill (the
+decoder's `sgl_pd_local_prefills_total`) and those sent to the prefill server after all
+(`sgl_pd_local_prefills_sent_out_total`), and whether every request got monolithic's
+tokens (a first divergence where monolithic's top two logprobs were within 0.05 nat is a
+near tie, as `sgl_pd.cluster.streaming.TIE_NATS` counts them). PNGs and a JSON file go
+under --out.
 
-    python benchmarks/bench_placement.py [--quick] [--out benchmarks/out]
+    python benchmarks/bench_placement.py [--quick] [--streams N ...] [--out benchmarks/out]
 
-The last line is JSON: tokens_identical, followup_ttft_p50_on_over_mono (target <= 1.2),
-followup_ttft_p50_off_over_on, fresh_ttft_p50_on_over_off (target <= 1.1),
-itl_p99_over_p50_on, itl_p99_over_p50_off (on no more than 1.5x off), local_prefills_on.
+The last line is JSON, each ratio the worst over the sweep: tokens_identical,
+followup_ttft_p50_on_over_off (target <= 1.0: never slower than always remote),
+followup_ttft_p50_on_over_mono_at_<fewest>_streams (target <= 1.2),
+fresh_ttft_p50_on_over_off (target <= 1.1), itl_p99_on_over_off (target <= 1.2),
+local_prefills_on, sent_out_on, and the stream counts of the worst cases.
 SGLPD_LOCAL_PATIENCE=3 makes every wait three times longer on a loaded machine.
 """
 
@@ -64,6 +70,7 @@ class ModeResult:
     answers: dict[str, Answer] = field(default_factory=dict)
     gaps_s: list[float] = field(default_factory=list)  # running streams' inter-token gaps
     local_prefills: float = 0.0
+    sent_out: float = 0.0  # of the local prefills, sent to the prefill server after all
 
     def ttft_ms(self, kind: str, q: float) -> float:
         values = [a.ttft_s for k, a in self.answers.items() if k.endswith(kind)]
@@ -107,13 +114,20 @@ class Streams:
 
 
 def conversation_turns(
-    url: str, conversations: int, follow_ups: int, fresh: int, message: int, timeout_s: float
+    url: str,
+    conversations: int,
+    follow_ups: int,
+    fresh: int,
+    message: int,
+    timeout_s: float,
+    seed: int,
 ) -> dict[str, Answer]:
     """Runs the conversations one after another; answers keyed "c<i>t<turn>/fresh" or
-    "/follow_up". The follow-up prompts are built from this server's answers."""
+    "/follow_up". The follow-up prompts are built from this server's answers; `seed`
+    makes each sweep point's conversations its own (nothing cached from another)."""
     answers: dict[str, Answer] = {}
     for c in range(conversations):
-        prompt = tuple(long_prompt_ids(fresh, start=10_000 + 20_000 * c))
+        prompt = tuple(long_prompt_ids(fresh, start=10_000 + 20_000 * c + 997 * seed))
         for turn in range(follow_ups + 1):
             kind = "fresh" if turn == 0 else "follow_up"
             request = Request(f"c{c}t{turn}/{kind}", prompt, OUTPUT_TOKENS)
@@ -124,22 +138,31 @@ def conversation_turns(
     return answers
 
 
-def run_mode(mode: str, args: argparse.Namespace, work: Path) -> ModeResult:
+def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[int, ModeResult]:
+    """One mode's servers, every stream count of the sweep in turn."""
     patience = local_patience()
     timeout_s = patience.seconds(600)
-    result = ModeResult()
+    results: dict[int, ModeResult] = {}
+    # room for the most streams the sweep runs, beside the conversations
+    common = [
+        *COMMON, "--max-running-requests", str(max(args.streams) + 32),
+        # a pool for them all (SGLang's decoder reserves 512 tokens for each by default)
+        "--max-total-tokens", str(max(32768, 640 * (max(args.streams) + 32))),
+    ]  # fmt: skip
     if mode == "mono":
-        servers = monolithic_server(work / mode, extra=COMMON, patience=patience)
+        servers = monolithic_server(work / mode, extra=common, patience=patience)
     else:
         local = str(LOCAL_MAX_TOKENS if mode == "on" else 0)
         step = args.local_step_tokens if mode == "on" and args.local_step_tokens else None
+        slo = args.itl_slo if mode == "on" else None
         servers = direct_cluster(
             work / mode,
             prefill_extra=COMMON,
             decode_extra=[
-                *COMMON, "--enable-metrics", "--disaggregation-decode-enable-radix-cache",
+                *common, "--enable-metrics", "--disaggregation-decode-enable-radix-cache",
                 "--pd-local-prefill-max-tokens", local,
                 *(["--pd-local-prefill-step-tokens", str(step)] if step else []),
+                *(["--pd-local-prefill-itl-slo", str(slo)] if slo is not None else []),
             ],
             decoders=1,
             patience=patience,
@@ -147,22 +170,31 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> ModeResult:
     with servers as started:
         url = started.url if mode == "mono" else started.decoders[0].url
         # warm-up: the first requests compile kernels and open connections
-        conversation_turns(url, 1, 1, args.fresh_tokens, args.message_tokens, timeout_s)
-        before = 0.0 if mode == "mono" else _local_prefills(url)
-        streams = Streams(url, args.streams, args.stream_tokens)
-        with streams.running():
-            result.answers = conversation_turns(
-                url, args.conversations, args.follow_ups, args.fresh_tokens,
-                args.message_tokens, timeout_s,
-            )  # fmt: skip
-        result.gaps_s = streams.gaps_s
-        if mode != "mono":
-            result.local_prefills = _local_prefills(url) - before
-    return result
+        conversation_turns(url, 1, 1, args.fresh_tokens, args.message_tokens, timeout_s, 0)
+        for count in args.streams:
+            print(f"[bench] {mode}: {count} running streams ...", flush=True)
+            result = ModeResult()
+            before = _local_prefills(url) if mode != "mono" else (0.0, 0.0)
+            streams = Streams(url, count, args.stream_tokens)
+            with streams.running():
+                result.answers = conversation_turns(
+                    url, args.conversations, args.follow_ups, args.fresh_tokens,
+                    args.message_tokens, timeout_s, count,
+                )  # fmt: skip
+            result.gaps_s = streams.gaps_s
+            if mode != "mono":
+                after = _local_prefills(url)
+                result.local_prefills = after[0] - before[0]
+                result.sent_out = after[1] - before[1]
+            results[count] = result
+    return results
 
 
-def _local_prefills(url: str) -> float:
-    return metric_sums(url, ["sgl_pd_local_prefills_total"])["sgl_pd_local_prefills_total"]
+def _local_prefills(url: str) -> tuple[float, float]:
+    """(requests placed for local prefill, of them sent to the prefill server after all)."""
+    names = ["sgl_pd_local_prefills_total", "sgl_pd_local_prefills_sent_out_total"]
+    sums = metric_sums(url, names)
+    return sums[names[0]], sums[names[1]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,86 +205,152 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--follow-ups", type=int, default=None)
     parser.add_argument("--fresh-tokens", type=int, default=1024)
     parser.add_argument("--message-tokens", type=int, default=40)
-    parser.add_argument("--streams", type=int, default=2)
+    parser.add_argument(
+        "--streams", type=int, nargs="+", default=None,
+        help="running stream counts swept (default: 2 20 with --quick, else 2 20 64 300)",
+    )  # fmt: skip
     parser.add_argument("--stream-tokens", type=int, default=64)
     parser.add_argument(
         "--local-step-tokens", type=int, default=None,
         help="--pd-local-prefill-step-tokens of the `on` decoder (default: one step a suffix)",
     )  # fmt: skip
+    parser.add_argument(
+        "--itl-slo", type=float, default=None,
+        help="--pd-local-prefill-itl-slo of the `on` decoder (default: the server's)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     args.conversations = args.conversations or (3 if args.quick else 12)
     args.follow_ups = args.follow_ups or (3 if args.quick else 5)
+    args.streams = args.streams or ([2, 20] if args.quick else [2, 20, 64, 300])
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench_placement_"))
     print(
         f"[bench] {args.conversations} conversations x ({args.fresh_tokens}-token fresh prompt"
-        f" + {args.follow_ups} follow-ups of {args.message_tokens} tokens), {args.streams}"
-        f" running streams; local prefill limit {LOCAL_MAX_TOKENS}"
-        f" ({args.local_step_tokens or LOCAL_MAX_TOKENS} a step); logs in {work}",
+        f" + {args.follow_ups} follow-ups of {args.message_tokens} tokens) while"
+        f" {', '.join(map(str, args.streams))} streams run; local prefill limit"
+        f" {LOCAL_MAX_TOKENS} ({args.local_step_tokens or LOCAL_MAX_TOKENS} a step at most);"
+        f" logs in {work}",
         flush=True,
     )
-    results: dict[str, ModeResult] = {}
-    for mode in MODES:
-        print(f"[bench] {mode} ...", flush=True)
-        results[mode] = run_mode(mode, args, work)
+    results = {mode: run_mode(mode, args, work) for mode in MODES}
 
-    mono = results["mono"]
     verdicts = {
-        mode: [judge(mono.answers[k], a) for k, a in results[mode].answers.items()]
+        (mode, count): [
+            judge(results["mono"][count].answers[k], a)
+            for k, a in results[mode][count].answers.items()
+        ]
         for mode in ("on", "off")
+        for count in args.streams
     }
-    print(f"\n{'mode':<6}{'fresh p50':>11}{'fresh p99':>11}{'follow p50':>12}{'follow p99':>12}"
-          f"{'ITL p50':>10}{'ITL p99':>10}{'local':>7}  tokens")  # fmt: skip
-    for mode, r in results.items():
-        verdict = "reference" if mode == "mono" else _summary(verdicts[mode])
-        print(
-            f"{mode:<6}{r.ttft_ms('fresh', 50):>11.1f}{r.ttft_ms('fresh', 99):>11.1f}"
-            f"{r.ttft_ms('follow_up', 50):>12.1f}{r.ttft_ms('follow_up', 99):>12.1f}"
-            f"{r.gap_ms(50):>10.1f}{r.gap_ms(99):>10.1f}{r.local_prefills:>7.0f}  {verdict}"
-        )
-    print("(milliseconds; ITL: the running streams' gaps between tokens)")
+    print(
+        f"\n{'streams':>7} {'mode':<6}{'fresh p50':>11}{'fresh p99':>11}{'follow p50':>12}"
+        f"{'follow p99':>12}{'ITL p50':>10}{'ITL p99':>10}{'local':>7}{'out':>5}  tokens"
+    )
+    for count in args.streams:
+        for mode in MODES:
+            r = results[mode][count]
+            verdict = "reference" if mode == "mono" else _summary(verdicts[(mode, count)])
+            print(
+                f"{count:>7} {mode:<6}{r.ttft_ms('fresh', 50):>11.1f}"
+                f"{r.ttft_ms('fresh', 99):>11.1f}{r.ttft_ms('follow_up', 50):>12.1f}"
+                f"{r.ttft_ms('follow_up', 99):>12.1f}{r.gap_ms(50):>10.1f}{r.gap_ms(99):>10.1f}"
+                f"{r.local_prefills:>7.0f}{r.sent_out:>5.0f}  {verdict}"
+            )
+    print(
+        "(milliseconds; ITL: the running streams' gaps between tokens; local: follow-ups"
+        " placed for local prefill, out: of them sent to the prefill server after all)"
+    )
     png = args.out / "placement_ttft.png"
     plot_grouped_bars(
         {
-            f"{mode} {q}": [results[mode].ttft_ms(k, q) for k in ("fresh", "follow_up")]
+            f"{mode} p50": [results[mode][c].ttft_ms("follow_up", 50) for c in args.streams]
             for mode in MODES
-            for q in (50, 99)
         },
-        ["fresh prompts", "follow-up turns"],
+        [f"{c} streams" for c in args.streams],
         png,
-        ylabel="TTFT (ms)",
+        ylabel="follow-up TTFT p50 (ms)",
         title="Local prefill on vs off vs monolithic (1P1D, direct mode)",
-        xlabel="request kind",
+        xlabel="running streams",
     )
+    itl_png = args.out / "placement_itl.png"
+    plot_grouped_bars(
+        {f"{mode} p99": [results[mode][c].gap_ms(99) for c in args.streams] for mode in MODES},
+        [f"{c} streams" for c in args.streams],
+        itl_png,
+        ylabel="running streams' ITL p99 (ms)",
+        title="Inter-token gaps of the running streams",
+        xlabel="running streams",
+    )
+    per_count = {
+        count: {
+            "followup_ttft_p50_on_over_off": _ratio(
+                results["on"][count].ttft_ms("follow_up", 50),
+                results["off"][count].ttft_ms("follow_up", 50),
+            ),
+            "followup_ttft_p50_on_over_mono": _ratio(
+                results["on"][count].ttft_ms("follow_up", 50),
+                results["mono"][count].ttft_ms("follow_up", 50),
+            ),
+            "fresh_ttft_p50_on_over_off": _ratio(
+                results["on"][count].ttft_ms("fresh", 50),
+                results["off"][count].ttft_ms("fresh", 50),
+            ),
+            "itl_p99_on_over_off": _ratio(
+                results["on"][count].gap_ms(99), results["off"][count].gap_ms(99)
+            ),
+            "local_prefills_on": results["on"][count].local_prefills,
+            "sent_out_on": results["on"][count].sent_out,
+        }
+        for count in args.streams
+    }
     details = args.out / "placement.json"
     details.write_text(
         json.dumps(
             {
-                m: {
-                    "ttft_ms": {
-                        k: [r.ttft_ms(k, q) for q in (50, 99)] for k in ("fresh", "follow_up")
-                    },
-                    "itl_ms": [r.gap_ms(50), r.gap_ms(99)],
-                    "local_prefills": r.local_prefills,
-                    "verdicts": _summary(verdicts[m]) if m in verdicts else "reference",
+                str(count): {
+                    m: {
+                        "ttft_ms": {
+                            k: [r[count].ttft_ms(k, q) for q in (50, 99)]
+                            for k in ("fresh", "follow_up")
+                        },
+                        "itl_ms": [r[count].gap_ms(50), r[count].gap_ms(99)],
+                        "local_prefills": r[count].local_prefills,
+                        "sent_out": r[count].sent_out,
+                        "verdicts": _summary(verdicts[(m, count)])
+                        if (m, count) in verdicts
+                        else "reference",
+                    }
+                    for m, r in results.items()
                 }
-                for m, r in results.items()
+                | {"ratios": per_count[count]}
+                for count in args.streams
             },
             indent=2,
         )
     )
-    print(f"plot: {png}\ndetails: {details}")
-    on, off = results["on"], results["off"]
-    follow = {m: r.ttft_ms("follow_up", 50) for m, r in results.items()}
+    print(f"plots: {png}, {itl_png}\ndetails: {details}")
+    for count in args.streams:
+        print(f"{count:>4} streams: {json.dumps(per_count[count])}")
+    fewest = min(args.streams)
+
+    def worst(key: str) -> float:
+        return max(per_count[c][key] for c in args.streams)
+
     headline = {
         "tokens_identical": all(v in ("ok", "near_tie") for vs in verdicts.values() for v in vs),
-        "followup_ttft_p50_on_over_mono": _ratio(follow["on"], follow["mono"]),
-        "followup_ttft_p50_off_over_on": _ratio(follow["off"], follow["on"]),
-        "fresh_ttft_p50_on_over_off": _ratio(on.ttft_ms("fresh", 50), off.ttft_ms("fresh", 50)),
-        "itl_p99_over_p50_on": _ratio(on.gap_ms(99), on.gap_ms(50)),
-        "itl_p99_over_p50_off": _ratio(off.gap_ms(99), off.gap_ms(50)),
-        "local_prefills_on": on.local_prefills,
-    }  # fmt: skip
+        "followup_ttft_p50_on_over_off": worst("followup_ttft_p50_on_over_off"),
+        f"followup_ttft_p50_on_over_mono_at_{fewest}_streams": per_count[fewest][
+            "followup_ttft_p50_on_over_mono"
+        ],
+        "fresh_ttft_p50_on_over_off": worst("fresh_ttft_p50_on_over_off"),
+        "itl_p99_on_over_off": worst("itl_p99_on_over_off"),
+        "local_prefills_on": sum(per_count[c]["local_prefills_on"] for c in args.streams),
+        "sent_out_on": sum(per_count[c]["sent_out_on"] for c in args.streams),
+        "worst_streams": {
+            key: max(args.streams, key=lambda c, key=key: per_count[c][key])
+            for key in ("followup_ttft_p50_on_over_off", "itl_p99_on_over_off")
+        },
+    }
     print(json.dumps(headline))
     return 0
 

@@ -74,6 +74,10 @@ class SglPdConfig:
     # Decoder: prompt tokens of local prefill one decode step carries (a longer suffix
     # takes several steps); negative = the largest local suffix, one step each
     local_prefill_step_tokens: int = -1
+    # Decoder: a step carrying local prefill may take at most this factor of the plain
+    # decode step its streams would otherwise run (predicted from its measured steps,
+    # `core.local_budget`); 0 = no SLO, every step carries the step tokens
+    local_prefill_itl_slo: float = 1.25
     # Decoder, direct mode: prefill servers with this many prompt tokens outstanding
     # from it are saturated; when all are, short fresh prompts are prefilled locally too
     prefill_saturated_tokens: int = 8192
@@ -126,6 +130,11 @@ class SglPdConfig:
                 raise ConfigError(f"--pd-prefill-bootstrap: {e}") from None
         if self.local_prefill_step_tokens == 0:
             raise ConfigError("--pd-local-prefill-step-tokens must be > 0 (or unset)")
+        slo = self.local_prefill_itl_slo
+        if not (slo == 0 or 1 < slo < float("inf")):
+            raise ConfigError(
+                f"--pd-local-prefill-itl-slo must be 0 (off) or a factor over 1, got {slo}"
+            )
         if self.prefill_saturated_tokens <= 0:
             raise ConfigError(
                 f"--pd-prefill-saturated-tokens must be > 0, got {self.prefill_saturated_tokens}"
@@ -342,6 +351,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "on top of its decode. Default: --pd-local-prefill-max-tokens (one step each).",
     )
     group.add_argument(
+        "--pd-local-prefill-itl-slo",
+        type=float,
+        default=SglPdConfig.local_prefill_itl_slo,
+        metavar="FACTOR",
+        help="Decoder: a decode step that also prefills locally may take at most FACTOR "
+        "times the plain decode step of its running streams, as predicted from the steps "
+        "it measured; the local tokens of each step are sized to fit (at least one page). "
+        "0: no SLO, each step carries --pd-local-prefill-step-tokens.",
+    )
+    group.add_argument(
         "--pd-prefill-saturated-tokens",
         type=int,
         default=SglPdConfig.prefill_saturated_tokens,
@@ -446,6 +465,7 @@ def config_from_args(
         prefill_bootstrap=args.pd_prefill_bootstrap.strip(),
         local_prefill_max_tokens=args.pd_local_prefill_max_tokens,
         local_prefill_step_tokens=args.pd_local_prefill_step_tokens,
+        local_prefill_itl_slo=args.pd_local_prefill_itl_slo,
         prefill_saturated_tokens=args.pd_prefill_saturated_tokens,
         auth_secret_file=secret_file,
         auth_secret_from_env=secret_from_env,

@@ -35,6 +35,21 @@ Each side decides from the same fields of the same request; should they still re
 prompt differently, the decoder's `TransferRequest.kv_tokens` makes the request fail at
 once with both numbers rather than decode from the wrong token.
 `--pd-first-token prefill` keeps upstream's behaviour for every request, for comparison.
+
+The first-token rule, which every check below enforces. A remote request of n prompt
+tokens: its prefill computes the KV of c tokens, c = n - 1 when the decoder samples the
+first token and c = n otherwise (`expected_kv_tokens`, on both servers from the same
+fields); the decoder holds h <= c of them in its prefix cache (the pinned patch caps its
+match at n - 1) and asks for exactly c (`TransferRequest.kv_tokens`). A prefill rank
+refuses a room whose decode ranks disagree on h, or whose h changed after it fixed
+where it sends from (`prefill/destinations.join`), and, once it knows c, one that holds
+h > c (it would never make the last send) or expects another c
+(`prefill/destinations.prompt_mismatch`, checked from `prefill/sender.
+after_finalize_bootstrap`); with h == c no chunk carries KV and only the metadata row is
+awaited (`prefill/writes_due.WritesDue.expect`); the decoder fails a request whose
+prefill reports another c (`decode/completion.Completion._seal`). The decoder samples
+the first token exactly when c = n - 1. A request prefilled on the decoder itself
+(`decode/local_prefill`) computes all n there and samples there: no transfer.
 """
 
 from __future__ import annotations

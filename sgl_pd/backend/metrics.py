@@ -222,6 +222,7 @@ class TransferMetrics:
 
 
 PLACEMENT_REASONS = ("cached_prefix", "load")  # why a prefill server was chosen
+SENT_OUT_REASONS = ("slower", "unadmitted", "queue_full")  # why local prefill was not
 
 
 class PlacementMetrics:
@@ -235,6 +236,7 @@ class PlacementMetrics:
         self._counter: Any = None
         self._cached: Any = None
         self._local: Any = None
+        self._sent_out: Any = None
         if not enabled:
             return
         from prometheus_client import REGISTRY, Counter
@@ -252,6 +254,17 @@ class PlacementMetrics:
         )
         for reason in LOCAL_REASONS:
             self._local.labels(reason=reason)
+        self._sent_out = Counter(
+            "sgl_pd_local_prefills_sent_out",
+            "Requests placed for local prefill that a decoder sent to a prefill server after"
+            " all (counted in its scheduler), by why: slower (their first token was"
+            " predicted sooner remote), unadmitted (no decode step admitted them within"
+            " a few steps), queue_full (the local queue held --max-queued-requests)",
+            ["why"],
+            registry=reg,
+        )
+        for why in SENT_OUT_REASONS:
+            self._sent_out.labels(why=why)
         self._counter = Counter(
             "sgl_pd_prefill_placements",
             "Requests a decoder handed to a prefill server (direct mode), by why that one",
@@ -269,6 +282,11 @@ class PlacementMetrics:
     def local(self, reason: str) -> None:
         if self._local is not None:
             self._local.labels(reason=reason).inc()
+
+    def sent_out(self, why: str) -> None:
+        """`why`: one of `SENT_OUT_REASONS`."""
+        if self._sent_out is not None:
+            self._sent_out.labels(why=why).inc()
 
     def placed(self, cached_tokens: int) -> None:
         if self._counter is None:

@@ -166,6 +166,11 @@ def register_backend() -> None:
         HookType.AROUND,
     )
     HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.is_fully_idle",
+        local_prefill.around_is_fully_idle,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
         "sglang.srt.disaggregation.decode.DecodePreallocQueue.hold_rebootstrap",
         local_prefill.around_hold_rebootstrap,
         HookType.AROUND,

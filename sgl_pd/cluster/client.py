@@ -128,3 +128,37 @@ def stream_generate(
             if payload == b"[DONE]":
                 return
             yield time.perf_counter(), json.loads(payload)
+
+
+def send_as_router(
+    prefill_url: str,
+    decoder_url: str,
+    bootstrap_port: int,
+    body: dict[str, Any],
+    *,
+    prefill_late: bool = False,
+    timeout_s: float = 120,
+) -> tuple[requests.Response, requests.Response]:
+    """What SGLang's router does with a request: `body` with a fresh bootstrap room
+    naming the prefill server, to the prefill server and to the decoder at once (or,
+    `prefill_late`, to the prefill server only once the decoder answered). Returns the
+    (prefill, decoder) answers."""
+    import secrets
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {
+        **body,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": bootstrap_port,
+        "bootstrap_room": secrets.randbits(63),
+    }
+
+    def post(url: str) -> requests.Response:
+        return requests.post(f"{url}/generate", json=body, timeout=timeout_s)
+
+    if prefill_late:
+        decoded = post(decoder_url)
+        return post(prefill_url), decoded
+    with ThreadPoolExecutor(2) as pool:
+        prefilled, decoded = pool.map(post, (prefill_url, decoder_url))
+    return prefilled, decoded

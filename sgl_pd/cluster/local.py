@@ -611,6 +611,10 @@ class DirectCluster:
     more_prefills: tuple[Server, ...] = ()  # the decoders choose among all prefill servers
 
 
+def _nth(extras: Sequence[Sequence[str]], i: int) -> Sequence[str]:
+    return extras[i] if i < len(extras) else ()
+
+
 @contextlib.contextmanager
 def direct_cluster(
     log_dir: Path,
@@ -623,13 +627,15 @@ def direct_cluster(
     patience: Patience | None = None,
     decode_policy: str = "round_robin",
     prefills: int = 1,
+    decoder_extras: Sequence[Sequence[str]] = (),
 ) -> Iterator[DirectCluster]:
     """One prefill server feeding `decoders` decode servers in direct mode (D3): clients
     send requests to a decoder, which submits the prefill itself (--pd-prefill-bootstrap).
     `with_router`: SGLang's PD router over the same servers too, so both flows can be
     compared on one cluster, choosing decoders by `decode_policy`. Each server on its own
     cores where there are enough. `prefills`: prefill servers the decoders choose among
-    (the router, when asked for, sends to the first)."""
+    (the router, when asked for, sends to the first). `decoder_extras`: flags for each
+    decoder in turn after `decode_extra` (decoders past its end get none)."""
     patience = patience if patience is not None else local_patience()
     ports = free_ports(decoders + 2 + 2 * prefills)
     prefill_port, bootstrap_port, router_port, metrics_port = ports[:4]
@@ -671,7 +677,7 @@ def direct_cluster(
                 "decode",
                 model,
                 port,
-                [*secret, *direct, *decode_extra],
+                [*secret, *direct, *decode_extra, *_nth(decoder_extras, i)],
                 log_dir,
                 placements[prefills + i],
             ),

@@ -97,4 +97,4 @@ def test_a_hand_off_that_fails_fails_the_request(monkeypatch: pytest.MonkeyPatch
     mgr = _manager(monkeypatch, rank=0, first_token="decode")
     receiver = Receiver(8, "down:1")
     _recompute(mgr, receiver, resumes_from=9)
-    assert receiver.failed and "did not take the recompute" in receiver.failed[0]
+    assert receiver.failed and "did not take the request" in receiver.failed[0]

@@ -9,7 +9,6 @@ sends a conversation's next turn where its prefix lives."""
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +17,7 @@ import pytest
 import requests
 
 from sgl_pd.cluster.campaign import first_success, kill_during_request, restarter
-from sgl_pd.cluster.client import chat, generate_ids, stream_chat
+from sgl_pd.cluster.client import chat, generate_ids, send_as_router, stream_chat
 from sgl_pd.cluster.conversations import replay, script, wrong_turns
 from sgl_pd.cluster.local import DirectCluster, Server, direct_cluster
 from sgl_pd.cluster.logs import last_pool_state, timing_lines
@@ -176,27 +175,10 @@ def test_the_cache_aware_router_keeps_turns_where_their_prefix_lives(
 def _router_send(
     direct: DirectCluster, decoder: Server, text: str, *, prefill_late: bool = False
 ) -> tuple[requests.Response, requests.Response]:
-    """What SGLang's router does with a request: the same body, with a fresh bootstrap
-    room naming the prefill server, to the prefill server and to `decoder` at once (or,
-    `prefill_late`, to the prefill server only once the decoder answered). Returns the
-    (prefill, decoder) answers."""
-    body = {
-        "text": text,
-        "sampling_params": {"temperature": 0, "max_new_tokens": 6},
-        "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": direct.bootstrap_port,
-        "bootstrap_room": secrets.randbits(63),
-    }
-
-    def post(server: Server) -> requests.Response:
-        return requests.post(f"{server.url}/generate", json=body, timeout=120)
-
-    if prefill_late:
-        decoded = post(decoder)
-        return post(direct.prefill), decoded
-    with ThreadPoolExecutor(2) as pool:
-        prefilled, decoded = pool.map(post, (direct.prefill, decoder))
-    return prefilled, decoded
+    body = {"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
+    return send_as_router(
+        direct.prefill.url, decoder.url, direct.bootstrap_port, body, prefill_late=prefill_late
+    )
 
 
 def test_router_follow_ups_are_prefilled_on_the_decoder_and_the_prefill_server_skips_them(

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from sgl_pd.backend.decode.local_prefill import LOCAL_HOST
+from sgl_pd.backend.decode.local_fallback import direct_sender, local_host
 from sgl_pd.backend.metrics import PlacementMetrics
 from sgl_pd.backend.streams import Stopped, until_stopped
 from sgl_pd.config import SglPdConfig, sgl_pd_role
@@ -177,6 +177,14 @@ class DirectDispatcher:
         if self._prefix_cache:
             with self._lock:
                 self._held.record(_HERE, conversation.blocks)
+
+    def fallback(self, prompt: PromptKey) -> str | None:
+        """The prefill server a request placed here goes to if the decoder's scheduler
+        sends it out after all (`local_fallback`): the one `choose` would pick, nothing
+        counted against it yet."""
+        with self._lock:
+            best = choose_prefiller(self._loads, prompt, self._prefixes, self._rates)
+        return None if best is None else best.addr
 
     def choose(self, prompt: PromptKey, exclude: list[str]) -> Prediction | None:
         """The available prefill server predicted to give the first token soonest
@@ -330,7 +338,7 @@ def _dispatcher_for(manager: Any) -> DirectDispatcher | None:
             from sgl_pd.backend.manager import cluster_auth
             from sgl_pd.backend.server_options import local_prefill_limit
 
-            name = f"decoder {getattr(server_args, 'host', '')}:{getattr(server_args, 'port', '')}"
+            name = direct_sender(server_args)
             _dispatcher = DirectDispatcher(
                 config.prefill_bootstrap,
                 auth=cluster_auth(config),
@@ -469,13 +477,23 @@ async def around_generate_request(
         refusals.append(why)
         chosen = None
     if chosen is None:  # prefilled here (`local_prefill`): no prefill server involved
-        obj.bootstrap_host, obj.bootstrap_port, obj.bootstrap_room = LOCAL_HOST, 0, room
+        # ... unless its scheduler sends it out after all: then to this one
+        fallback = None if refusals else dispatcher.fallback(prompt)
+        host, port = _host_and_port(fallback) if fallback else (None, 0)
+        obj.bootstrap_host, obj.bootstrap_port, obj.bootstrap_room = local_host(host), port, room
         dispatcher.trace_placement(
             room, {"prefill": "local", "reason": local_reason or "", "prompt_tokens": prompt.tokens}
         )
-        async for out in original(manager, obj, request):
-            _note_served(dispatcher, obj, out)
-            yield out
+        outputs = original(manager, obj, request)
+        if fallback is not None:  # its scheduler may send it there: it may be refused
+            refused = dispatcher.watch(room)
+            outputs = _unless_refused(outputs, refused, lambda: manager.abort_request(obj.rid))
+        try:
+            async for out in outputs:
+                _note_served(dispatcher, obj, out)
+                yield out
+        finally:
+            dispatcher.unwatch(room)
         return
     (obj.bootstrap_host, obj.bootstrap_port), obj.bootstrap_room = _host_and_port(addr), room
     dispatcher.trace_placement(

@@ -6,15 +6,22 @@ SGLang's disaggregated decode loop runs only decode batches and the pre-built ba
 of transferred requests. Here its scheduling step also runs SGLang's own prefill
 scheduling (prefix match in the decoder's tree cache, `PrefillAdder`, `ScheduleBatch`,
 sampling with the request's full state, as a monolithic server does) over a queue of
-its own, with two limits that keep the running streams flowing - the reason PD exists:
+its own, with limits that keep the running streams flowing - the reason PD exists:
 
-- a local step computes at most `step_tokens` prompt tokens (SGLang's
-  `max_prefill_tokens` and chunk size for that step: requests are sent here when their
-  uncached suffix fits, and one that does not after all is chunked over several steps);
+- a local step computes at most the local tokens its ITL SLO allows
+  (`local_pacing.StepPacer.budget`, from the steps this decoder measured), at least one
+  page and at most `step_tokens`; a longer suffix is chunked over several steps. SGLang's
+  `max_prefill_tokens` and chunk size for the step are that budget plus the running
+  streams' decode tokens, which SGLang's adder takes out again (`core.local_budget.
+  adder_budget`): any number of streams admits local work;
 - the running streams decode in the same forward as the local chunk (SGLang's mixed
   chunk), so they get a token every step; where SGLang does not mix (logprob requests)
   the next step is their decode step, and it is SGLang's own whenever transferred
-  requests wait to be admitted.
+  requests wait to be admitted;
+- a request goes local only while its first token is predicted sooner here than remote
+  (`core.local_budget.prefill_here_is_sooner`), and one that no step admitted within
+  `ADMISSION_STEPS` steps, or that finds the local queue full (SGLang's
+  --max-queued-requests), goes to a prefill server after all (`local_fallback`).
 
 The finished local batch joins the running batch at the next step, exactly as SGLang's
 monolithic loop merges its last prefill batch. Nothing of sgl_pd's transfer machinery
@@ -22,26 +29,38 @@ is involved: no room, no receiver, no prefill server.
 
 Hooks (registered in `backend/registration.py`): ``Scheduler._add_request_to_queue``
 routes local requests here, ``get_next_disagg_decode_batch_to_run`` interleaves local
-steps, ``Scheduler.abort_request`` removes queued local requests (and ends one
-mid-prefill at the next local step, as SGLang ends its own), ``pause_generation`` and
+steps and times every step, ``Scheduler.is_fully_idle`` sees local work,
+``Scheduler.abort_request`` removes queued local requests (and ends one mid-prefill at
+the next local step, as SGLang ends its own), ``pause_generation`` and
 ``DecodePreallocQueue.hold_rebootstrap`` give requests a retracting pause took back to
 the local queue, to be recomputed here on resume.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from typing import Any
 
+from sgl_pd.backend.decode.local_fallback import (
+    LOCAL_HOST,
+    Fallback,
+    direct_fallback,
+    is_local,
+    send_out,
+    skip_pending,
+)
+from sgl_pd.backend.decode.local_pacing import StepPacer, step_shape
 from sgl_pd.backend.first_token import queued_request_flags, whole_prompt_reason
 from sgl_pd.backend.metrics import PlacementMetrics
 from sgl_pd.core.dispatch import PrefillerLoad
+from sgl_pd.core.local_budget import LocalWait, adder_budget, prefill_here_is_sooner
 from sgl_pd.core.placement import is_direct_room, prefill_locally
 
 logger = logging.getLogger("sgl_pd.local_prefill")
 
-LOCAL_HOST = "sgl-pd-local"  # the bootstrap host that marks a request prefilled here
+__all__ = ["LOCAL_HOST", "LocalPrefills", "is_local"]
 _STATE = "_sgl_pd_local_prefills"  # the Scheduler attribute holding `LocalPrefills`
 
 
@@ -53,12 +72,26 @@ class LocalPrefills:
         max_tokens: int,
         *,
         step_tokens: int | None = None,
+        itl_slo: float = 0.0,
+        page_size: int = 1,
+        overlap: bool = False,
         prefix_cache: bool = False,
         metrics: bool = False,
         tracing: bool = False,
+        may_send_out: bool = True,
     ) -> None:
         self.max_tokens = max_tokens  # the largest uncached suffix prefilled here
-        self.step_tokens = step_tokens or max_tokens  # prompt tokens a step carries
+        self.step_tokens = step_tokens or max_tokens  # prompt tokens a step carries, at most
+        self.pacer = StepPacer(
+            cap=self.step_tokens, slo_factor=itl_slo, page_size=page_size, overlap=overlap
+        )
+        # requests may go to a prefill server after all (`local_fallback`): the decoder
+        # samples first tokens, so a prefill server's copy only computes KV
+        self.may_send_out = may_send_out
+        self.fallbacks: dict[str, Fallback] = {}  # rid -> where it goes if not admitted
+        self.uncached: dict[str, int] = {}  # rid -> its tokens to prefill here (queued)
+        self.wait = LocalWait()
+        self.sent_out = 0  # requests sent to a prefill server after all
         self.prefix_cache = prefix_cache  # the decoder's tree cache holds conversations
         self.metrics = PlacementMetrics(metrics)  # router flow's local prefills
         self.tracing = tracing  # SGLang's --enable-trace: decisions go into request spans
@@ -69,9 +102,11 @@ class LocalPrefills:
         self.last_mixed = False  # the last local step also decoded the running streams
         self.steps = 0  # local steps run
 
-
-def is_local(req: Any) -> bool:
-    return getattr(req, "bootstrap_host", None) == LOCAL_HOST
+    def busy(self, *, waiting: bool = True) -> bool:
+        """Local work holds pages (a chunked request, a batch not merged yet) or, with
+        `waiting`, requests wait for a step."""
+        held = self.chunked is not None or self.launched is not None
+        return held or (waiting and bool(self.queue))
 
 
 def _state(scheduler: Any) -> LocalPrefills | None:
@@ -94,56 +129,162 @@ def _configured(scheduler: Any) -> LocalPrefills | None:
     if limit <= 0:
         return None
     step = config.local_prefill_step_tokens if config.local_prefill_step_tokens > 0 else limit
+    slo = config.local_prefill_itl_slo
     logger.info(
-        "local prefill on: suffixes of at most %d prompt tokens, %d per decode step", limit, step
-    )
+        "local prefill on: suffixes of at most %d prompt tokens, at most %d per decode step%s",
+        limit, step, f", steps within {slo:g}x a decode step" if slo else "",
+    )  # fmt: skip
     return LocalPrefills(
         limit,
         step_tokens=step,
+        itl_slo=slo,
+        page_size=int(getattr(scheduler, "page_size", 1) or 1),
+        overlap=bool(getattr(scheduler, "enable_overlap", False)),
         prefix_cache=bool(getattr(server_args, "disaggregation_decode_enable_radix_cache", False)),
         metrics=bool(getattr(server_args, "enable_metrics", False)),
         tracing=bool(getattr(server_args, "enable_trace", False)),
+        may_send_out=config.first_token == "decode",
     )
 
 
 def around_add_request_to_queue(
     original: Any, scheduler: Any, req: Any, is_retracted: bool = False
 ) -> Any:
-    """A local request waits in the local queue instead of the transfer queues. A local
-    request retracted without a KV backup (it resumes by recomputing its KV) is
-    recomputed here too: it has no prefill server to do it."""
+    """A local request waits in the local queue instead of the transfer queues - unless
+    its first token is predicted sooner remote, or the local queue is full: then it goes
+    to a prefill server (`local_fallback`). A local request retracted without a KV backup
+    (it resumes by recomputing its KV) is recomputed here too: it has no prefill server
+    to do it."""
     local = _state(scheduler)
     if local is None:
         return original(scheduler, req, is_retracted)
-    if not is_local(req) and (is_retracted or not _router_request_here(scheduler, local, req)):
-        return original(scheduler, req, is_retracted)
-    if is_retracted and getattr(getattr(req, "kv", None), "retraction_backup", None) is not None:
-        return original(scheduler, req, is_retracted)  # resumes from its host copy
+    if is_retracted:
+        if not is_local(req) or getattr(getattr(req, "kv", None), "retraction_backup", None):
+            return original(scheduler, req, is_retracted)  # (a backup: from its host copy)
+        fallback = None
+    elif is_local(req):  # direct mode: placed by the HTTP process
+        fallback = direct_fallback(req)
+        if fallback is not None and not _sendable(local, req):
+            fallback = None  # (its prefill server never saw it: nothing to skip)
+    else:
+        fallback = _router_request_here(scheduler, local, req)
+        if fallback is None:
+            return original(scheduler, req, is_retracted)
+        if not _sendable(local, req):  # its prefill copy is still skipped once admitted
+            fallback = dataclasses.replace(fallback, may_send=False)
     if not scheduler._set_or_validate_priority(req):
         scheduler._release_aborted_request(req)
+        if fallback is not None:
+            skip_pending(scheduler, fallback)
+        return None
+    uncached = len(req.origin_input_ids) - (
+        _cached_tokens(scheduler.tree_cache, req) if local.prefix_cache else 0
+    )
+    if fallback is not None and fallback.may_send:
+        why = None
+        if not _sooner_here(scheduler, local, uncached):
+            why = "slower"
+        elif _queue_full(scheduler, local):
+            why = "queue_full"
+        if why is not None:
+            _sent_out(scheduler, local, req, fallback, why)
+            return None
+    elif (
+        not is_retracted
+        and _queue_full(scheduler, local)
+        and _refused_for_space(scheduler, local, req)
+    ):
         return None
     local.queue.append(req)
+    if fallback is not None:
+        local.fallbacks[req.rid] = fallback
+    local.uncached[req.rid] = max(0, uncached)
     req.time_stats.set_wait_queue_entry_time()
     return None
 
 
-def _router_request_here(scheduler: Any, local: LocalPrefills, req: Any) -> bool:
+def _sendable(local: LocalPrefills, req: Any) -> bool:
+    """Whether a prefill server may prefill `req` instead: a fresh request whose answer
+    needs nothing only a whole-prompt prefill gives (its copy there computes KV only)."""
+    if not local.may_send_out or req.output_ids or getattr(req, "return_logprob", False):
+        return False
+    if getattr(req, "lora_id", None) is not None:
+        return False  # (SGLang's recompute body, which a sent-out request uses, has no adapter)
+    return whole_prompt_reason(len(req.origin_input_ids), **queued_request_flags(req)) is None
+
+
+def _sooner_here(scheduler: Any, local: LocalPrefills, uncached: int) -> bool:
+    running = len(scheduler.running_batch.reqs)
+    pacer = local.pacer
+    return prefill_here_is_sooner(
+        pacer.step_model,
+        pacer.remote_model,
+        running=running,
+        tokens_ahead=sum(local.uncached.get(r.rid, 0) for r in local.queue),
+        tokens=uncached,
+        per_step=pacer.budget(running),
+    )
+
+
+def _queue_full(scheduler: Any, local: LocalPrefills) -> bool:
+    limit = getattr(scheduler, "max_queued_requests", None)
+    return limit is not None and len(local.queue) + 1 > limit
+
+
+def _refused_for_space(scheduler: Any, local: LocalPrefills, req: Any) -> bool:
+    """SGLang's queue limit over the local queue (it may end a queued request of lower
+    priority instead): True when `req` itself was refused."""
+    saved, scheduler.waiting_queue = scheduler.waiting_queue, local.queue
+    try:
+        refused = bool(scheduler._abort_on_queued_limit(req))
+    finally:
+        local.queue, scheduler.waiting_queue = scheduler.waiting_queue, saved
+    if refused:
+        scheduler._release_aborted_request(req)
+    _forget_gone(scheduler, local)
+    return refused
+
+
+def _sent_out(scheduler: Any, local: LocalPrefills, req: Any, fallback: Fallback, why: str) -> None:
+    local.fallbacks.pop(req.rid, None)
+    local.uncached.pop(req.rid, None)
+    local.wait.forget(req.rid)
+    local.sent_out += 1
+    if scheduler.disagg_decode_prealloc_queue.kv_manager.rank == 0:
+        local.metrics.sent_out(why)
+    send_out(scheduler, req, fallback, why)
+
+
+def _forget_gone(scheduler: Any, local: LocalPrefills) -> None:
+    """Requests no longer queued were admitted or ended: a router request's prefill
+    server is told to skip its copy (`local_fallback.skip_pending`), and the local
+    bookkeeping of each is dropped."""
+    queued = {r.rid for r in local.queue}
+    for rid in [rid for rid in local.fallbacks if rid not in queued]:
+        skip_pending(scheduler, local.fallbacks.pop(rid))
+    for rid in [rid for rid in local.uncached if rid not in queued]:
+        del local.uncached[rid]
+
+
+def _router_request_here(scheduler: Any, local: LocalPrefills, req: Any) -> Fallback | None:
     """Router flow: whether to prefill this request here, as its uncached suffix is
     short (`core.placement.prefill_locally`, with what this decoder's tree cache really
-    holds); if so the prefill server, which has the request too, is told to skip it, and
-    the request becomes a local one. Requests whose answer holds something the router
-    takes from the prefill server's (input logprobs, whole-prompt features) are not."""
+    holds); if so the request becomes a local one, and its prefill server - which has
+    the request too, waiting for this decoder - is its fallback: told to skip its copy
+    once a local step admitted it (`local_fallback`). Requests whose answer holds
+    something the router takes from the prefill server's (input logprobs, whole-prompt
+    features) are not."""
     from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 
     room = getattr(req, "bootstrap_room", None)
     if not local.prefix_cache or room is None or is_direct_room(int(room)):
-        return False  # (direct mode decided where, in the HTTP process)
+        return None  # (direct mode decided where, in the HTTP process)
     if getattr(req, "bootstrap_host", None) in (None, FAKE_BOOTSTRAP_HOST) or req.output_ids:
-        return False
+        return None
     if getattr(req, "return_logprob", False):
-        return False  # the router merges the prefill server's input logprobs
+        return None  # the router merges the prefill server's input logprobs
     if whole_prompt_reason(len(req.origin_input_ids), **queued_request_flags(req)) is not None:
-        return False
+        return None
     prompt = len(req.origin_input_ids)
     cached = _cached_tokens(scheduler.tree_cache, req)
     reason = prefill_locally(
@@ -151,13 +292,10 @@ def _router_request_here(scheduler: Any, local: LocalPrefills, req: Any) -> bool
         max_tokens=local.max_tokens, loads=_UNKNOWN_PREFILLERS, saturated_tokens=sys.maxsize,
     )  # fmt: skip
     if reason is None:
-        return False
-    from sglang.srt.disaggregation.decode import _bootstrap_addr
-
-    manager = scheduler.disagg_decode_prealloc_queue.kv_manager
-    manager.skip_prefill(_bootstrap_addr(req), int(req.bootstrap_room))
+        return None
+    fallback = Fallback(req.bootstrap_host, int(req.bootstrap_port), int(room), submit=False)
     req.bootstrap_host = LOCAL_HOST
-    if manager.rank == 0:
+    if scheduler.disagg_decode_prealloc_queue.kv_manager.rank == 0:
         local.metrics.local(reason)
         if local.tracing:
             from sgl_pd.backend.tracing import placement_span
@@ -171,7 +309,7 @@ def _router_request_here(scheduler: Any, local: LocalPrefills, req: Any) -> bool
             placement_span(
                 getattr(req.time_stats, "trace_ctx", None), int(req.bootstrap_room), attrs
             )
-    return True
+    return fallback
 
 
 # the router flow's decoder does not see the prefill servers' queues
@@ -188,11 +326,21 @@ def _cached_tokens(tree_cache: Any, req: Any) -> int:
 
 
 def around_get_next_batch(original: Any, scheduler: Any, running_batch: Any) -> Any:
-    """AROUND hook of ``get_next_disagg_decode_batch_to_run``: merges the last local
-    batch into the running one, then runs either a local step or SGLang's decode step."""
+    """AROUND hook of ``get_next_disagg_decode_batch_to_run``: times the step that just
+    ended, merges the last local batch into the running one, sends out local requests
+    that waited too long, then runs either a local step or SGLang's decode step."""
     local = _state(scheduler)
     if local is None:
         return original(scheduler, running_batch)
+    manager = scheduler.disagg_decode_prealloc_queue.kv_manager
+    local.pacer.stepped(scheduler, manager.decode.remote_cost)
+    plan = _next_batch(original, scheduler, local, running_batch)
+    if plan.batch_to_run is not None:
+        local.pacer.launched(*step_shape(plan.batch_to_run))
+    return plan
+
+
+def _next_batch(original: Any, scheduler: Any, local: LocalPrefills, running_batch: Any) -> Any:
     last, local.launched = local.launched, None  # (it may become the running batch)
     # A retracting pause took the launched batch's requests (and cleared last_batch):
     # they are SGLang's to resume (`around_hold_rebootstrap`), not to merge.
@@ -205,6 +353,7 @@ def around_get_next_batch(original: Any, scheduler: Any, running_batch: Any) -> 
                 running_batch = last
             else:
                 running_batch.merge_batch(last)
+    _send_out_unadmitted(scheduler, local)
     # the running streams advanced in the local step when it was mixed with their decode
     streams_wait = not running_batch.is_empty() and not (last is not None and local.last_mixed)
     sglang_waiting = after_local and (streams_wait or bool(scheduler.waiting_queue))
@@ -215,7 +364,27 @@ def around_get_next_batch(original: Any, scheduler: Any, running_batch: Any) -> 
     return original(scheduler, running_batch)
 
 
-# the scheduler's attributes a local step sets for SGLang's prefill scheduling, and restores
+def _send_out_unadmitted(scheduler: Any, local: LocalPrefills) -> None:
+    """One more scheduling step passed: the local requests no step admitted within
+    `ADMISSION_STEPS` go to a prefill server (those that may: the rest wait, as SGLang's
+    own queue waits for memory)."""
+    for rid in local.wait.waited([r.rid for r in local.queue]):
+        fallback = local.fallbacks.get(rid)
+        if fallback is not None and fallback.may_send:
+            req = next(r for r in local.queue if r.rid == rid)
+            local.queue.remove(req)
+            _sent_out(scheduler, local, req, fallback, "unadmitted")
+
+
+# the scheduler's attributes a local step sets for SGLang's prefill scheduling, and
+# restores; what each swap protects:
+# - waiting_queue, chunked_req: SGLang's prefill scheduling runs over the local queue and
+#   its request mid-prefill, never over SGLang's own (empty on a decoder);
+# - max_prefill_tokens, chunked_prefill_size: the step's local tokens (plus the mixed
+#   decode tokens SGLang's adder takes out again), not a prefill server's chunk;
+# - is_mixed_chunk: the running streams decode in the same forward;
+# - enable_priority_preemption: preempting running requests would hand remote ones back
+#   to the transfer queues.
 _SWAPPED = (
     "waiting_queue", "chunked_req", "max_prefill_tokens", "chunked_prefill_size",
     "is_mixed_chunk", "enable_priority_preemption",
@@ -223,19 +392,18 @@ _SWAPPED = (
 
 
 def _local_step(scheduler: Any, local: LocalPrefills, running_batch: Any) -> Any:
-    """SGLang's prefill scheduling over the local queue, at most `step_tokens` prompt
-    tokens (a longer suffix - the prediction was wrong, or a retracted request recomputes
+    """SGLang's prefill scheduling over the local queue, at most the step's local token
+    budget (a longer suffix - the prediction was wrong, or a retracted request recomputes
     its output too - is chunked, one chunk per local step, as SGLang chunks prefills);
     None when nothing could be admitted (no free memory or request slot)."""
+    running = len(running_batch.reqs)
+    budget = adder_budget(local.pacer.budget(running), running, mixed=True)
     saved = {name: getattr(scheduler, name) for name in _SWAPPED}
-    # the running streams' decode rides in the same forward (SGLang's mixed chunk, which
-    # it skips for logprob requests: those decode in the next step instead); preempting
-    # running requests would hand remote ones back to the transfer queues
     for name, value in (
         ("waiting_queue", local.queue),
         ("chunked_req", local.chunked),
-        ("max_prefill_tokens", local.step_tokens),
-        ("chunked_prefill_size", local.step_tokens),
+        ("max_prefill_tokens", budget),
+        ("chunked_prefill_size", budget),
         ("is_mixed_chunk", True),
         ("enable_priority_preemption", False),
     ):
@@ -256,8 +424,10 @@ def _local_step(scheduler: Any, local: LocalPrefills, running_batch: Any) -> Any
     batch = plan.batch_to_run
     if batch is None:
         return None
+    _forget_gone(scheduler, local)  # admitted: a router request's prefill copy goes
+    mixed = {id(r) for r in getattr(batch, "decoding_reqs", None) or ()}
     local.launched = batch
-    local.last_mixed = bool(getattr(batch, "decoding_reqs", None))
+    local.last_mixed = bool(mixed)
     local.chunk_launched = local.chunked is not None
     local.steps += 1
     batch = scheduler.dp_attn_adapter.maybe_prepare_mlp_sync_batch(batch)
@@ -266,9 +436,28 @@ def _local_step(scheduler: Any, local: LocalPrefills, running_batch: Any) -> Any
     return NextBatchPlan(batch_to_run=batch, running_batch=plan.running_batch)
 
 
+def around_is_fully_idle(original: Any, scheduler: Any, *args: Any, **kw: Any) -> bool:
+    """SGLang's idle check (health, cache flush, weight updates) sees local work: a
+    chunked request or an unmerged local batch holds pages, queued requests wait."""
+    idle = bool(original(scheduler, *args, **kw))
+    local = getattr(scheduler, _STATE, None)
+    if not idle or local is None:
+        return idle
+    ignore_waiting = bool(kw.get("ignore_waiting", args[1] if len(args) > 1 else False))
+    # (while paused, requests a retracting pause gave back wait as SGLang's held ones do)
+    waiting = not ignore_waiting and not getattr(scheduler, "_engine_paused", False)
+    return not local.busy(waiting=waiting)
+
+
 def around_pause_generation(original: Any, scheduler: Any, recv_req: Any) -> Any:
-    """A retracting pause retracts SGLang's own request mid-prefill: the local one too."""
+    """A retracting pause retracts SGLang's own request mid-prefill: the local one too.
+    Any pause ends the step timing in flight, and a retracting one the last local batch
+    (its requests retracted)."""
     local = _state(scheduler)
+    if local is not None:
+        local.pacer.paused()  # (the step in flight is not timed across the pause)
+        if getattr(recv_req, "mode", None) == "retract":
+            local.launched = None  # its requests are retracted: SGLang's to resume
     if local is None or local.chunked is None or getattr(recv_req, "mode", None) != "retract":
         return original(scheduler, recv_req)
     chunked = local.chunked
@@ -325,4 +514,5 @@ def around_abort_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
             else:
                 kept.append(req)
         local.queue = kept
+        _forget_gone(scheduler, local)
     return original(scheduler, recv_req)

@@ -11,6 +11,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from sgl_pd.backend.decode.local_fallback import direct_sender
 from sgl_pd.backend.decode.messenger import DecodeMessenger
 from sgl_pd.backend.first_token import require_decode_patches
 from sgl_pd.backend.heartbeats import Watched
@@ -69,6 +70,7 @@ class DecodeKVManager(SglPdKVManager):
         self.registration = self.registration_for(
             layer_group_size=1, completion=self.decode.completion_area
         )
+        self._sender_name = direct_sender(server_args)  # (see `submit_sent_out`)
         # (bootstrap addr, room, reason, abort reason, since): see `abort_unrequested`
         self._parked_aborts: list[tuple[str, int, str, AbortReason, float]] = []
         self._parked_lock = threading.Lock()
@@ -146,6 +148,23 @@ class DecodeKVManager(SglPdKVManager):
             self._skip_client = RegistryClient(f"decode-{self.rank}-skip", auth=self.auth)
         self._skips.submit(self._skip, bootstrap_addr, message)
 
+    def submit_sent_out(self, kv_receiver: Any, payload: dict[str, Any]) -> None:
+        """Direct mode: a request this decoder meant to prefill itself goes to a prefill
+        server after all (`local_fallback`), its receiver made: one rank hands `payload`
+        (the /generate body) to that server's registry, off the scheduler thread, as a
+        direct-mode submission; every rank asks for its pages as usual. A failed
+        hand-off fails the request (the scheduler reads it at its next poll)."""
+        if self.rank != 0:
+            return
+        room = int(kv_receiver.bootstrap_room)
+        message = SubmitPrefill(
+            request_id=room,
+            # (the HTTP process's name: its probes read what the prefill server refuses)
+            sender=self._sender_name,
+            request=json.dumps(payload).encode(),
+        )
+        self._registry_calls().submit(self._recompute, kv_receiver, message)
+
     def _registry_calls(self) -> ThreadPoolExecutor:
         if self._recomputes is None:
             self._recomputes = ThreadPoolExecutor(1, thread_name_prefix="sgl-pd-registry")
@@ -166,7 +185,7 @@ class DecodeKVManager(SglPdKVManager):
         try:
             self._recompute_client.submit(kv_receiver.bootstrap_addr, message)
         except SglPdError as e:
-            kv_receiver.fail_recompute(f"the prefill server did not take the recompute: {e}")
+            kv_receiver.fail_recompute(f"the prefill server did not take the request: {e}")
 
     # -- what the liveness thread watches -------------------------------------------------
 

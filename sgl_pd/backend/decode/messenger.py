@@ -43,6 +43,7 @@ from sgl_pd.backend.tracing import RequestTracing
 from sgl_pd.core.clock import Clock
 from sgl_pd.core.errors import DuplicateRequest
 from sgl_pd.core.failures import FailureCause
+from sgl_pd.core.local_budget import RemoteCost
 from sgl_pd.core.sharding import ShardingScheme
 from sgl_pd.core.states import DECODE_TABLE, DecodeState, RequestTracker
 from sgl_pd.core.wire import (
@@ -98,6 +99,9 @@ class DecodeMessenger:
         self._withdraw = withdraw
         self._pool_device = pool_device  # "cuda:N": remote writes are flushed at hand-off
         self._tracing = tracing if tracing is not None else RequestTracing(False)
+        # what remote prefills took as this rank saw them, for local-or-remote choices
+        # (`backend/decode/local_prefill.py`; read on the scheduler thread, as is hand_off)
+        self.remote_cost = RemoteCost()
         self._send = send_to_prefill
         self._timeout_s = transfer_timeout_s
         self._metrics = metrics
@@ -375,6 +379,9 @@ class DecodeMessenger:
                 self._metrics.add_failure(FailureCause.CHECKSUM)
         if mismatch is not None:
             logger.error("request %d: %s", room, mismatch)
+        elif track.seen_s is not None and track.done_s is not None:
+            computed = (track.kv_tokens or track.prompt_tokens) - track.held_tokens
+            self.remote_cost.observe(computed, track.done_s - track.seen_s)
         emit_timeline(self._tracing, track, self.rank, self._now())
         return mismatch is None
 

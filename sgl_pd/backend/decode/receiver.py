@@ -149,7 +149,7 @@ class SglPdKVReceiver(BaseKVReceiver):
         )
 
     def fail_recompute(self, why: str) -> None:
-        """The prefill server did not take the recompute of this retracted request
+        """The prefill server did not take this request (a recompute, or a local one sent out)
         (another thread's word: the scheduler reads it at its next poll)."""
         if self.conclude_state is None:
             self._fail(why)

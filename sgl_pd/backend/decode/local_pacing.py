@@ -1,0 +1,129 @@
+"""Decoder, local prefill: how many local tokens each decode step carries (`core.
+local_budget`), from what this decoder's steps cost as it measures them.
+
+Every loop iteration of SGLang's decode scheduler is one step the running streams wait
+through: the time from one scheduling call to the next is a step's cost, sampled with
+its running requests and local tokens (`StepPacer.stepped`). Without the overlap
+scheduler that is the step launched at the first call; with it (SGLang's default on a
+GPU) an iteration launches its batch and then waits for the previous one's results, so
+the time between two calls is the cost of the batch launched one iteration earlier. Each
+rank times its own steps, but the ranks of a TP group must build the same batches, so
+every `SYNC_STEPS` iterations rank 0's fitted models (its step cost and the remote
+prefills it saw, `DecodeMessenger.remote_cost`) are broadcast to the group and every
+rank budgets with those. The iterations are counted alike on every rank: each one's
+request intake is itself a collective of the group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from sgl_pd.core.local_budget import (
+    MODEL_WORDS,
+    RemoteCoefficients,
+    RemoteCost,
+    StepCoefficients,
+    StepCost,
+    local_tokens_within_slo,
+    pack_models,
+    unpack_models,
+)
+
+SYNC_STEPS = 32  # scheduling iterations between two broadcasts of rank 0's models
+# a step this many times slower than predicted spanned something else (a pause, a
+# weight update): not a step's cost
+OUTLIER_FACTOR = 20.0
+
+
+class StepPacer:
+    """One decode scheduler's step timing, models and per-step local token budget."""
+
+    def __init__(
+        self,
+        *,
+        cap: int,
+        slo_factor: float,
+        page_size: int,
+        overlap: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.cap = cap  # the most local tokens a step carries (--pd-local-prefill-step-tokens)
+        self.slo_factor = slo_factor
+        self.page_size = page_size
+        self.cost = StepCost()  # this rank's steps
+        self.step_model: StepCoefficients | None = None  # rank 0's, as last synced
+        self.remote_model: RemoteCoefficients | None = None
+        self._clock = clock
+        # the shapes (running, local tokens) launched by the last iterations, None for
+        # an iteration that launched nothing; the oldest is what the next gap measures
+        self._launched: deque[tuple[int, int] | None] = deque(maxlen=2 if overlap else 1)
+        self._iteration_s: float | None = None  # when the last iteration began
+        self._iterations = 0
+
+    def budget(self, running: int) -> int:
+        """The local tokens the next step may carry with `running` streams."""
+        return local_tokens_within_slo(
+            self.step_model,
+            running,
+            slo_factor=self.slo_factor,
+            cap=self.cap,
+            page_size=self.page_size,
+        )
+
+    def stepped(self, scheduler: Any, remote: RemoteCost | None) -> None:
+        """A scheduling iteration begins: the last one's wait for a step ended."""
+        now = self._clock()
+        full = len(self._launched) == self._launched.maxlen
+        measured = self._launched[0] if full else None
+        if measured is not None and self._iteration_s is not None:
+            running, local = measured
+            seconds = now - self._iteration_s
+            predicted = None if self.step_model is None else self.step_model.seconds(running, local)
+            if predicted is None or seconds < OUTLIER_FACTOR * max(predicted, 1e-4):
+                self.cost.observe(running, local, seconds)
+        self._iteration_s = now
+        self._launched.append(None)  # (until `launched` says what this iteration runs)
+        self._iterations += 1
+        if self._iterations % SYNC_STEPS == 0:
+            self._sync(scheduler, remote)
+
+    def launched(self, running: int, local_tokens: int) -> None:
+        """This iteration launches a step decoding `running` streams and prefilling
+        `local_tokens` local prompt tokens."""
+        if self._launched:  # (empty: a pause came in between)
+            self._launched[-1] = (running, local_tokens)
+
+    def paused(self) -> None:
+        """The engine pauses: no gap until it runs again measures a step."""
+        self._launched.clear()
+        self._iteration_s = None
+
+    def _sync(self, scheduler: Any, remote: RemoteCost | None) -> None:
+        words = pack_models(
+            self.cost.coefficients(), None if remote is None else remote.coefficients()
+        )
+        if getattr(scheduler, "tp_size", 1) > 1:
+            import torch
+            import torch.distributed as dist
+
+            tensor = torch.tensor(words, dtype=torch.float64)
+            assert tensor.numel() == MODEL_WORDS
+            dist.broadcast(tensor, src=scheduler.tp_group.ranks[0], group=scheduler.tp_cpu_group)
+            words = tensor.tolist()
+        self.step_model, self.remote_model = unpack_models(words)
+
+
+def step_shape(batch: Any) -> tuple[int, int]:
+    """(streams decoded, local prompt tokens computed) by `batch`: a decode batch, or a
+    local step's extend batch with the running streams mixed in (`decoding_reqs`)."""
+    decoding = getattr(batch, "decoding_reqs", None)
+    if batch.forward_mode.is_decode():
+        return len(batch.reqs), 0
+    mixed = {id(r) for r in decoding or ()}
+    local = sum(
+        max(0, int(r.extend_end) - int(r.prefix_len)) for r in batch.reqs if id(r) not in mixed
+    )
+    return len(mixed), local

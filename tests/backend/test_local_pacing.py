@@ -1,0 +1,81 @@
+"""Step timing for the local prefill budget: each gap between two scheduling calls is
+paired with the step it measured - the one launched at the first call, or with the
+overlap scheduler the one launched an iteration earlier - and a pause measures nothing."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from sgl_pd.backend.decode.local_pacing import StepPacer
+from sgl_pd.core.local_budget import MIN_SAMPLES, StepCoefficients
+
+TRUTH = StepCoefficients(offset=0.010, per_request=0.0005, per_local_token=0.001)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Scheduler:
+    tp_size = 1
+
+
+def _run(pacer: StepPacer, clock: _Clock, shapes: list[tuple[int, int]], overlap: bool) -> None:
+    """A decode loop: each iteration launches `shape`; its cost is paid before the next
+    call (overlap: during the next iteration, after that one launched its own)."""
+    pending: list[tuple[int, int]] = []
+    for shape in shapes:
+        pacer.stepped(_Scheduler(), None)
+        pacer.launched(*shape)
+        pending.append(shape)
+        if not overlap or len(pending) > 1:
+            clock.now += TRUTH.seconds(*pending.pop(0))
+
+
+def _shapes(n: int) -> list[tuple[int, int]]:
+    # local steps now and then, of varied sizes, among decode steps of varied batches
+    return [(10 + i % 7, (16 + 8 * (i % 5)) if i % 3 == 0 else 0) for i in range(n)]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_each_gap_is_paired_with_the_step_it_measured(overlap: bool) -> None:
+    clock = _Clock()
+    pacer = StepPacer(cap=128, slo_factor=1.25, page_size=1, overlap=overlap, clock=clock)
+    _run(pacer, clock, _shapes(40 * MIN_SAMPLES), overlap)
+    fitted = pacer.cost.coefficients()
+    assert fitted is not None
+    assert math.isclose(fitted.per_local_token, TRUTH.per_local_token, rel_tol=0.01)
+    assert math.isclose(fitted.per_request, TRUTH.per_request, rel_tol=0.01)
+
+
+def test_paired_without_the_lag_the_overlap_scheduler_would_hide_the_local_cost() -> None:
+    """What pairing each gap with the step launched at its start gets wrong under the
+    overlap scheduler: the local tokens' cost lands on the following decode steps."""
+    clock = _Clock()
+    pacer = StepPacer(cap=128, slo_factor=1.25, page_size=1, overlap=False, clock=clock)
+    _run(pacer, clock, _shapes(40 * MIN_SAMPLES), overlap=True)
+    fitted = pacer.cost.coefficients()
+    assert fitted is not None and fitted.per_local_token < 0.5 * TRUTH.per_local_token
+
+
+def test_a_pause_measures_nothing() -> None:
+    clock = _Clock()
+    pacer = StepPacer(cap=128, slo_factor=1.25, page_size=1, clock=clock)
+    samples: list[Any] = []
+    pacer.cost.observe = lambda *a: samples.append(a)  # type: ignore[method-assign]
+    pacer.stepped(_Scheduler(), None)
+    pacer.launched(10, 0)
+    pacer.paused()
+    clock.now += 60.0  # a weight update
+    pacer.stepped(_Scheduler(), None)
+    pacer.launched(10, 0)
+    clock.now += 0.015
+    pacer.stepped(_Scheduler(), None)
+    assert samples == [(10, 0, pytest.approx(0.015))]

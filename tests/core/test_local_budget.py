@@ -1,0 +1,160 @@
+"""The local prefill budget (pure): the step-cost fit, the tokens an ITL SLO allows, the
+local-or-remote choice by predicted first token, and the admission wait."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sgl_pd.core.local_budget import (
+    ADMISSION_STEPS,
+    MIN_SAMPLES,
+    LocalWait,
+    RemoteCoefficients,
+    RemoteCost,
+    StepCoefficients,
+    StepCost,
+    adder_budget,
+    local_first_token_s,
+    local_tokens_within_slo,
+    pack_models,
+    prefill_here_is_sooner,
+    unpack_models,
+)
+
+
+def test_the_step_cost_fit_recovers_a_linear_cost_from_noisy_steps() -> None:
+    truth = StepCoefficients(offset=0.010, per_request=0.0002, per_local_token=0.0005)
+    rng = random.Random(7)
+    cost = StepCost()
+    for _ in range(400):
+        running, local = rng.randint(1, 300), rng.choice([0, 0, 0, rng.randint(1, 128)])
+        cost.observe(running, local, truth.seconds(running, local) * rng.uniform(0.95, 1.05))
+    fitted = cost.coefficients()
+    assert fitted is not None
+    assert math.isclose(fitted.per_local_token, truth.per_local_token, rel_tol=0.1)
+    assert math.isclose(fitted.per_request, truth.per_request, rel_tol=0.1)
+    assert math.isclose(fitted.seconds(100, 0), truth.seconds(100, 0), rel_tol=0.05)
+
+
+def test_the_fit_follows_a_change_and_forgets_the_old_cost() -> None:
+    cost = StepCost()
+    for i in range(200):
+        cost.observe(10, 16 * (i % 2), 0.01 + 0.001 * 16 * (i % 2))
+    for i in range(400):  # the same steps became four times cheaper per local token
+        cost.observe(10, 16 * (i % 2), 0.01 + 0.00025 * 16 * (i % 2))
+    fitted = cost.coefficients()
+    assert fitted is not None and math.isclose(fitted.per_local_token, 0.00025, rel_tol=0.05)
+
+
+def test_no_model_before_local_steps_were_measured() -> None:
+    cost = StepCost()
+    for _ in range(50):
+        cost.observe(8, 0, 0.02)
+    assert cost.coefficients() is None  # (the cost of a local token is not known yet)
+    for _ in range(MIN_SAMPLES):
+        cost.observe(8, 32, 0.03)
+    assert cost.coefficients() is not None
+
+
+def test_the_slo_sizes_the_local_tokens_to_the_measured_costs() -> None:
+    # decode step 20 ms at 10 streams, 1 ms per local token: 1.25x allows 5 tokens
+    cpu = StepCoefficients(offset=0.010, per_request=0.001, per_local_token=0.001)
+    assert local_tokens_within_slo(cpu, 10, slo_factor=1.25, cap=512, page_size=1) == 5
+    # extend tokens nearly free (a GPU): the cap
+    gpu = StepCoefficients(offset=0.010, per_request=0.0001, per_local_token=1e-7)
+    assert local_tokens_within_slo(gpu, 10, slo_factor=1.25, cap=512, page_size=1) == 512
+    # whole pages, at least one: a local request always progresses
+    assert local_tokens_within_slo(cpu, 10, slo_factor=1.25, cap=512, page_size=16) == 16
+    assert local_tokens_within_slo(cpu, 10, slo_factor=1.01, cap=512, page_size=1) == 1
+
+
+def test_without_a_model_or_streams_or_slo_a_step_carries_its_cap() -> None:
+    cpu = StepCoefficients(offset=0.010, per_request=0.001, per_local_token=0.001)
+    assert local_tokens_within_slo(None, 10, slo_factor=1.25, cap=64, page_size=1) == 64
+    assert local_tokens_within_slo(cpu, 0, slo_factor=1.25, cap=64, page_size=1) == 64
+    assert local_tokens_within_slo(cpu, 10, slo_factor=0, cap=64, page_size=1) == 64
+
+
+@given(
+    offset=st.floats(1e-4, 1.0),
+    per_request=st.floats(0, 1e-2),
+    per_token=st.floats(1e-7, 1e-2),
+    running=st.integers(1, 2000),
+    slo=st.floats(1.01, 4.0),
+    cap=st.integers(1, 4096),
+    page=st.sampled_from([1, 16, 64]),
+)
+def test_the_budget_keeps_the_step_within_the_slo_unless_one_page_exceeds_it(
+    offset: float,
+    per_request: float,
+    per_token: float,
+    running: int,
+    slo: float,
+    cap: int,
+    page: int,
+) -> None:
+    model = StepCoefficients(offset, per_request, per_token)
+    tokens = local_tokens_within_slo(model, running, slo_factor=slo, cap=cap, page_size=page)
+    assert page <= tokens <= max(cap, page)
+    assert tokens % page == 0
+    if tokens > page:  # more than the progress floor: it fits the SLO
+        assert model.seconds(running, tokens) <= slo * model.seconds(running, 0) * (1 + 1e-9)
+
+
+@given(local=st.integers(1, 4096), running=st.integers(0, 4096))
+def test_the_adder_gets_the_streams_back_only_when_the_step_mixes(local: int, running: int) -> None:
+    assert adder_budget(local, running, mixed=True) - running == local
+    assert adder_budget(local, running, mixed=False) == local
+
+
+def test_a_follow_up_goes_where_its_first_token_comes_sooner() -> None:
+    step = StepCoefficients(offset=0.010, per_request=0.0, per_local_token=0.0005)
+    remote = RemoteCoefficients(offset=0.060, per_token=0.0001)
+    sooner = {"running": 4, "tokens_ahead": 0, "per_step": 64}
+    # 40 tokens: one 30 ms step + a 10 ms decode step here, 64 ms remote
+    assert prefill_here_is_sooner(step, remote, tokens=40, **sooner)
+    # behind 600 queued local tokens: 10 steps here
+    assert not prefill_here_is_sooner(step, remote, tokens=40, **{**sooner, "tokens_ahead": 600})
+    # at 8 tokens a step (a tight SLO) 40 tokens take 5 steps of 14 ms: remote is sooner
+    assert not prefill_here_is_sooner(step, remote, tokens=40, **{**sooner, "per_step": 8})
+    # without both models the placement rules decide (here)
+    assert prefill_here_is_sooner(None, remote, tokens=4000, **sooner)
+    assert prefill_here_is_sooner(step, None, tokens=4000, **sooner)
+    assert local_first_token_s(step, 4, 0, 40, 64) == step.seconds(4, 40) + step.seconds(5, 0)
+    assert local_first_token_s(step, 4, 30, 40, 64) == (
+        step.seconds(4, 64) + step.seconds(4, 6) + step.seconds(5, 0)
+    )
+
+
+def test_remote_prefills_are_fitted_by_tokens_computed() -> None:
+    remote = RemoteCost()
+    for tokens in range(16, 16 + 20 * 50, 50):
+        remote.observe(tokens, 0.05 + 1e-4 * tokens)
+    fitted = remote.coefficients()
+    assert fitted is not None
+    assert math.isclose(fitted.offset, 0.05, rel_tol=0.01)
+    assert math.isclose(fitted.per_token, 1e-4, rel_tol=0.01)
+
+
+def test_a_request_waits_a_bounded_number_of_steps() -> None:
+    wait = LocalWait()
+    late: list[str] = []
+    for _ in range(ADMISSION_STEPS):
+        late = wait.waited(["a", "b"])
+    assert late == []
+    assert wait.waited(["a", "b", "c"]) == ["a", "b"]  # c is new
+    assert wait.waited(["c"]) == []  # a and b left the queue: forgotten
+    wait.forget("c")
+    assert wait.waited(["a"]) == []  # back again: counted afresh
+
+
+def test_models_cross_to_other_ranks_whole_or_as_unfitted() -> None:
+    step = StepCoefficients(0.01, 0.0002, 0.0005)
+    remote = RemoteCoefficients(0.05, 0.0001)
+    assert unpack_models(pack_models(step, remote)) == (step, remote)
+    assert unpack_models(pack_models(None, remote)) == (None, remote)
+    assert unpack_models(pack_models(step, None)) == (step, None)

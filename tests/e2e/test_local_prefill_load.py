@@ -1,0 +1,233 @@
+"""Local prefill under a production decoder's load: follow-up turns placed on the decoder
+while 0 to 300 streams run on it are answered with monolithic's tokens - prefilled
+there within a few steps, or sent to the prefill server when that is sooner or no step
+admits them - in both flows; a chunked local request goes on while the streams outgrow
+its step budget (the negative chunk that crashed a decoder at 512 concurrent requests);
+nothing is held afterwards.
+
+Two decoders on one prefill server (direct mode, requests sent as the router sends them
+for the router flow):
+- decoder 0: the defaults (ITL SLO on, at most 128 local tokens a step), room for 340
+  running requests;
+- decoder 1: 16 local tokens a step without an SLO (every step carries 16), and room
+  for `SMALL_RUNNING` running requests, so that streams can fill every request slot.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import pytest
+import requests
+
+from sgl_pd.cluster.client import generate_ids, send_as_router
+from sgl_pd.cluster.local import DirectCluster, Patience, Server, direct_cluster
+from sgl_pd.cluster.logs import pools_idle, unexpected_warnings, wait_pools_idle
+from sgl_pd.cluster.prompts import long_prompt_ids
+from sgl_pd.cluster.streaming import metric_sums
+
+from .conftest import COMMON_ARGS, DECODE_LOCAL_PREFILL
+
+pytestmark = pytest.mark.e2e
+
+SMALL_RUNNING = 40  # decoder 1's --max-running-requests
+STREAM_PROMPT_TOKENS = 40
+ANSWER_TOKENS = 4
+LOCAL = "sgl_pd_local_prefills_total"
+SENT_OUT = "sgl_pd_local_prefills_sent_out_total"
+RUNNING = "sglang:num_running_reqs"
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DirectCluster]:
+    with direct_cluster(
+        tmp_path_factory.mktemp("local-load"),
+        prefill_extra=COMMON_ARGS,
+        decode_extra=[
+            *COMMON_ARGS, *DECODE_LOCAL_PREFILL, "--enable-metrics",
+            "--pd-local-prefill-max-tokens", "128",
+            # the streams' fresh prompts go to the prefill server however many wait there
+            "--pd-prefill-saturated-tokens", "10000000",
+        ],
+        decoder_extras=[
+            # a pool that holds 340 requests with SGLang's decode reservation for each
+            ["--max-running-requests", "340", "--max-total-tokens", "262144",
+             "--num-reserved-decode-tokens", "256"],
+            [
+                "--max-running-requests", str(SMALL_RUNNING),
+                "--pd-local-prefill-step-tokens", "16", "--pd-local-prefill-itl-slo", "0",
+            ],
+        ],
+        decoders=2,
+    ) as cluster:  # fmt: skip
+        yield cluster
+
+
+@contextmanager
+def _streams(
+    decoder: Server,
+    count: int,
+    tokens: int,
+    patience: Patience,
+    *,
+    seed: int,
+    start: Callable[[], None] | None = None,
+) -> Iterator[list[requests.Response]]:
+    """`count` requests decoding `tokens` tokens each on `decoder`, all running before
+    the body runs; their answers once it is over (all of them). `start`: called once
+    the streams are sent, before they run."""
+    answers: list[requests.Response] = []
+    if count == 0:
+        yield answers
+        return
+    before = _metric(decoder, RUNNING)
+
+    def one(i: int) -> requests.Response:
+        body = {
+            "input_ids": long_prompt_ids(STREAM_PROMPT_TOKENS, start=seed + 97 * i),
+            "sampling_params": {"temperature": 0, "max_new_tokens": tokens, "ignore_eos": True},
+        }
+        return requests.post(f"{decoder.url}/generate", json=body, timeout=patience.seconds(900))
+
+    with ThreadPoolExecutor(count) as pool:
+        futures = [pool.submit(one, i) for i in range(count)]
+        if start is not None:
+            start()
+        deadline = time.monotonic() + patience.seconds(300)
+        while _metric(decoder, RUNNING) < before + count:
+            assert time.monotonic() < deadline, f"{count} streams were not all running"
+            assert not any(f.done() for f in futures), "a stream ended before all ran"
+            time.sleep(0.2)
+        yield answers
+        answers.extend(f.result() for f in futures)
+
+
+def _metric(server: Server, name: str, **labels: str) -> float:
+    if not labels:
+        return metric_sums(server.url, [name])[name]
+    text = requests.get(f"{server.url}/metrics", timeout=30).text
+    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{") and wanted in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _history(decoder: Server, start: int) -> tuple[list[int], list[int]]:
+    """A conversation's first turn (prefilled remotely): its prompt and answer."""
+    prompt = long_prompt_ids(4 * 64, start=start)
+    return prompt, generate_ids(decoder.url, prompt, ANSWER_TOKENS)
+
+
+@pytest.mark.parametrize(
+    ("decoder_index", "streams"), [(0, 0), (0, 16), (0, 64), (0, 300), (1, 16), (1, 30)]
+)
+def test_follow_ups_are_answered_whatever_runs_on_the_decoder(
+    decoder_index: int, streams: int, mono: Server, loaded: DirectCluster, patience: Patience
+) -> None:
+    """Each follow-up is prefilled here or sent out - never left waiting - with
+    monolithic's tokens; so are the streams."""
+    decoder = loaded.decoders[decoder_index]
+    seed = 1_000_000 + 10_000 * streams + 500_000 * decoder_index
+    prompt, answer = _history(decoder, seed)
+    placed_before = _metric(decoder, LOCAL)
+    sent_before = _metric(decoder, SENT_OUT)
+    follow_ups = []
+    tokens = 96 if streams < 100 else 192  # (running until the last stream joined)
+    with _streams(decoder, streams, tokens, patience, seed=seed + 5000) as answers:
+        for turn in range(2):
+            prompt = [*prompt, *answer, *long_prompt_ids(24, start=seed + 100 * turn + 50)]
+            answer = generate_ids(decoder.url, prompt, ANSWER_TOKENS)
+            follow_ups.append((list(prompt), answer))
+    placed = _metric(decoder, LOCAL) - placed_before
+    sent_out = _metric(decoder, SENT_OUT) - sent_before
+    assert placed == 2, "the follow-ups were not placed on the decoder"
+    assert 0 <= sent_out <= placed
+    for asked, got in follow_ups:
+        assert got == generate_ids(mono.url, asked, ANSWER_TOKENS)
+    assert len(answers) == streams and all(a.status_code == 200 for a in answers)
+    for i in range(0, streams, max(1, streams // 4)):  # a sample of the streams
+        expected = generate_ids(
+            mono.url, long_prompt_ids(STREAM_PROMPT_TOKENS, start=seed + 5000 + 97 * i), tokens
+        )
+        assert answers[i].json()["output_ids"] == expected, f"stream {i}"
+
+
+def test_a_chunked_local_request_goes_on_while_the_streams_outgrow_its_budget(
+    mono: Server, loaded: DirectCluster, patience: Patience
+) -> None:
+    """A 120-token suffix at 16 tokens a step takes 8 local steps; meanwhile 30 streams
+    join the running batch (more than the step's 16 tokens: SGLang's adder took one
+    token per stream from the step's budget, which starved the step and then chunked
+    the request by a negative length)."""
+    decoder = loaded.decoders[1]
+    prompt, answer = _history(decoder, 3_000_000)
+    prompt = [*prompt, *answer, *long_prompt_ids(120, start=3_100_000)]
+    placed_before = _metric(decoder, LOCAL)
+    sent_before = _metric(decoder, SENT_OUT)
+    got: list[int] = []
+    follow_up = threading.Thread(
+        target=lambda: got.extend(generate_ids(decoder.url, prompt, 32)), daemon=True
+    )
+    with _streams(decoder, 30, 64, patience, seed=3_200_000, start=follow_up.start) as answers:
+        follow_up.join(timeout=patience.seconds(300))
+    assert not follow_up.is_alive(), "the chunked local request was not answered"
+    assert _metric(decoder, LOCAL) - placed_before == 1
+    assert _metric(decoder, SENT_OUT) == sent_before, "it was sent out, not chunked here"
+    assert got == generate_ids(mono.url, prompt, 32)
+    assert all(a.status_code == 200 for a in answers)
+
+
+@pytest.mark.parametrize("flow", ["direct", "router"])
+def test_a_local_request_no_step_admits_goes_to_the_prefill_server(
+    flow: str, mono: Server, loaded: DirectCluster, patience: Patience
+) -> None:
+    """Every request slot of decoder 1 is taken by streams: no local step can admit the
+    follow-up, which goes to the prefill server after a few steps and is answered there
+    once a slot frees (the router flow's prefill server, never told to skip its copy,
+    prefills it)."""
+    decoder = loaded.decoders[1]
+    seed = 4_000_000 + (0 if flow == "direct" else 100_000)
+    prompt, answer = _history(decoder, seed)
+    prompt = [*prompt, *answer, *long_prompt_ids(24, start=seed + 50)]
+    unadmitted_before = _metric(decoder, SENT_OUT, why="unadmitted")
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"temperature": 0, "max_new_tokens": ANSWER_TOKENS},
+    }
+    with _streams(decoder, SMALL_RUNNING, 160, patience, seed=seed + 5000) as answers:
+        if flow == "direct":
+            response = requests.post(
+                f"{decoder.url}/generate", json=body, timeout=patience.seconds(600)
+            )
+        else:
+            prefilled, response = send_as_router(
+                loaded.prefill.url,
+                decoder.url,
+                loaded.bootstrap_port,
+                body,
+                timeout_s=patience.seconds(600),
+            )
+            assert prefilled.ok, prefilled.text[:300]
+            assert not prefilled.json()["meta_info"].get("pd_prefilled_by_decoder")
+    assert response.ok, response.text[:300]
+    assert _metric(decoder, SENT_OUT, why="unadmitted") == unadmitted_before + 1
+    assert response.json()["output_ids"] == generate_ids(mono.url, prompt, ANSWER_TOKENS)
+    assert all(a.status_code == 200 for a in answers)
+
+
+def test_every_page_is_free_again(loaded: DirectCluster, patience: Patience) -> None:
+    """Runs last in this module: local, sent-out and streamed requests left nothing."""
+    servers = {"prefill": loaded.prefill}
+    servers.update({f"decode{i}": d for i, d in enumerate(loaded.decoders)})
+    states = wait_pools_idle(servers, patience.seconds(120))
+    assert pools_idle(servers, states), f"pools still hold pages: {states}"
+
+
+def test_no_server_warned_about_anything(loaded: DirectCluster) -> None:
+    for server in (loaded.prefill, *loaded.decoders):
+        assert unexpected_warnings(server) == [], server.process.name
