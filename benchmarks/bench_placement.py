@@ -121,17 +121,21 @@ def conversation_turns(
     message: int,
     timeout_s: float,
     seed: int,
+    *,
+    logprobs: bool = False,
 ) -> dict[str, Answer]:
     """Runs the conversations one after another; answers keyed "c<i>t<turn>/fresh" or
     "/follow_up". The follow-up prompts are built from this server's answers; `seed`
-    makes each sweep point's conversations its own (nothing cached from another)."""
+    makes each sweep point's conversations its own (nothing cached from another).
+    `logprobs`: the top two per token (the reference's margins, for near ties); SGLang
+    does not mix a logprob request's prefill into running decode, so PD asks for none."""
     answers: dict[str, Answer] = {}
     for c in range(conversations):
         prompt = tuple(long_prompt_ids(fresh, start=10_000 + 20_000 * c + 997 * seed))
         for turn in range(follow_ups + 1):
             kind = "fresh" if turn == 0 else "follow_up"
             request = Request(f"c{c}t{turn}/{kind}", prompt, OUTPUT_TOKENS)
-            answer = send(url, request, timeout_s, logprobs=True, extra_key=None)
+            answer = send(url, request, timeout_s, logprobs=logprobs, extra_key=None)
             answers[request.key] = answer
             new = long_prompt_ids(message, start=200_000 + 20_000 * c + 500 * turn)
             prompt = (*prompt, *answer.output_ids, *new)
@@ -179,7 +183,7 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[int, ModeR
             with streams.running():
                 result.answers = conversation_turns(
                     url, args.conversations, args.follow_ups, args.fresh_tokens,
-                    args.message_tokens, timeout_s, count,
+                    args.message_tokens, timeout_s, count, logprobs=mode == "mono",
                 )  # fmt: skip
             result.gaps_s = streams.gaps_s
             if mode != "mono":

@@ -222,7 +222,8 @@ class TransferMetrics:
 
 
 PLACEMENT_REASONS = ("cached_prefix", "load")  # why a prefill server was chosen
-SENT_OUT_REASONS = ("slower", "unadmitted", "queue_full")  # why local prefill was not
+# why a request placed for local prefill was not
+SENT_OUT_REASONS = ("slower", "itl_slo", "unadmitted", "queue_full")
 
 
 class PlacementMetrics:
@@ -258,7 +259,9 @@ class PlacementMetrics:
             "sgl_pd_local_prefills_sent_out",
             "Requests placed for local prefill that a decoder sent to a prefill server after"
             " all (counted in its scheduler), by why: slower (their first token was"
-            " predicted sooner remote), unadmitted (no decode step admitted them within"
+            " predicted sooner remote), itl_slo (their steps could not ride in the running"
+            " streams' decode forward within the ITL SLO), unadmitted (no decode step"
+            " admitted them within"
             " a few steps), queue_full (the local queue held --max-queued-requests)",
             ["why"],
             registry=reg,

@@ -31,11 +31,13 @@ class Workload:
     num_requests: int
     rate: float
     seed: int = 1
+    max_concurrency: int | None = None  # requests in flight at most (None: no limit)
 
     def describe(self) -> str:
+        at_most = f", at most {self.max_concurrency} at once" if self.max_concurrency else ""
         return (
             f"{self.num_requests} requests of {self.input_tokens} -> {self.output_tokens} "
-            f"tokens at {self.rate:g} req/s"
+            f"tokens at {self.rate:g} req/s{at_most}"
         )
 
 
@@ -83,6 +85,7 @@ def bench_serving_argv(
         "--disable-tqdm",
         "--output-file", str(output_file),
         "--output-details",
+        *(["--max-concurrency", str(workload.max_concurrency)] if workload.max_concurrency else []),
     ]  # fmt: skip
 
 

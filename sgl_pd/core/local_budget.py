@@ -34,7 +34,10 @@ import numpy as np
 # scheduling steps a local request may wait unadmitted before it goes to a prefill server
 ADMISSION_STEPS = 8
 FORGETTING = 0.98  # weight of a sample relative to the next one (~50 steps remembered)
-MIN_SAMPLES = 8  # steps seen before a fitted model is used
+MIN_SAMPLES = 8  # steps seen before a fitted step model is used
+# remote prefills seen before theirs is: a decoder sees far fewer of them than steps, and
+# until then every placement stays local
+MIN_REMOTE_SAMPLES = 4
 _RIDGE = 1e-9  # keeps the normal equations solvable before the features vary
 
 
@@ -42,8 +45,11 @@ class OnlineLinearFit:
     """y ~ w . x, fitted by exponentially weighted least squares (old samples fade by
     `forgetting` per new one). `x`: the feature vector, its first entry 1 (the offset)."""
 
-    def __init__(self, features: int, forgetting: float = FORGETTING) -> None:
+    def __init__(
+        self, features: int, forgetting: float = FORGETTING, min_samples: int = MIN_SAMPLES
+    ) -> None:
         self._forgetting = forgetting
+        self._min_samples = min_samples
         self._xtx = np.zeros((features, features))  # weighted sum of x x^T
         self._xty = np.zeros(features)  # weighted sum of x y
         self.samples = 0
@@ -57,8 +63,8 @@ class OnlineLinearFit:
         self.samples += 1
 
     def coefficients(self) -> tuple[float, ...] | None:
-        """The fitted w, or None before `MIN_SAMPLES` samples."""
-        if self.samples < MIN_SAMPLES:
+        """The fitted w, or None before its minimum of samples."""
+        if self.samples < self._min_samples:
             return None
         n = len(self._xty)
         scale = max(1.0, float(np.trace(self._xtx)) / n)
@@ -125,6 +131,19 @@ def local_tokens_within_slo(
     return min(cap, max(floor, tokens))
 
 
+def unmixed_step_within_slo(
+    model: StepCoefficients | None, running: int, *, slo_factor: float, page_size: int
+) -> bool:
+    """Whether a local step that cannot ride in the streams' decode forward (SGLang does
+    not mix logprob requests) keeps them within the SLO: they then wait for it and for
+    their own decode step, so it must cost at most (`slo_factor` - 1) decode steps even
+    at one page. Without streams, a model or an SLO: yes."""
+    if model is None or slo_factor <= 0 or running == 0:
+        return True
+    decode_s = model.seconds(running, 0)
+    return model.seconds(0, max(1, page_size)) <= (slo_factor - 1.0) * decode_s
+
+
 def adder_budget(local_tokens: int, running: int, mixed: bool) -> int:
     """The `max_prefill_tokens` and `chunked_prefill_size` to give SGLang's
     `PrefillAdder` for a step of `local_tokens` local tokens: it subtracts one token per
@@ -149,7 +168,7 @@ class RemoteCost:
     last KV word: bootstrap, the prefill server's queue and forward, the transfer."""
 
     def __init__(self) -> None:
-        self._fit = OnlineLinearFit(2)
+        self._fit = OnlineLinearFit(2, min_samples=MIN_REMOTE_SAMPLES)
 
     def observe(self, tokens: int, seconds: float) -> None:
         self._fit.observe((1.0, float(tokens)), seconds)

@@ -22,6 +22,7 @@ from sgl_pd.core.local_budget import (
     local_tokens_within_slo,
     pack_models,
     prefill_here_is_sooner,
+    unmixed_step_within_slo,
     unpack_models,
 )
 
@@ -158,3 +159,15 @@ def test_models_cross_to_other_ranks_whole_or_as_unfitted() -> None:
     assert unpack_models(pack_models(step, remote)) == (step, remote)
     assert unpack_models(pack_models(None, remote)) == (None, remote)
     assert unpack_models(pack_models(step, None)) == (step, None)
+
+
+def test_a_step_that_cannot_mix_fits_the_slo_only_where_a_page_is_cheap() -> None:
+    # the streams wait a whole step more: a page must cost a quarter of a decode step
+    cpu = StepCoefficients(offset=0.010, per_request=0.001, per_local_token=0.001)
+    assert not unmixed_step_within_slo(cpu, 10, slo_factor=1.25, page_size=1)
+    assert unmixed_step_within_slo(cpu, 10, slo_factor=3.0, page_size=1)
+    cheap_offset = StepCoefficients(offset=0.001, per_request=0.001, per_local_token=0.0001)
+    assert unmixed_step_within_slo(cheap_offset, 10, slo_factor=1.25, page_size=1)
+    assert unmixed_step_within_slo(cpu, 0, slo_factor=1.25, page_size=1)  # no stream
+    assert unmixed_step_within_slo(None, 10, slo_factor=1.25, page_size=1)
+    assert unmixed_step_within_slo(cpu, 10, slo_factor=0, page_size=1)  # no SLO

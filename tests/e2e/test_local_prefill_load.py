@@ -163,22 +163,35 @@ def test_a_chunked_local_request_goes_on_while_the_streams_outgrow_its_budget(
     """A 120-token suffix at 16 tokens a step takes 8 local steps; meanwhile 30 streams
     join the running batch (more than the step's 16 tokens: SGLang's adder took one
     token per stream from the step's budget, which starved the step and then chunked
-    the request by a negative length)."""
+    the request by a negative length). The request asks for its prompt's logprobs,
+    which only a whole prefill gives: it stays here whatever the streams do."""
     decoder = loaded.decoders[1]
     prompt, answer = _history(decoder, 3_000_000)
     prompt = [*prompt, *answer, *long_prompt_ids(120, start=3_100_000)]
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 32},
+        "return_logprob": True,
+        "logprob_start_len": len(prompt) - 130,
+    }
     placed_before = _metric(decoder, LOCAL)
     sent_before = _metric(decoder, SENT_OUT)
-    got: list[int] = []
-    follow_up = threading.Thread(
-        target=lambda: got.extend(generate_ids(decoder.url, prompt, 32)), daemon=True
-    )
-    with _streams(decoder, 30, 64, patience, seed=3_200_000, start=follow_up.start) as answers:
-        follow_up.join(timeout=patience.seconds(300))
-    assert not follow_up.is_alive(), "the chunked local request was not answered"
+    got: list[requests.Response] = []
+
+    def follow_up() -> None:
+        got.append(
+            requests.post(f"{decoder.url}/generate", json=body, timeout=patience.seconds(600))
+        )
+
+    thread = threading.Thread(target=follow_up, daemon=True)
+    with _streams(decoder, 30, 64, patience, seed=3_200_000, start=thread.start) as answers:
+        thread.join(timeout=patience.seconds(600))
+    assert not thread.is_alive() and got, "the chunked local request was not answered"
+    assert got[0].status_code == 200, got[0].text[:300]
     assert _metric(decoder, LOCAL) - placed_before == 1
     assert _metric(decoder, SENT_OUT) == sent_before, "it was sent out, not chunked here"
-    assert got == generate_ids(mono.url, prompt, 32)
+    expected = requests.post(f"{mono.url}/generate", json=body, timeout=300).json()
+    assert got[0].json()["output_ids"] == expected["output_ids"]
     assert all(a.status_code == 200 for a in answers)
 
 

@@ -55,7 +55,12 @@ from sgl_pd.backend.decode.local_pacing import StepPacer, step_shape
 from sgl_pd.backend.first_token import queued_request_flags, whole_prompt_reason
 from sgl_pd.backend.metrics import PlacementMetrics
 from sgl_pd.core.dispatch import PrefillerLoad
-from sgl_pd.core.local_budget import LocalWait, adder_budget, prefill_here_is_sooner
+from sgl_pd.core.local_budget import (
+    LocalWait,
+    adder_budget,
+    prefill_here_is_sooner,
+    unmixed_step_within_slo,
+)
 from sgl_pd.core.placement import is_direct_room, prefill_locally
 
 logger = logging.getLogger("sgl_pd.local_prefill")
@@ -184,6 +189,8 @@ def around_add_request_to_queue(
         why = None
         if not _sooner_here(scheduler, local, uncached):
             why = "slower"
+        elif not _mixes_within_slo(scheduler, local, req):
+            why = "itl_slo"
         elif _queue_full(scheduler, local):
             why = "queue_full"
         if why is not None:
@@ -205,8 +212,9 @@ def around_add_request_to_queue(
 
 def _sendable(local: LocalPrefills, req: Any) -> bool:
     """Whether a prefill server may prefill `req` instead: a fresh request whose answer
-    needs nothing only a whole-prompt prefill gives (its copy there computes KV only)."""
-    if not local.may_send_out or req.output_ids or getattr(req, "return_logprob", False):
+    needs nothing only a whole-prompt prefill gives (its copy there computes KV only;
+    output logprobs come from the decoder's steps, the first one's included)."""
+    if not local.may_send_out or req.output_ids:
         return False
     if getattr(req, "lora_id", None) is not None:
         return False  # (SGLang's recompute body, which a sent-out request uses, has no adapter)
@@ -223,6 +231,25 @@ def _sooner_here(scheduler: Any, local: LocalPrefills, uncached: int) -> bool:
         tokens_ahead=sum(local.uncached.get(r.rid, 0) for r in local.queue),
         tokens=uncached,
         per_step=pacer.budget(running),
+    )
+
+
+def _mixes_within_slo(scheduler: Any, local: LocalPrefills, req: Any) -> bool:
+    """A local step that SGLang will not mix into the streams' decode (the request or a
+    running stream wants logprobs) makes them wait a whole step more: within the ITL SLO
+    only where one page costs little enough (`core.local_budget.unmixed_step_within_slo`)."""
+    running = scheduler.running_batch
+    mixes = not getattr(req, "return_logprob", False) and not getattr(
+        running, "return_logprob", False
+    )
+    if mixes:
+        return True
+    pacer = local.pacer
+    return unmixed_step_within_slo(
+        pacer.step_model,
+        len(running.reqs),
+        slo_factor=pacer.slo_factor,
+        page_size=pacer.page_size,
     )
 
 
