@@ -19,14 +19,19 @@ the local tokens at any batch size.
 Whether a request is prefilled here is decided by its predicted first token
 (`prefill_here_is_sooner`): the local steps it needs (behind the local work queued
 already) times the step's time, against a remote prefill as this decoder has seen them
-take (`RemoteCost`: seconds = a + b * tokens computed, from bootstrap to the last KV
-word). A local request that no step admitted within `ADMISSION_STEPS` steps is sent to a
+take lately (`RemoteCost`: their tokens' compute at the decoder's own per-token cost,
+plus the median overhead of the last half minute's remote prefills, from bootstrap to
+the last KV word). A local request that no step admitted within `ADMISSION_STEPS` steps is sent to a
 prefill server after all (`LocalWait`).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +43,8 @@ MIN_SAMPLES = 8  # steps seen before a fitted step model is used
 # remote prefills seen before theirs is: a decoder sees far fewer of them than steps, and
 # until then every placement stays local
 MIN_REMOTE_SAMPLES = 4
+REMOTE_WINDOW_S = 30.0  # remote prefills older than this say nothing of the load now
+REMOTE_SAMPLES_KEPT = 256
 _RIDGE = 1e-9  # keeps the normal equations solvable before the features vary
 
 
@@ -164,18 +171,34 @@ class RemoteCoefficients:
 
 
 class RemoteCost:
-    """What remote prefills took, from the decoder's first sight of a request to its
-    last KV word: bootstrap, the prefill server's queue and forward, the transfer."""
+    """What remote prefills took lately, from the decoder's first sight of a request to
+    its last KV word: bootstrap, the prefill server's queue and forward, the transfer.
 
-    def __init__(self) -> None:
-        self._fit = OnlineLinearFit(2, min_samples=MIN_REMOTE_SAMPLES)
+    A remote prefill computes its tokens at about the rate this decoder's own steps
+    compute local ones (the step model's per-token cost); the rest - connection,
+    queueing, transfer - is load, which comes and goes in bursts: it is the median of
+    what the last `REMOTE_WINDOW_S` seconds' prefills took beyond their tokens' compute.
+    A burst of queued requests long gone then no longer makes remote look slow, and a
+    slope fitted from a few prompt lengths cannot go wrong for short suffixes."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._seen: deque[tuple[float, int, float]] = deque(maxlen=REMOTE_SAMPLES_KEPT)
 
     def observe(self, tokens: int, seconds: float) -> None:
-        self._fit.observe((1.0, float(tokens)), seconds)
+        if math.isfinite(seconds) and seconds > 0:
+            self._seen.append((self._clock(), max(0, tokens), seconds))
 
-    def coefficients(self) -> RemoteCoefficients | None:
-        w = self._fit.coefficients()
-        return None if w is None else RemoteCoefficients(*w)
+    def coefficients(self, per_token: float | None) -> RemoteCoefficients | None:
+        """With the decoder's per-token compute cost (s; None: not measured yet), or None
+        while fewer than `MIN_REMOTE_SAMPLES` prefills ended within the window."""
+        since = self._clock() - REMOTE_WINDOW_S
+        recent = [(tokens, s) for at, tokens, s in self._seen if at >= since]
+        if per_token is None or len(recent) < MIN_REMOTE_SAMPLES:
+            return None
+        per_token = max(per_token, 0.0)
+        overhead = statistics.median(s - per_token * tokens for tokens, s in recent)
+        return RemoteCoefficients(max(overhead, 0.0), per_token)
 
 
 def local_first_token_s(

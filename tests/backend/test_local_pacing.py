@@ -5,6 +5,7 @@ overlap scheduler the one launched an iteration earlier - and a pause measures n
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,6 +26,8 @@ class _Clock:
 
 class _Scheduler:
     tp_size = 1
+    tp_rank = 0
+    running_batch = SimpleNamespace(reqs=[])
 
 
 def _run(pacer: StepPacer, clock: _Clock, shapes: list[tuple[int, int]], overlap: bool) -> None:

@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 from sgl_pd.core.local_budget import (
     ADMISSION_STEPS,
+    MIN_REMOTE_SAMPLES,
     MIN_SAMPLES,
+    REMOTE_WINDOW_S,
     LocalWait,
     RemoteCoefficients,
     RemoteCost,
@@ -131,14 +133,43 @@ def test_a_follow_up_goes_where_its_first_token_comes_sooner() -> None:
     )
 
 
-def test_remote_prefills_are_fitted_by_tokens_computed() -> None:
-    remote = RemoteCost()
-    for tokens in range(16, 16 + 20 * 50, 50):
-        remote.observe(tokens, 0.05 + 1e-4 * tokens)
-    fitted = remote.coefficients()
-    assert fitted is not None
-    assert math.isclose(fitted.offset, 0.05, rel_tol=0.01)
-    assert math.isclose(fitted.per_token, 1e-4, rel_tol=0.01)
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_remote_prefills_are_their_tokens_compute_plus_the_recent_median_overhead() -> None:
+    clock = _Clock()
+    remote = RemoteCost(clock)
+    per_token = 1e-4  # the decoder's own cost of a local token
+    for i in range(MIN_REMOTE_SAMPLES - 1):
+        remote.observe(1000 + 10 * i, 0.05 + per_token * (1000 + 10 * i))
+    assert remote.coefficients(per_token) is None  # too few yet
+    remote.observe(48, 0.05 + per_token * 48)
+    assert remote.coefficients(None) is None  # the decoder's token cost not known yet
+    fitted = remote.coefficients(per_token)
+    assert fitted is not None and math.isclose(fitted.offset, 0.05)
+    assert math.isclose(fitted.seconds(48), 0.05 + 48 * per_token)
+
+
+def test_a_burst_of_queued_prefills_is_forgotten_once_it_is_over() -> None:
+    clock = _Clock()
+    remote = RemoteCost(clock)
+    for _ in range(20):  # twenty requests at once, queued behind each other
+        remote.observe(100, 0.4)
+    clock.now += REMOTE_WINDOW_S / 2
+    for _ in range(3):
+        remote.observe(48, 0.06)
+    burst = remote.coefficients(1e-4)
+    assert burst is not None and burst.offset > 0.3  # (the median is still the burst's)
+    clock.now += REMOTE_WINDOW_S / 2 + 1
+    for _ in range(MIN_REMOTE_SAMPLES):
+        remote.observe(48, 0.06)
+    calm = remote.coefficients(1e-4)
+    assert calm is not None and math.isclose(calm.seconds(48), 0.06, rel_tol=1e-6)
 
 
 def test_a_request_waits_a_bounded_number_of_steps() -> None:

@@ -16,6 +16,7 @@ request intake is itself a collective of the group.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -32,7 +33,10 @@ from sgl_pd.core.local_budget import (
     unpack_models,
 )
 
+logger = logging.getLogger("sgl_pd.local_prefill")
+
 SYNC_STEPS = 32  # scheduling iterations between two broadcasts of rank 0's models
+REPORT_INTERVAL_S = 60.0  # rank 0 logs the models it budgets with at most this often
 # a step this many times slower than predicted spanned something else (a pause, a
 # weight update): not a step's cost
 OUTLIER_FACTOR = 20.0
@@ -62,6 +66,7 @@ class StepPacer:
         self._launched: deque[tuple[int, int] | None] = deque(maxlen=2 if overlap else 1)
         self._iteration_s: float | None = None  # when the last iteration began
         self._iterations = 0
+        self._reported_s = -REPORT_INTERVAL_S
 
     def budget(self, running: int) -> int:
         """The local tokens the next step may carry with `running` streams."""
@@ -102,9 +107,9 @@ class StepPacer:
         self._iteration_s = None
 
     def _sync(self, scheduler: Any, remote: RemoteCost | None) -> None:
-        words = pack_models(
-            self.cost.coefficients(), None if remote is None else remote.coefficients()
-        )
+        step = self.cost.coefficients()
+        per_token = None if step is None else step.per_local_token
+        words = pack_models(step, None if remote is None else remote.coefficients(per_token))
         if getattr(scheduler, "tp_size", 1) > 1:
             import torch
             import torch.distributed as dist
@@ -114,6 +119,31 @@ class StepPacer:
             dist.broadcast(tensor, src=scheduler.tp_group.ranks[0], group=scheduler.tp_cpu_group)
             words = tensor.tolist()
         self.step_model, self.remote_model = unpack_models(words)
+        now = self._clock()
+        if getattr(scheduler, "tp_rank", 0) == 0 and now - self._reported_s >= REPORT_INTERVAL_S:
+            self._reported_s = now
+            logger.info(
+                "local prefill pacing: %s", self.describe(len(scheduler.running_batch.reqs))
+            )
+
+    def describe(self, running: int) -> str:
+        """The models and the budget at `running` streams, for the log."""
+        step, remote = self.step_model, self.remote_model
+        return (
+            (
+                "step not measured yet"
+                if step is None
+                else f"step {1e3 * step.offset:.2f} ms + {1e3 * step.per_request:.3f} ms a"
+                f" request + {1e3 * step.per_local_token:.3f} ms a local token"
+            )
+            + (
+                "; remote prefills not measured yet"
+                if remote is None
+                else f"; remote prefill {1e3 * remote.offset:.1f} ms +"
+                f" {1e3 * remote.per_token:.3f} ms a token"
+            )
+            + f"; {self.budget(running)} local tokens a step at {running} running requests"
+        )
 
 
 def step_shape(batch: Any) -> tuple[int, int]:
