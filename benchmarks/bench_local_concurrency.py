@@ -12,15 +12,18 @@ went below zero once the running streams outnumbered it). With the bundled model
 left in the decoder's cache, so many requests are placed for local prefill while
 hundreds of streams run.
 
-Reports: requests answered and failed, requests/s, TTFT and ITL p50/p99, the decoder's
-local prefills and those sent to the prefill server after all (by why), and whether
-both servers are still alive.
+Runs twice, one cluster after the other: local prefill at its defaults (on), and off
+(`--pd-local-prefill-max-tokens 0`: every request crosses the wire). Reports per run:
+requests answered and failed, requests/s, TTFT and ITL p50/p99, the decoder's local
+prefills and those sent to the prefill server after all (by why), and whether both
+servers are still alive.
 
     python benchmarks/bench_local_concurrency.py [--quick] [--out benchmarks/out]
 
 Quick: 384 requests, 128 in flight; full: 1,536 requests, 512 in flight. The last line
-is JSON: requests, failed (target 0), servers_alive (target true), local_prefills,
-sent_out, requests_per_s, ttft_p50_ms, itl_p50_ms, itl_p99_ms.
+is JSON: requests (per run), failed (both runs; target 0), servers_alive (target true),
+local_prefills and sent_out (on), and the on/off ratios of requests/s, TTFT p50 and
+ITL p50/p99.
 """
 
 from __future__ import annotations
@@ -30,16 +33,35 @@ import json
 import math
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import requests
 
-from sgl_pd.cluster.load import Workload, load_result, summarize
+from sgl_pd.cluster.load import StreamStats, Workload, load_result, summarize
 from sgl_pd.cluster.local import local_patience, pd_cluster
 from sgl_pd.cluster.streaming import metric_sums
 from sgl_pd.models import TINY_LLAMA_PATH
 
 LOCAL = "sgl_pd_local_prefills_total"
+# the decoder's local prefill at its defaults, and off (every request crosses the wire)
+MODES = {"on": [], "off": ["--pd-local-prefill-max-tokens", "0"]}
+
+
+@dataclass(frozen=True)
+class Run:
+    stats: StreamStats
+    local: float  # requests placed for local prefill
+    sent_out: dict[str, float]  # of them sent to the prefill server after all, by why
+    alive: bool  # both servers still up after the run
+
+    @property
+    def rps(self) -> float:
+        return self.stats.completed / self.stats.duration_s
+
+
+def _ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b else float("nan")
 
 
 def _sent_out(url: str) -> dict[str, float]:
@@ -72,47 +94,57 @@ def main(argv: list[str] | None = None) -> int:
         "--max-total-tokens", str(max(32768, 640 * (concurrency + 32))),
     ]  # fmt: skip
     common = ["--log-level", "warning", "--enable-metrics"]
-    with pd_cluster(
-        work,
-        prefill_extra=[*common, *room],
-        decode_extra=[*common, *room, "--disaggregation-decode-enable-radix-cache"],
-        patience=patience,
-    ) as cluster:
-        decoder = cluster.decode.url
-        result = load_result(
-            cluster.router_url, TINY_LLAMA_PATH, workload, args.out,
-            timeout_s=patience.seconds(3600), label="router-pd",
-        )  # fmt: skip
-        stats = summarize(result, workload.rate, itl_target_ms=1000.0)
-        local = metric_sums(decoder, [LOCAL])[LOCAL]
-        sent_out = _sent_out(decoder)
-        alive = {
-            s.process.name: s.process.process is not None and s.process.process.poll() is None
-            for s in (cluster.prefill, cluster.decode)
-        }
+    runs = {}
+    for mode, local_flags in MODES.items():
+        print(f"[bench] local prefill {mode} ...", flush=True)
+        with pd_cluster(
+            work / mode,
+            prefill_extra=[*common, *room],
+            decode_extra=[
+                *common, *room, "--disaggregation-decode-enable-radix-cache", *local_flags
+            ],
+            patience=patience,
+        ) as cluster:  # fmt: skip
+            decoder = cluster.decode.url
+            result = load_result(
+                cluster.router_url, TINY_LLAMA_PATH, workload, args.out,
+                timeout_s=patience.seconds(3600), label=f"router-pd-local-{mode}",
+            )  # fmt: skip
+            alive = all(
+                s.process.process is not None and s.process.process.poll() is None
+                for s in (cluster.prefill, cluster.decode)
+            )
+            runs[mode] = Run(
+                summarize(result, workload.rate, itl_target_ms=1000.0),
+                metric_sums(decoder, [LOCAL])[LOCAL],
+                _sent_out(decoder),
+                alive,
+            )
     print(
-        f"\nanswered {stats.completed} of {count}, failed {stats.failed};"
-        f" {stats.completed / stats.duration_s:.2f} requests/s"
+        f"\n{'local prefill':<14}{'answered':>9}{'failed':>7}{'req/s':>7}{'TTFT p50':>10}"
+        f"{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'placed':>8}{'out':>6}  alive"
     )
-    print(
-        f"TTFT p50 {stats.ttft_p50:.0f} ms, p99 {stats.ttft_p99:.0f} ms;"
-        f" ITL p50 {stats.itl_p50:.1f} ms, p99 {stats.itl_p99:.1f} ms"
-    )
-    print(
-        f"placed for local prefill: {local:.0f}; sent to the prefill server after all:"
-        f" {sum(sent_out.values()):.0f} {sent_out}"
-    )
-    print(f"servers alive after the run: {alive}")
+    for mode, r in runs.items():
+        s = r.stats
+        print(
+            f"{mode:<14}{s.completed:>9}{count - s.completed:>7}"
+            f"{s.completed / s.duration_s:>7.2f}{s.ttft_p50:>10.0f}{s.ttft_p99:>10.0f}"
+            f"{s.itl_p50:>9.1f}{s.itl_p99:>9.1f}{r.local:>8.0f}{sum(r.sent_out.values()):>6.0f}"
+            f"  {r.alive}"
+        )
+    print("(ms; placed: requests placed for local prefill, out: of them sent to the prefill")
+    print(f" server after all, by why: {runs['on'].sent_out})")
+    on, off = runs["on"], runs["off"]
     headline = {
         "requests": count,
-        "failed": count - stats.completed,
-        "servers_alive": all(alive.values()),
-        "local_prefills": local,
-        "sent_out": sum(sent_out.values()),
-        "requests_per_s": round(stats.completed / stats.duration_s, 2),
-        "ttft_p50_ms": round(stats.ttft_p50, 1),
-        "itl_p50_ms": round(stats.itl_p50, 1),
-        "itl_p99_ms": round(stats.itl_p99, 1),
+        "failed": sum(count - r.stats.completed for r in runs.values()),
+        "servers_alive": all(r.alive for r in runs.values()),
+        "local_prefills": on.local,
+        "sent_out": sum(on.sent_out.values()),
+        "requests_per_s_on_over_off": _ratio(on.rps, off.rps),
+        "ttft_p50_on_over_off": _ratio(on.stats.ttft_p50, off.stats.ttft_p50),
+        "itl_p50_on_over_off": _ratio(on.stats.itl_p50, off.stats.itl_p50),
+        "itl_p99_on_over_off": _ratio(on.stats.itl_p99, off.stats.itl_p99),
     }
     print(json.dumps(headline))
     return 0 if headline["failed"] == 0 and headline["servers_alive"] else 1
