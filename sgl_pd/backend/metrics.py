@@ -223,7 +223,7 @@ class TransferMetrics:
 
 PLACEMENT_REASONS = ("cached_prefix", "load")  # why a prefill server was chosen
 # why a request placed for local prefill was not
-SENT_OUT_REASONS = ("slower", "itl_slo", "unadmitted", "queue_full")
+SENT_OUT_REASONS = ("slower", "itl_slo", "no_room", "unadmitted", "queue_full")
 
 
 class PlacementMetrics:
@@ -260,7 +260,8 @@ class PlacementMetrics:
             "Requests placed for local prefill that a decoder sent to a prefill server after"
             " all (counted in its scheduler), by why: slower (their first token was"
             " predicted sooner remote), itl_slo (their steps could not ride in the running"
-            " streams' decode forward within the ITL SLO), unadmitted (no decode step"
+            " streams' decode forward within the ITL SLO), no_room (no request slot or memory"
+            " for them: the transfer queues come first), unadmitted (no decode step"
             " admitted them within"
             " a few steps), queue_full (the local queue held --max-queued-requests)",
             ["why"],

@@ -106,3 +106,15 @@ def test_a_request_sent_out_unadmitted_keeps_its_prefill_copy() -> None:
     assert (req.bootstrap_host, req.bootstrap_port) == ("10.0.0.11", BOOTSTRAP_PORT)
     local_prefill._forget_gone(scheduler, local)
     assert scheduler.skips == []
+
+
+def test_a_request_with_no_room_here_goes_out_at_once_and_keeps_its_prefill_copy() -> None:
+    local = LocalPrefills(128, prefix_cache=True)
+    scheduler = _Scheduler(local)
+    req, pinned = _router_request(10), _router_request(11)
+    around_add_request_to_queue(_never_queued, scheduler, req)
+    local.queue.append(pinned)  # (no fallback: a retracted request recomputing here)
+    local_prefill._send_out_for_room(scheduler, local)
+    assert scheduler.queued == [req] and local.queue == [pinned]
+    local_prefill._forget_gone(scheduler, local)
+    assert scheduler.skips == []

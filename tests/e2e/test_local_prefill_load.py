@@ -196,18 +196,18 @@ def test_a_chunked_local_request_goes_on_while_the_streams_outgrow_its_budget(
 
 
 @pytest.mark.parametrize("flow", ["direct", "router"])
-def test_a_local_request_no_step_admits_goes_to_the_prefill_server(
+def test_a_local_request_the_decoder_has_no_room_for_goes_to_the_prefill_server(
     flow: str, mono: Server, loaded: DirectCluster, patience: Patience
 ) -> None:
     """Every request slot of decoder 1 is taken by streams: no local step can admit the
-    follow-up, which goes to the prefill server after a few steps and is answered there
-    once a slot frees (the router flow's prefill server, never told to skip its copy,
-    prefills it)."""
+    follow-up, which goes to the prefill server at once - transferred requests take
+    each slot that frees first - and is answered there once a slot frees (the router
+    flow's prefill server, never told to skip its copy, prefills it)."""
     decoder = loaded.decoders[1]
     seed = 4_000_000 + (0 if flow == "direct" else 100_000)
     prompt, answer = _history(decoder, seed)
     prompt = [*prompt, *answer, *long_prompt_ids(24, start=seed + 50)]
-    unadmitted_before = _metric(decoder, SENT_OUT, why="unadmitted")
+    no_room_before = _metric(decoder, SENT_OUT, why="no_room")
     body = {
         "input_ids": prompt,
         "sampling_params": {"temperature": 0, "max_new_tokens": ANSWER_TOKENS},
@@ -228,7 +228,7 @@ def test_a_local_request_no_step_admits_goes_to_the_prefill_server(
             assert prefilled.ok, prefilled.text[:300]
             assert not prefilled.json()["meta_info"].get("pd_prefilled_by_decoder")
     assert response.ok, response.text[:300]
-    assert _metric(decoder, SENT_OUT, why="unadmitted") == unadmitted_before + 1
+    assert _metric(decoder, SENT_OUT, why="no_room") == no_room_before + 1
     assert response.json()["output_ids"] == generate_ids(mono.url, prompt, ANSWER_TOKENS)
     assert all(a.status_code == 200 for a in answers)
 

@@ -388,6 +388,8 @@ def _next_batch(original: Any, scheduler: Any, local: LocalPrefills, running_bat
         step = _local_step(scheduler, local, running_batch)
         if step is not None:
             return step
+        if running_batch.batch_is_full:
+            _send_out_for_room(scheduler, local)
     return original(scheduler, running_batch)
 
 
@@ -401,6 +403,19 @@ def _send_out_unadmitted(scheduler: Any, local: LocalPrefills) -> None:
             req = next(r for r in local.queue if r.rid == rid)
             local.queue.remove(req)
             _sent_out(scheduler, local, req, fallback, "unadmitted")
+
+
+def _send_out_for_room(scheduler: Any, local: LocalPrefills) -> None:
+    """A local step admitted nothing for want of a request slot or memory (SGLang's
+    `batch_is_full`, cleared when a request leaves). Transferred requests take the room
+    that frees first (SGLang admits them before this step runs), so a local request would
+    lose every race until the transfer queues are empty: those that may go out join the
+    transfer queue's order now instead of after `ADMISSION_STEPS` lost steps."""
+    for req in [r for r in local.queue if r.rid in local.fallbacks]:
+        fallback = local.fallbacks[req.rid]
+        if fallback.may_send:
+            local.queue.remove(req)
+            _sent_out(scheduler, local, req, fallback, "no_room")
 
 
 # the scheduler's attributes a local step sets for SGLang's prefill scheduling, and
