@@ -202,15 +202,38 @@ class RemoteCost:
 
 
 def local_first_token_s(
-    step: StepCoefficients, running: int, tokens_ahead: int, tokens: int, per_step: int
+    step: StepCoefficients,
+    running: int,
+    tokens_ahead: int,
+    tokens: int,
+    per_step: int,
+    local_share: float = 1.0,
 ) -> float:
     """Predicted seconds to a local request's first token: the steps until its last
     chunk ran (the local tokens queued before it, then its own, `per_step` a step, the
-    last step carrying what is left), and the step that samples its first token."""
+    last step carrying what is left), the decode steps between them (`local_share`: the
+    share of iterations with local work waiting that ran a local step), and the step
+    that samples its first token."""
     per_step = max(1, per_step)
     full, rest = divmod(tokens_ahead + tokens, per_step)
     prefill = full * step.seconds(running, per_step) + (step.seconds(running, rest) if rest else 0)
-    return prefill + step.seconds(running + 1, 0)
+    local_steps = full + (1 if rest else 0)
+    between = local_steps * (1.0 / max(local_share, 0.05) - 1.0) * step.seconds(running, 0)
+    return prefill + between + step.seconds(running + 1, 0)
+
+
+class LocalShare:
+    """Of the scheduling iterations that began with local work waiting, the share that
+    ran a local step, smoothed (the others ran SGLang's decode step: the streams' turn,
+    transferred requests joining). Counted, so alike on every rank."""
+
+    def __init__(self, smoothing: float = 0.05) -> None:
+        self._smoothing = smoothing
+        self.value = 1.0
+
+    def observe(self, ran_local: bool) -> None:
+        """An iteration with local work waiting ran a local step or not."""
+        self.value += self._smoothing * (float(ran_local) - self.value)
 
 
 def prefill_here_is_sooner(
@@ -221,12 +244,13 @@ def prefill_here_is_sooner(
     tokens_ahead: int,
     tokens: int,
     per_step: int,
+    local_share: float = 1.0,
 ) -> bool:
     """Whether the first token comes sooner prefilled here than remote. Without both
     models fitted: here (the placement rules chose it; the steps teach the models)."""
     if step is None or remote is None:
         return True
-    here = local_first_token_s(step, running, tokens_ahead, tokens, per_step)
+    here = local_first_token_s(step, running, tokens_ahead, tokens, per_step, local_share)
     return here <= remote.seconds(tokens)
 
 

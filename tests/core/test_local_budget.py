@@ -14,6 +14,7 @@ from sgl_pd.core.local_budget import (
     MIN_REMOTE_SAMPLES,
     MIN_SAMPLES,
     REMOTE_WINDOW_S,
+    LocalShare,
     LocalWait,
     RemoteCoefficients,
     RemoteCost,
@@ -202,3 +203,15 @@ def test_a_step_that_cannot_mix_fits_the_slo_only_where_a_page_is_cheap() -> Non
     assert unmixed_step_within_slo(cpu, 0, slo_factor=1.25, page_size=1)  # no stream
     assert unmixed_step_within_slo(None, 10, slo_factor=1.25, page_size=1)
     assert unmixed_step_within_slo(cpu, 10, slo_factor=0, page_size=1)  # no SLO
+
+
+def test_a_local_step_every_other_iteration_doubles_the_wait_for_it() -> None:
+    step = StepCoefficients(offset=0.010, per_request=0.0, per_local_token=0.0005)
+    share = LocalShare()
+    for i in range(400):  # SGLang's decode step between two local steps
+        share.observe(i % 2 == 0)
+    assert math.isclose(share.value, 0.5, abs_tol=0.05)
+    every = local_first_token_s(step, 4, 0, 128, 32)
+    alternate = local_first_token_s(step, 4, 0, 128, 32, share.value)
+    # four local steps of 26 ms, and about four decode steps of 10 ms between them
+    assert math.isclose(alternate - every, 4 * step.seconds(4, 0), rel_tol=0.15)

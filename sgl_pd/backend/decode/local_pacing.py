@@ -24,6 +24,7 @@ from typing import Any
 
 from sgl_pd.core.local_budget import (
     MODEL_WORDS,
+    LocalShare,
     RemoteCoefficients,
     RemoteCost,
     StepCoefficients,
@@ -58,6 +59,7 @@ class StepPacer:
         self.slo_factor = slo_factor
         self.page_size = page_size
         self.cost = StepCost()  # this rank's steps
+        self.share = LocalShare()  # of iterations with local work waiting, those running it
         self.step_model: StepCoefficients | None = None  # rank 0's, as last synced
         self.remote_model: RemoteCoefficients | None = None
         self._clock = clock

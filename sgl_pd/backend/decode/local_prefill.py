@@ -231,6 +231,7 @@ def _sooner_here(scheduler: Any, local: LocalPrefills, uncached: int) -> bool:
         tokens_ahead=sum(local.uncached.get(r.rid, 0) for r in local.queue),
         tokens=uncached,
         per_step=pacer.budget(running),
+        local_share=pacer.share.value,
     )
 
 
@@ -361,7 +362,10 @@ def around_get_next_batch(original: Any, scheduler: Any, running_batch: Any) -> 
         return original(scheduler, running_batch)
     manager = scheduler.disagg_decode_prealloc_queue.kv_manager
     local.pacer.stepped(scheduler, manager.decode.remote_cost)
+    waiting = bool(local.queue) or local.chunked is not None
     plan = _next_batch(original, scheduler, local, running_batch)
+    if waiting:
+        local.pacer.share.observe(local.launched is not None)  # (set by a local step only)
     if plan.batch_to_run is not None:
         local.pacer.launched(*step_shape(plan.batch_to_run))
     return plan
