@@ -490,9 +490,7 @@ def around_is_fully_idle(original: Any, scheduler: Any, *args: Any, **kw: Any) -
     if not idle or local is None:
         return idle
     ignore_waiting = bool(kw.get("ignore_waiting", args[1] if len(args) > 1 else False))
-    # (while paused, requests a retracting pause gave back wait as SGLang's held ones do)
-    waiting = not ignore_waiting and not getattr(scheduler, "_engine_paused", False)
-    return not local.busy(waiting=waiting)
+    return not local.busy(waiting=not ignore_waiting)
 
 
 def around_pause_generation(original: Any, scheduler: Any, recv_req: Any) -> Any:
