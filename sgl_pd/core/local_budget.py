@@ -52,11 +52,8 @@ class OnlineLinearFit:
     """y ~ w . x, fitted by exponentially weighted least squares (old samples fade by
     `forgetting` per new one). `x`: the feature vector, its first entry 1 (the offset)."""
 
-    def __init__(
-        self, features: int, forgetting: float = FORGETTING, min_samples: int = MIN_SAMPLES
-    ) -> None:
+    def __init__(self, features: int, forgetting: float = FORGETTING) -> None:
         self._forgetting = forgetting
-        self._min_samples = min_samples
         self._xtx = np.zeros((features, features))  # weighted sum of x x^T
         self._xty = np.zeros(features)  # weighted sum of x y
         self.samples = 0
@@ -70,8 +67,8 @@ class OnlineLinearFit:
         self.samples += 1
 
     def coefficients(self) -> tuple[float, ...] | None:
-        """The fitted w, or None before its minimum of samples."""
-        if self.samples < self._min_samples:
+        """The fitted w, or None before `MIN_SAMPLES` samples."""
+        if self.samples < MIN_SAMPLES:
             return None
         n = len(self._xty)
         scale = max(1.0, float(np.trace(self._xtx)) / n)

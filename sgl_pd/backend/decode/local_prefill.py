@@ -65,7 +65,6 @@ from sgl_pd.core.placement import is_direct_room, prefill_locally
 
 logger = logging.getLogger("sgl_pd.local_prefill")
 
-__all__ = ["LOCAL_HOST", "LocalPrefills", "is_local"]
 _STATE = "_sgl_pd_local_prefills"  # the Scheduler attribute holding `LocalPrefills`
 
 
@@ -96,7 +95,6 @@ class LocalPrefills:
         self.fallbacks: dict[str, Fallback] = {}  # rid -> where it goes if not admitted
         self.uncached: dict[str, int] = {}  # rid -> its tokens to prefill here (queued)
         self.wait = LocalWait()
-        self.sent_out = 0  # requests sent to a prefill server after all
         self.prefix_cache = prefix_cache  # the decoder's tree cache holds conversations
         self.metrics = PlacementMetrics(metrics)  # router flow's local prefills
         self.tracing = tracing  # SGLang's --enable-trace: decisions go into request spans
@@ -277,7 +275,6 @@ def _sent_out(scheduler: Any, local: LocalPrefills, req: Any, fallback: Fallback
     local.fallbacks.pop(req.rid, None)
     local.uncached.pop(req.rid, None)
     local.wait.forget(req.rid)
-    local.sent_out += 1
     if scheduler.disagg_decode_prealloc_queue.kv_manager.rank == 0:
         local.metrics.sent_out(why)
     send_out(scheduler, req, fallback, why)
@@ -401,12 +398,8 @@ def _send_out_unadmitted(scheduler: Any, local: LocalPrefills) -> None:
     """One more scheduling step passed: the local requests no step admitted within
     `ADMISSION_STEPS` go to a prefill server (those that may: the rest wait, as SGLang's
     own queue waits for memory)."""
-    for rid in local.wait.waited([r.rid for r in local.queue]):
-        fallback = local.fallbacks.get(rid)
-        if fallback is not None and fallback.may_send:
-            req = next(r for r in local.queue if r.rid == rid)
-            local.queue.remove(req)
-            _sent_out(scheduler, local, req, fallback, "unadmitted")
+    _send_out_queued(scheduler, local, set(local.wait.waited([r.rid for r in local.queue])),
+                     "unadmitted")  # fmt: skip
 
 
 def _send_out_for_room(scheduler: Any, local: LocalPrefills) -> None:
@@ -415,11 +408,16 @@ def _send_out_for_room(scheduler: Any, local: LocalPrefills) -> None:
     that frees first (SGLang admits them before this step runs), so a local request would
     lose every race until the transfer queues are empty: those that may go out join the
     transfer queue's order now instead of after `ADMISSION_STEPS` lost steps."""
-    for req in [r for r in local.queue if r.rid in local.fallbacks]:
-        fallback = local.fallbacks[req.rid]
-        if fallback.may_send:
+    _send_out_queued(scheduler, local, {r.rid for r in local.queue}, "no_room")
+
+
+def _send_out_queued(scheduler: Any, local: LocalPrefills, rids: set[str], why: str) -> None:
+    """The queued requests of `rids` that may go to a prefill server go there."""
+    for req in [r for r in local.queue if r.rid in rids]:
+        fallback = local.fallbacks.get(req.rid)
+        if fallback is not None and fallback.may_send:
             local.queue.remove(req)
-            _sent_out(scheduler, local, req, fallback, "no_room")
+            _sent_out(scheduler, local, req, fallback, why)
 
 
 # the scheduler's attributes a local step sets for SGLang's prefill scheduling, and
