@@ -398,8 +398,8 @@ def _send_out_unadmitted(scheduler: Any, local: LocalPrefills) -> None:
     """One more scheduling step passed: the local requests no step admitted within
     `ADMISSION_STEPS` go to a prefill server (those that may: the rest wait, as SGLang's
     own queue waits for memory)."""
-    _send_out_queued(scheduler, local, set(local.wait.waited([r.rid for r in local.queue])),
-                     "unadmitted")  # fmt: skip
+    late = set(local.wait.waited([r.rid for r in local.queue]))
+    _send_out_queued(scheduler, local, late, "unadmitted")
 
 
 def _send_out_for_room(scheduler: Any, local: LocalPrefills) -> None:
