@@ -102,6 +102,12 @@ class AbortReason(enum.Enum):
     ERROR = "error"
 
 
+def decoder_aborted(reason: AbortReason) -> str:
+    """Why a prefill server stopped a request its decoder gave up on: the failure SGLang
+    reports for it (and a direct-mode submission's answer carries)."""
+    return f"decoder aborted: {reason.value}"
+
+
 class _Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     pass
 

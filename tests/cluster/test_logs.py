@@ -1,10 +1,11 @@
-"""Reading servers' idle-pool lines: one state per scheduler process."""
+"""Reading servers' logs: idle-pool lines (one state per scheduler process), and which
+warnings a healthy server logs."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from sgl_pd.cluster.logs import last_pool_state, pool_states
+from sgl_pd.cluster.logs import EXPECTED_WARNINGS, last_pool_state, pool_states
 
 LINES = """\
 [2026-12-02 16:43:38 TP0] sgl_pd pool idle: used 0 tokens, available 32768, evictable 0 (no leak)
@@ -42,3 +43,18 @@ def test_idle_needs_a_line_from_every_rank_and_nothing_in_use(tmp_path: Path) ->
     for text, idle in ((tp0, False), (tp0 + tp1.format(4), False), (tp0 + tp1.format(0), True)):
         log.write_text(text)
         assert pools_idle({"s": server}, {"s": pool_states(log)}) is idle
+
+
+def test_a_client_abort_reported_by_sglang_is_expected_and_other_transfer_failures_are_not() -> (
+    None
+):
+    prefix = "2026-12-06 04:16:09,959 pid 30812 WARNING sglang.srt.disaggregation.prefill: "
+    request = "for request rank=0 req.bootstrap_room=37 with exception KV transfer of request 37"
+    lines = {
+        f"{prefix}Prefill bootstrap failed {request} failed: decoder aborted: client": True,
+        f"{prefix}Prefill transfer failed {request} failed: decoder aborted: client": True,
+        f"{prefix}Prefill transfer failed {request} failed: decoder aborted: timeout": False,
+        f"{prefix}Prefill transfer failed {request} failed: peer lost": False,
+    }
+    for line, expected in lines.items():
+        assert any(p.search(line) for p in EXPECTED_WARNINGS) == expected, line

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -16,7 +18,7 @@ from messenger_helpers import HOST, register_msg
 
 from sgl_pd.backend.decode.direct import DirectDispatcher, NoPrefillServer, _unless_refused
 from sgl_pd.backend.prefill.direct import LocalSubmitter
-from sgl_pd.core.wire import SubmitPrefill
+from sgl_pd.core.wire import AbortReason, SubmitPrefill, decoder_aborted
 from sgl_pd.messenger import RegistryClient, RegistryServer
 
 REASON = "The input (9000 tokens) is longer than the model's context length (8192 tokens)."
@@ -25,10 +27,13 @@ REASON = "The input (9000 tokens) is longer than the model's context length (819
 class _Refusing(BaseHTTPRequestHandler):
     """SGLang's /generate refusing a request it validated."""
 
+    status = 400
+    reason = REASON
+
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        body = json.dumps({"error": {"message": REASON}}).encode()
-        self.send_response(400)
+        body = json.dumps({"error": {"message": self.reason}}).encode()
+        self.send_response(self.status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -38,9 +43,26 @@ class _Refusing(BaseHTTPRequestHandler):
         pass
 
 
+class _ClientAborted(_Refusing):
+    """SGLang's /generate answering for a request whose decoder aborted it mid-transfer,
+    as its client went away."""
+
+    status = 500
+    reason = f"Prefill transfer failed: {decoder_aborted(AbortReason.CLIENT)}"
+
+
 @pytest.fixture
 def refusing_api() -> Iterator[str]:
-    server = ThreadingHTTPServer((HOST, 0), _Refusing)
+    yield from _serve(_Refusing)
+
+
+@pytest.fixture
+def client_aborted_api() -> Iterator[str]:
+    yield from _serve(_ClientAborted)
+
+
+def _serve(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    server = ThreadingHTTPServer((HOST, 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://{HOST}:{server.server_address[1]}"
@@ -96,6 +118,39 @@ def test_a_refusal_after_the_submission_fails_the_request_at_the_next_probe(
         finally:
             dispatcher.close()
             submitter.close()
+
+
+def _refusals_of(submitter: LocalSubmitter, sender: str, count: int) -> list[int]:
+    deadline = time.monotonic() + 10
+    while len(rooms := [r.request_id for r in submitter.refused_for(sender)]) < count:
+        assert time.monotonic() < deadline, "the submitter never recorded the answer"
+        time.sleep(0.01)
+    return rooms
+
+
+def test_a_refusal_is_a_warning(refusing_api: str, caplog: pytest.LogCaptureFixture) -> None:
+    submitter = LocalSubmitter(refusing_api)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="sgl_pd.direct"):
+            assert submitter.submit(_submission(3, "decoder 1")) is None
+            assert _refusals_of(submitter, "decoder 1", 1) == [3]
+    finally:
+        submitter.close()
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+
+
+def test_a_request_its_client_abandoned_ends_without_a_warning(
+    client_aborted_api: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The decoder aborted it itself: a warning on the prefill server would be a false alarm."""
+    submitter = LocalSubmitter(client_aborted_api)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="sgl_pd.direct"):
+            assert submitter.submit(_submission(5, "decoder 1")) is None
+            assert _refusals_of(submitter, "decoder 1", 1) == [5]
+    finally:
+        submitter.close()
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]
 
 
 def test_outputs_pass_through_until_the_request_ends() -> None:

@@ -22,7 +22,14 @@ import time
 from collections import deque
 from typing import Any
 
-from sgl_pd.core.wire import MAX_REFUSED_PER_REPLY, ErrorCode, RefusedSubmission, SubmitPrefill
+from sgl_pd.core.wire import (
+    MAX_REFUSED_PER_REPLY,
+    AbortReason,
+    ErrorCode,
+    RefusedSubmission,
+    SubmitPrefill,
+    decoder_aborted,
+)
 from sgl_pd.log_limits import LogLimiter
 
 logger = logging.getLogger("sgl_pd.direct")
@@ -32,6 +39,8 @@ POST_TIMEOUT_S = 3600.0  # a prefill's answer comes once its KV is sent: long pr
 # seconds a refusal stays in probe answers: decoders probe every second, so several times
 REFUSAL_MEMORY_S = 30.0
 MAX_REFUSALS = 4096  # remembered at once, whoever submitted them
+# what the API answers for a request its decoder aborted because the client went away
+_CLIENT_ABORT = decoder_aborted(AbortReason.CLIENT)
 
 
 class LocalSubmitter:
@@ -90,7 +99,10 @@ class LocalSubmitter:
                 self._in_flight -= 1
 
     def _refuse(self, room: int, sender: str, why: str) -> None:
-        self._log.warning("refused", "direct request %d from %s: %s", room, sender, why)
+        if _CLIENT_ABORT in why:  # its client went away: the decoder knows, nothing is wrong
+            logger.debug("direct request %d from %s ended: %s", room, sender, why)
+        else:
+            self._log.warning("refused", "direct request %d from %s: %s", room, sender, why)
         with self._lock:
             self._refused.append(
                 (time.monotonic(), sender, RefusedSubmission(request_id=room, message=why[:1000]))

@@ -53,6 +53,7 @@ from sgl_pd.core.wire import (
     ErrorMsg,
     Guarded,
     TransferRequest,
+    decoder_aborted,
 )
 from sgl_pd.log_limits import LogLimiter, peer_text
 from sgl_pd.transfer.engine import TransferEngine
@@ -144,7 +145,7 @@ class PrefillMessenger:
         An abort from a decode rank that does not own the request is refused."""
         acks = self.rooms.abort(
             abort.request_id,
-            f"decoder aborted: {abort.reason.value}",
+            decoder_aborted(abort.reason),
             abort.reply_to,
             abort.decoder_instance,
         )
