@@ -95,6 +95,7 @@ def _overhead_messages() -> dict[str, Message]:
         token_stop=128,
         page_ids=tuple(range(8)),
         is_last=True,
+        num_chunks=1,
         prefill_instance=3,
     )
     # 5 msgpack bytes per page id >= 2**16: 13k ids are about 64 KiB

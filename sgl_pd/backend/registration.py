@@ -128,7 +128,11 @@ def register_backend() -> None:
 
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
-        nested(refusals.around_generate_request, direct.around_generate_request),
+        nested(
+            refusals.around_generate_request,
+            direct.around_generate_request,
+            request_checks.around_generate_request,
+        ),
         HookType.AROUND,
     )
     HookRegistry.register(

@@ -1,4 +1,12 @@
-"""Requests a PD server of ours cannot serve, refused as they arrive, with the reason.
+"""Requests a server of ours cannot serve, refused as they arrive, with the reason.
+
+On every server launched with sgl_pd (monolithic included): a request field that could
+crash or corrupt a scheduler (`core.request_limits`) is answered 400 naming the field -
+checked as the request arrives (`around_generate_request`, before a direct-mode decoder
+sends it to a prefill server) and again once its prompt is token ids
+(`before_validate_one_request`).
+
+On a PD server:
 
 `n > 1` (parallel sampling): SGLang's tokenizer turns one request into a prefix warm-up
 plus n copies, and every copy keeps the one bootstrap room the router gave the request.
@@ -16,9 +24,17 @@ into the answer; the client would get the answer without them. Refused with the 
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 from sgl_pd.config import sgl_pd_role
+from sgl_pd.core.request_limits import (
+    ModelLimits,
+    raw_request_problem,
+    tokenized_request_problem,
+)
+
+_LIMITS = "_sgl_pd_model_limits"  # the TokenizerManager attribute caching `ModelLimits`
 
 PARALLEL_SAMPLING_REFUSED = (
     "n > 1 (parallel sampling) is not supported by prefill/decode disaggregation: SGLang "
@@ -57,14 +73,47 @@ def _samples(obj: Any) -> int:
     return 1
 
 
+def model_limits(manager: Any) -> ModelLimits:
+    """The served model's limits, as this HTTP process's tokenizer manager knows them."""
+    limits = getattr(manager, _LIMITS, None)
+    if limits is None:
+        config = manager.model_config
+        limits = ModelLimits(
+            vocab_size=int(config.vocab_size),
+            context_len=int(manager.context_len),
+            hidden_size=getattr(config, "hidden_size", None),
+        )
+        setattr(manager, _LIMITS, limits)
+    return limits
+
+
+async def around_generate_request(
+    original: Any, manager: Any, obj: Any, request: Any = None
+) -> AsyncIterator[Any]:
+    """AROUND hook of ``TokenizerManager.generate_request`` (outermost): a generate
+    request with a field no scheduler can safely take is refused before anything else
+    sees it. A ValueError is SGLang's own way to answer 400 with the message."""
+    if hasattr(obj, "sampling_params"):  # generate, not embedding
+        problem = raw_request_problem(vars(obj), model_limits(manager))
+        if problem is not None:
+            raise ValueError(str(problem))
+    async for out in original(manager, obj, request):
+        yield out
+
+
 def before_validate_one_request(manager: Any, obj: Any, *args: Any, **kw: Any) -> None:
     """BEFORE hook of ``TokenizerManager._validate_one_request`` (the HTTP process): a
     ValueError here is SGLang's own way to answer 400 with the message."""
+    input_ids = args[0] if args else kw.get("input_ids")
+    problem = tokenized_request_problem(
+        input_ids, model_limits(manager), input_embeds=getattr(obj, "input_embeds", None)
+    )
+    if problem is not None:
+        raise ValueError(str(problem))
     if sgl_pd_role(manager.server_args) is None:
         return
     if _samples(obj) > 1:
         raise ValueError(PARALLEL_SAMPLING_REFUSED)
-    input_ids = args[0] if args else kw.get("input_ids")
     n = len(input_ids) if input_ids is not None else 0
     start = _input_top_logprobs(obj, n)
     if start is not None:

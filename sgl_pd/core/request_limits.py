@@ -1,0 +1,326 @@
+"""Request fields that could crash or corrupt a scheduler, checked before any does.
+
+A token id past the vocabulary (or negative) reaches the embedding gather: on CPU an
+`IndexError` kills the scheduler process, on a GPU a device-side assert poisons the CUDA
+context. So do top logprobs wider than the vocabulary, stop token ids or logit bias keys
+outside it (penalizers scatter them into vocabulary-wide rows), and input embeddings of
+the wrong width. In a disaggregated cluster one prefill server serves many decoders, so
+one such request would fail every request in flight. Each check here names the field,
+and the server answers 400 with it.
+
+Two passes, both pure:
+- `raw_request_problem` reads the request as it arrived - single or batch, before
+  SGLang normalizes it and before anything is sent anywhere (a prefill server included):
+  value ranges and types that need no prompt;
+- `tokenized_request_problem` reads one request of it once its prompt is token ids: ids
+  against the vocabulary, logprob positions and embedding widths against the prompt.
+
+Sampling parameters SGLang itself verifies at its door (`SamplingParams.verify`: top_p,
+min_p, penalties, min/max new tokens, logit bias keys) are checked again only for what
+its check lets through: types (its parameters are not type-checked on construction) and
+non-finite numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# Samples one HTTP request may ask for (prompts of a batch times `n`): more is a request
+# no client needs and every scheduler would hold in its queues at once
+MAX_SAMPLES_PER_REQUEST = 1024
+# Parallel samples of one prompt (SGLang copies the request this many times)
+MAX_N = 128
+# Stop token ids and logit bias entries of one request (each is a vocabulary row write)
+MAX_TOKEN_LIST = 4096
+# A sampling seed is an int64 in SGLang's sampler
+INT64 = (-(2**63), 2**63 - 1)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is checked against: the served model's."""
+
+    vocab_size: int  # token ids are in [0, vocab_size)
+    context_len: int  # tokens a request may hold, prompt and output
+    hidden_size: int | None = None  # the width of one input embedding; None: unknown
+
+
+@dataclass(frozen=True)
+class BadField:
+    """The first field of a request that cannot be served, and why."""
+
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"invalid request field {self.field}: {self.message}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _per_item(value: Any) -> Iterator[tuple[str, Any]]:
+    """A field that is one value for a single request or a list of them for a batch:
+    (suffix naming the item, value) for each."""
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            yield f"[{i}]", item
+    else:
+        yield "", value
+
+
+def token_ids_problem(
+    field: str, ids: Any, vocab_size: int, *, max_len: int | None = None
+) -> BadField | None:
+    """`ids` must be a flat list of ints in [0, vocab_size). Checked with numpy: a
+    prompt of a million ids costs milliseconds."""
+    if not isinstance(ids, (list, tuple)):
+        return BadField(field, f"a list of token ids, not {type(ids).__name__}")
+    if max_len is not None and len(ids) > max_len:
+        return BadField(field, f"{len(ids)} token ids, at most {max_len}")
+    if not ids:
+        return None
+    if not all(_is_int(i) for i in ids):
+        bad = next(i for i in ids if not _is_int(i))
+        return BadField(field, f"token ids are integers, not {bad!r:.40}")
+    try:
+        array = np.asarray(ids, dtype=np.int64)
+    except OverflowError:
+        return BadField(field, f"token ids are in [0, {vocab_size})")
+    low, high = int(array.min()), int(array.max())
+    if low < 0 or high >= vocab_size:
+        worst = low if low < 0 else high
+        return BadField(field, f"token id {worst} is outside the vocabulary [0, {vocab_size})")
+    return None
+
+
+def _prompt_ids_problem(input_ids: Any, limits: ModelLimits) -> BadField | None:
+    if input_ids is None:
+        return None
+    if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
+        for i, ids in enumerate(input_ids):
+            problem = token_ids_problem(f"input_ids[{i}]", ids, limits.vocab_size)
+            if problem is not None:
+                return problem
+        return None
+    return token_ids_problem("input_ids", input_ids, limits.vocab_size)
+
+
+def _batch_size(request: Mapping[str, Any]) -> int:
+    """Prompts in the request: 1 for a single request."""
+    text, ids, embeds = (request.get(k) for k in ("text", "input_ids", "input_embeds"))
+    if isinstance(text, list):
+        return len(text)
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        return len(ids)
+    if isinstance(embeds, list) and embeds and isinstance(embeds[0], list) and embeds[0]:
+        return len(embeds) if isinstance(embeds[0][0], list) else 1
+    return 1
+
+
+def _sampling_params(request: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    params = request.get("sampling_params")
+    if isinstance(params, list):
+        for i, p in enumerate(params):
+            yield f"sampling_params[{i}]", p
+    else:
+        yield "sampling_params", params
+
+
+# sampling parameters that are numbers: (lowest, highest) allowed, None = unbounded; the
+# ranges SGLang's own check enforces are repeated so that a non-number fails here first
+_NUMBER_RANGES: dict[str, tuple[float | None, float | None]] = {
+    "temperature": (0.0, None),
+    "top_p": (0.0, 1.0),
+    "min_p": (0.0, 1.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "presence_penalty": (-2.0, 2.0),
+    "repetition_penalty": (0.0, 2.0),
+}
+_INT_PARAMS = ("max_new_tokens", "min_new_tokens", "n", "top_k", "stream_interval")
+_STRING_PARAMS = ("json_schema", "regex", "ebnf", "structural_tag")
+_BOOL_PARAMS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                "no_stop_trim")  # fmt: skip
+
+
+def sampling_params_problem(field: str, params: Any, limits: ModelLimits) -> BadField | None:
+    """One request's sampling parameters: types, and the ranges a scheduler relies on."""
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        return BadField(field, f"an object, not {type(params).__name__}")
+    for name, (low, high) in _NUMBER_RANGES.items():
+        value = params.get(name)
+        if value is None:
+            continue
+        if not _is_number(value) or not math.isfinite(value):
+            return BadField(f"{field}.{name}", f"a finite number, not {value!r:.40}")
+        if (low is not None and value < low) or (high is not None and value > high):
+            return BadField(f"{field}.{name}", f"{value} is outside [{low}, {high}]")
+    for name in _INT_PARAMS:
+        value = params.get(name)
+        if value is not None and not _is_int(value):
+            return BadField(f"{field}.{name}", f"an integer, not {value!r:.40}")
+    for name in _STRING_PARAMS:
+        value = params.get(name)
+        if value is not None and not isinstance(value, str):
+            return BadField(f"{field}.{name}", f"a string, not {type(value).__name__}")
+    for name in _BOOL_PARAMS:
+        value = params.get(name)
+        if value is not None and not isinstance(value, bool):
+            return BadField(f"{field}.{name}", f"true or false, not {value!r:.40}")
+    n = params.get("n")
+    if n is not None and not 1 <= n <= MAX_N:
+        return BadField(f"{field}.n", f"{n} samples; 1 to {MAX_N}")
+    for name in ("max_new_tokens", "min_new_tokens"):
+        value = params.get(name)
+        if value is not None and not 0 <= value <= limits.context_len:
+            return BadField(f"{field}.{name}", f"{value} is outside [0, {limits.context_len}]")
+    top_k = params.get("top_k")
+    if top_k is not None and top_k != -1 and top_k < 1:
+        return BadField(f"{field}.top_k", f"-1 (the whole vocabulary) or at least 1, not {top_k}")
+    interval = params.get("stream_interval")
+    if interval is not None and interval < 1:
+        return BadField(f"{field}.stream_interval", f"at least 1, not {interval}")
+    stop_ids = params.get("stop_token_ids")
+    if stop_ids is not None:
+        problem = token_ids_problem(
+            f"{field}.stop_token_ids", stop_ids, limits.vocab_size, max_len=MAX_TOKEN_LIST
+        )
+        if problem is not None:
+            return problem
+    bias = params.get("logit_bias")
+    if bias is not None:
+        problem = _logit_bias_problem(f"{field}.logit_bias", bias, limits.vocab_size)
+        if problem is not None:
+            return problem
+    seed = params.get("sampling_seed")
+    if seed is not None and (not _is_int(seed) or not INT64[0] <= seed <= INT64[1]):
+        return BadField(f"{field}.sampling_seed", "an integer in [-2**63, 2**63 - 1]")
+    stop = params.get("stop")
+    strings = isinstance(stop, list) and all(isinstance(s, str) for s in stop)
+    if stop is not None and not isinstance(stop, str) and not strings:
+        return BadField(f"{field}.stop", "a string or a list of strings")
+    return None
+
+
+def _logit_bias_problem(field: str, bias: Any, vocab_size: int) -> BadField | None:
+    if not isinstance(bias, dict):
+        return BadField(field, f"an object of token id -> bias, not {type(bias).__name__}")
+    if len(bias) > MAX_TOKEN_LIST:
+        return BadField(field, f"{len(bias)} entries, at most {MAX_TOKEN_LIST}")
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            return BadField(field, f"keys are token ids, not {key!r:.40}")
+        if not 0 <= token < vocab_size:
+            return BadField(field, f"token id {token} is outside the vocabulary [0, {vocab_size})")
+        if not _is_number(value) or not math.isfinite(value):
+            return BadField(f"{field}[{key}]", f"a finite number, not {value!r:.40}")
+    return None
+
+
+def _logprob_problem(request: Mapping[str, Any], limits: ModelLimits) -> BadField | None:
+    for suffix, num in _per_item(request.get("top_logprobs_num")):
+        if num is None:
+            continue
+        if not _is_int(num) or not 0 <= num <= limits.vocab_size:
+            return BadField(
+                f"top_logprobs_num{suffix}", f"{num!r:.40} is outside [0, {limits.vocab_size}]"
+            )
+    for suffix, start in _per_item(request.get("logprob_start_len")):
+        if start is not None and (not _is_int(start) or start < -1):
+            return BadField(
+                f"logprob_start_len{suffix}",
+                f"-1 (output only) or a prompt position, not {start!r:.40}",
+            )
+    ids = request.get("token_ids_logprob")
+    if ids is None:
+        return None
+    nested = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+    named = (
+        [(f"token_ids_logprob[{i}]", one) for i, one in enumerate(ids)]
+        if nested
+        else [("token_ids_logprob", ids)]
+    )
+    for name, one in named:
+        if one is None:
+            continue
+        problem = token_ids_problem(name, one, limits.vocab_size, max_len=MAX_TOKEN_LIST)
+        if problem is not None:
+            return problem
+    return None
+
+
+def raw_request_problem(request: Mapping[str, Any], limits: ModelLimits) -> BadField | None:
+    """The first field of a generate request, as it arrived (single or batch), that no
+    scheduler can safely take; None when there is none. `request` maps field names to
+    values (a `GenerateReqInput`'s attributes)."""
+    problem = _prompt_ids_problem(request.get("input_ids"), limits)
+    if problem is not None:
+        return problem
+    samples = _batch_size(request)
+    for field, params in _sampling_params(request):
+        problem = sampling_params_problem(field, params, limits)
+        if problem is not None:
+            return problem
+        n = params.get("n") if isinstance(params, dict) else None
+        samples_each = n if isinstance(n, int) and n > 1 else 1
+        if isinstance(request.get("sampling_params"), list):
+            continue  # one params object per prompt: counted below
+        samples *= samples_each
+    if samples > MAX_SAMPLES_PER_REQUEST:
+        return BadField(
+            "batch", f"{samples} samples in one request, at most {MAX_SAMPLES_PER_REQUEST}"
+        )
+    return _logprob_problem(request, limits)
+
+
+def tokenized_request_problem(
+    input_ids: Sequence[int] | None,
+    limits: ModelLimits,
+    *,
+    logprob_start_len: Any = None,
+    input_embeds: Any = None,
+) -> BadField | None:
+    """One request of a batch, its prompt tokenized: the ids a scheduler will embed, and
+    what is measured against the prompt."""
+    if input_ids is not None:
+        problem = token_ids_problem("input_ids", list(input_ids), limits.vocab_size)
+        if problem is not None:
+            return problem
+    if input_embeds is not None:
+        problem = _embeds_problem(input_embeds, limits.hidden_size)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _embeds_problem(embeds: Any, width: int | None) -> BadField | None:
+    """Input embeddings: a list of rows, each `width` finite numbers."""
+    if not isinstance(embeds, list) or not embeds:
+        return BadField("input_embeds", "a non-empty list of embedding rows")
+    try:
+        array = np.asarray(embeds, dtype=np.float64)
+    except (TypeError, ValueError):
+        return BadField("input_embeds", "rows of numbers, all of one width")
+    if array.ndim != 2:
+        return BadField("input_embeds", f"a list of rows (2 dimensions), not {array.ndim}")
+    if width is not None and array.shape[1] != width:
+        return BadField(
+            "input_embeds", f"rows of {array.shape[1]} numbers; the model's are {width}"
+        )
+    if not np.isfinite(array).all():
+        return BadField("input_embeds", "finite numbers")
+    return None

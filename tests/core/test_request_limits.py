@@ -1,0 +1,146 @@
+"""The request fields that could crash a scheduler are refused, naming the field; every
+valid request passes - properties over generated requests, and the bodies that once
+killed a server."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sgl_pd.core.request_limits import (
+    MAX_N,
+    MAX_SAMPLES_PER_REQUEST,
+    ModelLimits,
+    raw_request_problem,
+    tokenized_request_problem,
+)
+
+LIMITS = ModelLimits(vocab_size=512, context_len=8192, hidden_size=64)
+
+valid_ids = st.lists(st.integers(0, LIMITS.vocab_size - 1), max_size=64)
+valid_params = st.fixed_dictionaries(
+    {},
+    optional={
+        "max_new_tokens": st.integers(0, 100),
+        "temperature": st.floats(0, 5),
+        "top_p": st.floats(0.01, 1),
+        "top_k": st.sampled_from([-1, 1, 5, 10**9]),
+        "min_p": st.floats(0, 1),
+        "frequency_penalty": st.floats(-2, 2),
+        "repetition_penalty": st.floats(0.01, 2),
+        "n": st.integers(1, MAX_N),
+        "stop_token_ids": valid_ids,
+        "logit_bias": st.dictionaries(
+            st.integers(0, LIMITS.vocab_size - 1).map(str), st.floats(-100, 100), max_size=8
+        ),
+        "sampling_seed": st.integers(-(2**63), 2**63 - 1),
+        "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=3)),
+        "regex": st.text(max_size=10),
+        "ignore_eos": st.booleans(),
+    },
+)
+
+
+@given(
+    ids=valid_ids,
+    params=valid_params,
+    top=st.integers(0, LIMITS.vocab_size),
+    start=st.integers(-1, 100),
+    logprob_ids=valid_ids,
+)
+def test_every_valid_request_passes(
+    ids: list[int], params: dict, top: int, start: int, logprob_ids: list[int]
+) -> None:
+    request = {
+        "input_ids": ids,
+        "sampling_params": params,
+        "return_logprob": True,
+        "top_logprobs_num": top,
+        "logprob_start_len": start,
+        "token_ids_logprob": logprob_ids,
+    }
+    assert raw_request_problem(request, LIMITS) is None
+    assert tokenized_request_problem(ids, LIMITS) is None
+
+
+@given(ids=valid_ids, bad=st.one_of(st.integers(max_value=-1), st.integers(min_value=512)))
+def test_a_prompt_id_outside_the_vocabulary_is_refused(ids: list[int], bad: int) -> None:
+    prompt = [*ids, bad]
+    for problem in (
+        raw_request_problem({"input_ids": prompt}, LIMITS),
+        raw_request_problem({"input_ids": [[1, 2], prompt]}, LIMITS),
+        tokenized_request_problem(prompt, LIMITS),
+    ):
+        assert problem is not None
+        assert problem.field.startswith("input_ids")
+        assert "vocabulary" in problem.message or "[0, 512)" in problem.message
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "field"),
+    [
+        # the bodies that killed a server before they were checked
+        ({"return_logprob": True, "top_logprobs_num": 100000}, "top_logprobs_num"),
+        ({"input_ids": [1, 512, 2]}, "input_ids"),
+        ({"input_ids": [1, -1, 2]}, "input_ids"),
+        ({"input_ids": [1, 2**70]}, "input_ids"),
+        ({"input_ids": [1, 2.5]}, "input_ids"),
+        ({"input_ids": [1, True]}, "input_ids"),
+        ({"top_logprobs_num": -3}, "top_logprobs_num"),
+        ({"top_logprobs_num": [1, 100000]}, "top_logprobs_num[1]"),
+        ({"logprob_start_len": -5}, "logprob_start_len"),
+        ({"token_ids_logprob": [520]}, "token_ids_logprob"),
+        ({"token_ids_logprob": [[1], [520]]}, "token_ids_logprob[1]"),
+        ({"sampling_params": {"stop_token_ids": [1, 600]}}, "sampling_params.stop_token_ids"),
+        ({"sampling_params": {"stop_token_ids": "12"}}, "sampling_params.stop_token_ids"),
+        ({"sampling_params": {"logit_bias": {"600": 1.0}}}, "sampling_params.logit_bias"),
+        ({"sampling_params": {"logit_bias": {"x": 1.0}}}, "sampling_params.logit_bias"),
+        ({"sampling_params": {"logit_bias": {"3": math.inf}}}, "sampling_params.logit_bias[3]"),
+        ({"sampling_params": {"temperature": math.inf}}, "sampling_params.temperature"),
+        ({"sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
+        ({"sampling_params": {"top_p": math.nan}}, "sampling_params.top_p"),
+        ({"sampling_params": {"top_k": 0}}, "sampling_params.top_k"),
+        ({"sampling_params": {"top_k": 2.5}}, "sampling_params.top_k"),
+        ({"sampling_params": {"max_new_tokens": 10**12}}, "sampling_params.max_new_tokens"),
+        ({"sampling_params": {"min_new_tokens": -1}}, "sampling_params.min_new_tokens"),
+        ({"sampling_params": {"n": 0}}, "sampling_params.n"),
+        ({"sampling_params": {"n": MAX_N + 1}}, "sampling_params.n"),
+        ({"sampling_params": {"regex": 5}}, "sampling_params.regex"),
+        ({"sampling_params": {"ignore_eos": "yes"}}, "sampling_params.ignore_eos"),
+        ({"sampling_params": {"sampling_seed": 2**70}}, "sampling_params.sampling_seed"),
+        ({"sampling_params": {"stop": [1, 2]}}, "sampling_params.stop"),
+        ({"sampling_params": {"stream_interval": 0}}, "sampling_params.stream_interval"),
+        ({"sampling_params": "greedy"}, "sampling_params"),
+        ({"sampling_params": [{}, {"temperature": -1.0}]}, "sampling_params[1].temperature"),
+        (
+            {"text": ["a"] * 16, "sampling_params": {"n": MAX_N}},
+            "batch",
+        ),
+        ({"text": ["a"] * (MAX_SAMPLES_PER_REQUEST + 1)}, "batch"),
+    ],
+)
+def test_each_hostile_field_is_named(request_fields: dict, field: str) -> None:
+    problem = raw_request_problem(request_fields, LIMITS)
+    assert problem is not None, request_fields
+    assert problem.field == field
+    assert str(problem).startswith(f"invalid request field {field}: ")
+
+
+@pytest.mark.parametrize(
+    ("embeds", "why"),
+    [
+        ([[0.1, 0.2]], "rows of 2 numbers"),
+        ([[0.0] * 64, [0.0] * 63], "rows of numbers"),
+        ([[math.nan] * 64], "finite"),
+        ([], "non-empty"),
+        ([0.1] * 64, "2 dimensions"),
+    ],
+)
+def test_input_embeddings_of_the_wrong_shape_are_refused(embeds: list, why: str) -> None:
+    problem = tokenized_request_problem(None, LIMITS, input_embeds=embeds)
+    assert problem is not None and problem.field == "input_embeds"
+    assert why in problem.message
+    assert tokenized_request_problem(None, LIMITS, input_embeds=[[0.5] * 64] * 3) is None
