@@ -185,6 +185,24 @@ def register_backend() -> None:
         request_checks.before_validate_one_request,
         HookType.BEFORE,
     )
+    from sgl_pd.backend import body_errors
+
+    HookRegistry.register(
+        "fastapi.dependencies.utils.request_body_to_args",
+        body_errors.around_request_body_to_args,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.entrypoints.openai.serving_tokenize.OpenAIServingDetokenize._validate_request",
+        body_errors.after_detokenize_validate,
+        HookType.AFTER,
+    )
+    for handler in ("handle_chat", "handle_generate"):
+        HookRegistry.register(
+            f"sglang.srt.entrypoints.ollama.serving.OllamaServing.{handler}",
+            body_errors.around_ollama_handler,
+            HookType.AROUND,
+        )
 
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.handle_generate_request",

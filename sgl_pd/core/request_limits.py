@@ -263,6 +263,28 @@ def _logprob_problem(request: Mapping[str, Any], limits: ModelLimits) -> BadFiel
     return None
 
 
+# SGLang's SessionParams fields, and the types each takes (None allowed for all)
+_SESSION_FIELDS: dict[str, type] = {
+    "id": str, "rid": str, "offset": int, "replace": bool, "drop_previous_output": bool,
+}  # fmt: skip
+
+
+def _session_problem(session: Any) -> BadField | None:
+    if session is None:
+        return None
+    if not isinstance(session, dict):
+        return BadField("session_params", f"an object, not {type(session).__name__}")
+    for key, value in session.items():
+        kind = _SESSION_FIELDS.get(key)
+        if kind is None:
+            return BadField("session_params", f"unknown field {key!r:.40}")
+        if value is not None and (
+            not isinstance(value, kind) or isinstance(value, bool) != (kind is bool)
+        ):
+            return BadField(f"session_params.{key}", f"a {kind.__name__}, not {value!r:.40}")
+    return None
+
+
 def raw_request_problem(request: Mapping[str, Any], limits: ModelLimits) -> BadField | None:
     """The first field of a generate request, as it arrived (single or batch), that no
     scheduler can safely take; None when there is none. `request` maps field names to
@@ -284,7 +306,7 @@ def raw_request_problem(request: Mapping[str, Any], limits: ModelLimits) -> BadF
         return BadField(
             "batch", f"{samples} samples in one request, at most {MAX_SAMPLES_PER_REQUEST}"
         )
-    return _logprob_problem(request, limits)
+    return _logprob_problem(request, limits) or _session_problem(request.get("session_params"))
 
 
 def tokenized_request_problem(

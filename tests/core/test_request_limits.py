@@ -61,6 +61,7 @@ def test_every_valid_request_passes(
         "top_logprobs_num": top,
         "logprob_start_len": start,
         "token_ids_logprob": logprob_ids,
+        "session_params": {"id": "s", "offset": 3, "replace": False, "rid": None},
     }
     assert raw_request_problem(request, LIMITS) is None
     assert tokenized_request_problem(ids, LIMITS) is None
@@ -120,6 +121,11 @@ def test_a_prompt_id_outside_the_vocabulary_is_refused(ids: list[int], bad: int)
             "batch",
         ),
         ({"text": ["a"] * (MAX_SAMPLES_PER_REQUEST + 1)}, "batch"),
+        ({"session_params": {"r!": "x"}}, "session_params"),
+        ({"session_params": ["id"]}, "session_params"),
+        ({"session_params": {"offset": "3"}}, "session_params.offset"),
+        ({"session_params": {"offset": True}}, "session_params.offset"),
+        ({"session_params": {"replace": 1}}, "session_params.replace"),
     ],
 )
 def test_each_hostile_field_is_named(request_fields: dict, field: str) -> None:

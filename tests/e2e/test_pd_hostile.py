@@ -1,21 +1,26 @@
 """Hostile input against a real PD pair (SGLang on CPU, SGLang's router): processes without
-the cluster secret get nothing back from any listener, and a member that sends thousands
-of hostile frames leaves both servers healthy, running and giving the same tokens.
+the cluster secret get nothing back from any listener, a member that sends thousands
+of hostile frames leaves both servers healthy, running and giving the same tokens, and
+every request body that once took a server down or got a 5xx is answered 4xx by the PD
+pair and a monolithic server alike.
 
 The tests share one cluster and run in file order: the strangers first, then the member.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import requests
 
 from sgl_pd.cluster import hostile
 from sgl_pd.cluster.client import generate_ids
-from sgl_pd.cluster.local import Patience, PdCluster, pd_cluster
+from sgl_pd.cluster.hostile_requests import Body, send
+from sgl_pd.cluster.local import Patience, PdCluster, Server, pd_cluster
 from sgl_pd.cluster.prompts import prompt_ids, varied_prompts
 
 pytestmark = pytest.mark.e2e
@@ -121,3 +126,35 @@ def test_a_hostile_member_harms_nothing(setup: Setup, patience: Patience) -> Non
     for p in logs:
         added = len(p.read_text(errors="replace").splitlines()) - lines_before[p.name]
         assert added <= LOG_LINES_ALLOWED, f"{p.name} grew by {added} lines"
+
+
+# Every request body that ever killed a server or got a 5xx (`bench_hostile_requests.py`
+# saves them; the ones found are copied here): one JSON object a line, with how it was found
+HOSTILE_REQUEST_CASES = Path(__file__).with_name("hostile_request_cases.jsonl")
+
+
+def _hostile_request_cases() -> list[dict]:
+    lines = HOSTILE_REQUEST_CASES.read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def test_every_body_that_once_failed_a_server_is_refused_by_both(
+    setup: Setup, mono: Server, patience: Patience
+) -> None:
+    """Each body, to a monolithic server and through the router to the PD pair: both
+    answer 4xx, and afterwards every server is healthy and gives the same tokens (runs
+    last: the member phase above counts tracebacks in the logs)."""
+    cases = _hostile_request_cases()
+    assert len(cases) >= 13
+    wrong = []
+    for case in cases:
+        item = Body(case["endpoint"], case["body"], "regression")
+        for name, url in (("monolithic", mono.url), ("pd", setup.cluster.router_url)):
+            outcome = send(url, item, patience.seconds(60.0))
+            if not (isinstance(outcome.status, int) and 400 <= outcome.status < 500):
+                wrong.append(f"{name} {item.endpoint} ({case['found']}): {outcome}")
+    assert wrong == []
+    _assert_unharmed(setup, patience)
+    assert requests.get(f"{mono.url}/health", timeout=patience.seconds(30.0)).status_code == 200
+    prompt = setup.prompts[0]
+    assert generate_ids(mono.url, prompt, MAX_NEW_TOKENS) == setup.expected[0]
