@@ -298,6 +298,21 @@ def main(argv: list[str] | None = None) -> int:
         servers.close()
 
     saved = save_cases(args.cases, cases)
+    summary = report(tallies, cases, lost, saved, args.targets, time.monotonic() - started)
+    print(json.dumps(summary))
+    return 0
+
+
+def report(
+    tallies: dict[tuple[str, str], Tally],
+    cases: Sequence[Case],
+    lost: Sequence[str],
+    saved: int,
+    targets: Sequence[str],
+    campaign_s: float,
+) -> dict[str, object]:
+    """Prints the table of answers per target and endpoint, the servers lost and the
+    cases found; returns the headline figures."""
     print(f"\n{'target':11s} {'endpoint':22s} {'bodies':>7s} {'2xx':>6s} {'4xx':>6s} "
           f"{'5xx':>5s} {'timeout':>8s} {'no answer':>9s}")  # fmt: skip
     for (target, endpoint), t in sorted(tallies.items()):
@@ -318,11 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         "server_errors_5xx": sum(t.server_errors for t in tallies.values()),
         "regression_cases": saved,
         "bodies_per_endpoint": dict(per_endpoint),
-        "status_per_target": {target: dict(_statuses(tallies, target)) for target in args.targets},
-        "campaign_s": round(time.monotonic() - started, 1),
+        "status_per_target": {target: dict(_statuses(tallies, target)) for target in targets},
+        "campaign_s": round(campaign_s, 1),
     }
-    print(json.dumps(summary))
-    return 0
+    return summary
 
 
 def _statuses(tallies: dict[tuple[str, str], Tally], target: str) -> collections.Counter[str]:

@@ -1,0 +1,107 @@
+"""Every benchmark still runs up to its campaign: it imports, its command line parses
+(`--help`), and the parts that build protocol messages or print results run on tiny
+inputs - seconds, not campaigns. A benchmark that rots (a message gained a field, a
+helper was renamed) fails here, not on the day someone runs it."""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPTS = sorted(p for p in BENCHMARKS.glob("bench_*.py"))
+
+
+def _load(path: Path) -> ModuleType:
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location(f"smoke_{path.stem}", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # (its dataclasses look their module up there)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(path.parent))
+
+
+def test_there_are_benchmarks() -> None:
+    assert len(SCRIPTS) >= 15
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.stem)
+def test_each_benchmark_parses_its_command_line(
+    path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    module = _load(path)
+    monkeypatch.setattr(sys, "argv", [path.name, "--help"])
+    with pytest.raises(SystemExit) as exited:
+        module.main()
+    assert exited.value.code == 0
+    assert "--quick" in capsys.readouterr().out  # every benchmark has its quick mode
+
+
+def test_the_hostile_frame_campaign_builds_every_message() -> None:
+    """`bench_hostile.auth_overhead` encodes each control message type, authenticated
+    and not: the code that once failed before reporting (a message gained a field)."""
+    module = _load(BENCHMARKS / "bench_hostile.py")
+    overhead = module.auth_overhead(reps=1, frames=20)
+    assert overhead and all(o["us_per_frame"] > 0 for o in overhead.values())
+
+
+def test_the_hostile_request_campaign_draws_and_reports(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from sgl_pd.cluster.hostile_requests import Case, Outcome, draw_bodies
+
+    module = _load(BENCHMARKS / "bench_hostile_requests.py")
+    openapi = {
+        "openapi": "3.1.0",
+        "info": {"title": "smoke", "version": "0"},
+        "paths": {
+            "/generate": {
+                "post": {
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "type": "object",
+                                    "properties": {
+                                        "input_ids": {
+                                            "type": "array",
+                                            "items": {"type": "integer"},
+                                        },
+                                        "sampling_params": {"type": "object"},
+                                    },
+                                }
+                            }
+                        },
+                    },
+                    "responses": {"200": {"description": "ok"}},
+                }
+            }
+        },
+    }
+    bodies = draw_bodies(
+        "/generate", 30, openapi=openapi, prompt_ids=[1, 2, 3], vocab_size=512,
+        context_len=2048, seed=0, negative_budget_s=2.0,
+    )  # fmt: skip
+    assert len(bodies) >= 20
+    assert {b.kind for b in bodies} >= {"loose", "schema_overlay"}
+    tallies = collections.defaultdict(module.Tally)
+    for body, status in zip(bodies, [200, 400, 500, "timeout"] * 10, strict=False):
+        tallies[("monolithic", body.endpoint)].add(Outcome(status))
+    case = Case("/generate", bodies[0].body, "monolithic", 500, killed=False, excerpt="boom")
+    summary = module.report(tallies, [case], ["lost one"], 1, ["monolithic"], 1.0)
+    out = capsys.readouterr().out
+    assert "server lost: lost one" in out and "case: monolithic /generate 500" in out
+    assert summary["bodies"] == len(bodies)
+    assert summary["server_errors_5xx"] == sum(1 for i in range(len(bodies)) if i % 4 == 2)
+    json.dumps(summary)
