@@ -82,6 +82,11 @@ def _tail(path: Path, lines: int = 40) -> str:
         return "(no log)"
 
 
+# seconds a server's process group gets to end after SIGTERM before SIGKILL (SGLang's
+# launcher takes a few: its scheduler's exit makes it look for stuck processes first)
+STOP_GRACE_S = 10.0
+
+
 @dataclass
 class ManagedProcess:
     name: str
@@ -149,23 +154,42 @@ class ManagedProcess:
         self.log_path = self.log_path.with_name(f"{self.log_path.name}.{log_suffix}")
         self.start()
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Stops the whole process group: SIGTERM, then SIGKILL after ``grace_s``."""
-        if self.process is None or (
-            self.process.poll() is not None and not _group_alive(self.process.pid)
-        ):
-            return
-        _signal_group(self.process.pid, signal.SIGCONT)  # a paused group cannot stop
-        _signal_group(self.process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            self.process.poll()  # reaps the leader: as a zombie it would keep the group "alive"
-            if not _group_alive(self.process.pid):
-                break
-            time.sleep(0.2)
-        _signal_group(self.process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=5)
+        stop_all([self], grace_s)
+
+    def running(self) -> bool:
+        """Some process of the group still runs."""
+        if self.process is None:
+            return False
+        self.process.poll()  # reaps the leader: as a zombie it would keep the group "alive"
+        return self.process.poll() is None or _group_alive(self.process.pid)
+
+    def terminate(self) -> None:
+        """SIGTERM to the group (woken first: a paused group cannot stop)."""
+        if self.process is not None:
+            _signal_group(self.process.pid, signal.SIGCONT)
+            _signal_group(self.process.pid, signal.SIGTERM)
+
+    def kill_group(self) -> None:
+        """SIGKILL to whatever of the group still runs, and the leader reaped."""
+        if self.process is not None:
+            _signal_group(self.process.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=5)
+
+
+def stop_all(processes: Sequence[ManagedProcess], grace_s: float = STOP_GRACE_S) -> None:
+    """Stops every process group at once: SIGTERM to all, then SIGKILL to whatever still
+    runs after ``grace_s`` - one grace period for all, not one each."""
+    running = [p for p in processes if p.running()]
+    for p in running:
+        p.terminate()
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(p.running() for p in running):
+        time.sleep(0.2)
+    for p in running:
+        p.kill_group()
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -185,7 +209,7 @@ def _group_alive(pgid: int) -> bool:
 
 @contextlib.contextmanager
 def managed(processes: Sequence[ManagedProcess]) -> Iterator[Sequence[ManagedProcess]]:
-    """Stops every process on exit, in reverse start order, whatever happened inside -
+    """Stops every process on exit, all at once, whatever happened inside -
     a SIGTERM to this process included (Python's default would end it at once, leaving
     the servers running)."""
     restore = _exit_on_sigterm()
@@ -193,8 +217,7 @@ def managed(processes: Sequence[ManagedProcess]) -> Iterator[Sequence[ManagedPro
         yield processes
     finally:
         try:
-            for p in reversed(processes):
-                p.stop()
+            stop_all(list(reversed(processes)))
         finally:
             restore()
 

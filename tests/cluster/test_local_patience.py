@@ -124,8 +124,14 @@ class FakeProcess:
     def wait_http_ready(self, url: str, timeout_s: float, *, probe_timeout_s: float) -> None:
         self.waits.append((url, timeout_s, probe_timeout_s))
 
-    def stop(self) -> None:
+    def running(self) -> bool:
+        return "stop" not in self.events
+
+    def terminate(self) -> None:
         self.events.append("stop")
+
+    def kill_group(self) -> None:
+        pass
 
 
 def test_serving_pd_takes_every_budget_from_patience() -> None:
