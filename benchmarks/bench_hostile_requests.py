@@ -19,10 +19,11 @@ pools idle (no page, room or staging held). A server that is gone is restarted; 
 bodies of that batch that got no answer are replayed one by one against the fresh
 servers to find which one killed it.
 
-Every body that got a 5xx or killed a server is saved as a regression case (JSON lines,
-`--cases`; the suite replays `tests/e2e/hostile_request_cases.jsonl`).
+Every body that got a 5xx, no answer, or killed a server is saved as a regression case
+(JSON lines, `--out`/cases.jsonl, new ones added); copied into
+`tests/e2e/hostile_request_cases.jsonl`, the suite replays it.
 
-    python benchmarks/bench_hostile_requests.py [--quick] [--bodies N] [--seed S]
+    python benchmarks/bench_hostile_requests.py [--quick] [--bodies N] [--seed S] [--out DIR]
 
 --quick: 250 bodies per main endpoint, 40 per other endpoint, per target (a few thousand
 sends in a few minutes); the full run 7,000 and 1,000 (21,000 per main endpoint over the
@@ -79,7 +80,7 @@ BASE_PROMPT = long_prompt_ids(6, start=900)  # what drawn fields are laid over
 TARGETS = ("monolithic", "router", "direct")
 # a short context bounds what a valid body may ask to generate (tokens at CPU speed)
 SERVER_ARGS = ("--context-length", "2048")
-DEFAULT_CASES = Path("benchmarks/results/bench_hostile_requests/cases.jsonl")
+DEFAULT_OUT = Path("benchmarks/out/bench_hostile_requests")
 
 
 @dataclass
@@ -231,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=200, help="bodies between checks")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per body")
-    parser.add_argument("--cases", type=Path, default=DEFAULT_CASES)
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="where cases.jsonl gathers the cases found"
+    )
     parser.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
     args = parser.parse_args(argv)
     main_count = args.bodies or (250 if args.quick else 7000)
@@ -297,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         servers.close()
 
-    saved = save_cases(args.cases, cases)
+    saved = save_cases(args.out / "cases.jsonl", cases)
     summary = report(tallies, cases, lost, saved, args.targets, time.monotonic() - started)
     print(json.dumps(summary))
     return 0
