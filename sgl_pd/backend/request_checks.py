@@ -97,8 +97,33 @@ async def around_generate_request(
         problem = raw_request_problem(vars(obj), model_limits(manager))
         if problem is not None:
             raise ValueError(str(problem))
+        _check_logit_processors(manager, getattr(obj, "custom_logit_processor", None))
     async for out in original(manager, obj, request):
         yield out
+
+
+def _check_logit_processors(manager: Any, payloads: Any) -> None:
+    """A custom logit processor (served with --enable-custom-logit-processor) is built
+    from its payload in the scheduler, where a payload that does not load would end the
+    process: loaded here first, by SGLang's own loader (which caches it), and refused
+    with a 400 unless it is a CustomLogitProcessor."""
+    if not payloads or not getattr(manager.server_args, "enable_custom_logit_processor", False):
+        return  # (without the flag SGLang refuses every payload itself)
+    from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
+
+    for payload in payloads if isinstance(payloads, list) else [payloads]:
+        if payload is None:
+            continue
+        try:
+            processor = CustomLogitProcessor.from_str(payload)
+        except Exception as e:
+            raise ValueError(
+                f"invalid request field custom_logit_processor: it does not load ({e})"[:500]
+            ) from None
+        if not isinstance(processor, CustomLogitProcessor):
+            raise ValueError(
+                "invalid request field custom_logit_processor: not a CustomLogitProcessor"
+            )
 
 
 def before_validate_one_request(manager: Any, obj: Any, *args: Any, **kw: Any) -> None:

@@ -151,6 +151,12 @@ ROWS: tuple[ParityRow, ...] = (
         " without parameters behind it",
     ),
     ParityRow(
+        "custom logit processor that does not load",
+        {**_ids(), "custom_logit_processor": json.dumps({"callable": "00ff"})},
+        Outcome.BOTH_REFUSE,
+        why="loaded at the door: in the scheduler it would end the process",
+    ),
+    ParityRow(
         "input embeddings",
         {"input_embeds": [[0.01] * 128] * 5, "sampling_params": _sampling()},
         Outcome.BOTH_REFUSE,
@@ -192,7 +198,7 @@ ROWS: tuple[ParityRow, ...] = (
 def request_body(row: ParityRow) -> dict[str, Any]:
     """The JSON a row sends (the custom logit processor serialized here, not at import)."""
     body = dict(row.body)
-    if "custom_logit_processor" in body:
+    if "custom_logit_processor" in body and body["custom_logit_processor"] is None:
         body["custom_logit_processor"] = _custom_logit_processor()
     return body
 
