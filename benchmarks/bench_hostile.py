@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few thousand frames")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="a folder for summary.json (the last line)")
     args = parser.parse_args(argv)
     quick = args.quick
     stranger_frames = 400 if quick else 3000  # per listener
@@ -296,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         "log_injected_lines": findings["injected_lines"],
         "campaign_s": round(campaign_s, 1),
     }
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary))
     return 0
 
