@@ -44,7 +44,9 @@ def test_each_benchmark_parses_its_command_line(
     with pytest.raises(SystemExit) as exited:
         module.main()
     assert exited.value.code == 0
-    assert "--quick" in capsys.readouterr().out  # every benchmark has its quick mode
+    out = capsys.readouterr().out
+    assert "--quick" in out  # every benchmark has its quick mode
+    assert "--out" in out  # where record.sh has it leave its files
 
 
 def test_the_hostile_frame_campaign_builds_every_message() -> None:
