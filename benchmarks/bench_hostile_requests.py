@@ -79,7 +79,7 @@ GOOD_TOKENS = 6
 BASE_PROMPT = long_prompt_ids(6, start=900)  # what drawn fields are laid over
 TARGETS = ("monolithic", "router", "direct")
 # a short context bounds what a valid body may ask to generate (tokens at CPU speed)
-SERVER_ARGS = ("--context-length", "2048")
+SERVER_ARGS = ("--context-length", "2048", "--log-level", "info")  # info: idle-pool lines
 DEFAULT_OUT = Path("benchmarks/out/bench_hostile_requests")
 
 
