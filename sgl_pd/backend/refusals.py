@@ -58,6 +58,14 @@ def _refuse(manager: Any, req: Any, why: str) -> None:
     _refuse_room(manager, int(room), why)
 
 
+def refuse_request(scheduler: Any, req: Any, why: str) -> None:
+    """On a prefill server of ours: the room of `req` (a request or a tokenized one) is
+    refused with `why`, so a decoder waiting for its KV fails it at once."""
+    manager = _our_prefill_manager(scheduler)
+    if manager is not None:
+        _refuse(manager, req, why)
+
+
 def before_retire_unadmitted_request(scheduler: Any, req: Any, *args: Any, **kw: Any) -> None:
     """BEFORE hook of ``Scheduler.retire_unadmitted_request``: SGLang finishes a request
     its queues rejected at their door, with the reason in ``to_finish``."""

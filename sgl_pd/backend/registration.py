@@ -253,9 +253,18 @@ def register_backend() -> None:
         HookType.AROUND,
     )
 
+    from sgl_pd.backend import scheduler_door
+
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.handle_generate_request",
-        health.around_handle_generate_request,
+        nested(
+            scheduler_door.around_handle_generate_request, health.around_handle_generate_request
+        ),
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler._create_generation_req",
+        scheduler_door.around_create_generation_req,
         HookType.AROUND,
     )
 
