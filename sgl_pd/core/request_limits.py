@@ -285,6 +285,36 @@ def _session_problem(session: Any) -> BadField | None:
     return None
 
 
+def _bootstrap_problem(request: Mapping[str, Any]) -> BadField | None:
+    """Where a decoder gets a request's KV (a router names the prefill server): a room
+    and a host come together, each of its type, one per prompt of a batch. A room
+    without a host reached the decoder's scheduler and ended it."""
+    hosts, ports, rooms = (
+        _per_item(request.get(f"bootstrap_{k}")) for k in ("host", "port", "room")
+    )
+    for (suffix, host), (_, port), (_, room) in zip(hosts, ports, rooms, strict=False):
+        if host is None and room is None and port is None:
+            continue
+        if not isinstance(host, str) or not host:
+            return BadField(f"bootstrap_host{suffix}", "a host name, given with bootstrap_room")
+        if not _is_int(room) or not 0 <= room < 2**64:
+            return BadField(
+                f"bootstrap_room{suffix}", "an integer in [0, 2**64), given with bootstrap_host"
+            )
+        if port is not None and (not _is_int(port) or not 0 <= port <= 65535):
+            return BadField(f"bootstrap_port{suffix}", f"a port number, not {port!r:.40}")
+    return None
+
+
+def _rid_problem(rid: Any, batch: int) -> BadField | None:
+    """A request id is a string; a batch's, one string per prompt (or one for all)."""
+    if rid is None or isinstance(rid, str):
+        return None
+    if batch > 1 and isinstance(rid, list) and all(isinstance(r, str) for r in rid):
+        return None
+    return BadField("rid", "a string" + (f", or a list of {batch} strings" if batch > 1 else ""))
+
+
 def raw_request_problem(request: Mapping[str, Any], limits: ModelLimits) -> BadField | None:
     """The first field of a generate request, as it arrived (single or batch), that no
     scheduler can safely take; None when there is none. `request` maps field names to
@@ -306,7 +336,12 @@ def raw_request_problem(request: Mapping[str, Any], limits: ModelLimits) -> BadF
         return BadField(
             "batch", f"{samples} samples in one request, at most {MAX_SAMPLES_PER_REQUEST}"
         )
-    return _logprob_problem(request, limits) or _session_problem(request.get("session_params"))
+    return (
+        _logprob_problem(request, limits)
+        or _session_problem(request.get("session_params"))
+        or _bootstrap_problem(request)
+        or _rid_problem(request.get("rid"), _batch_size(request))
+    )
 
 
 def tokenized_request_problem(

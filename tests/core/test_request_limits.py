@@ -62,6 +62,10 @@ def test_every_valid_request_passes(
         "logprob_start_len": start,
         "token_ids_logprob": logprob_ids,
         "session_params": {"id": "s", "offset": 3, "replace": False, "rid": None},
+        "bootstrap_host": "10.0.0.1",
+        "bootstrap_port": 8998,
+        "bootstrap_room": 2**63 + 5,
+        "rid": "r1",
     }
     assert raw_request_problem(request, LIMITS) is None
     assert tokenized_request_problem(ids, LIMITS) is None
@@ -126,6 +130,14 @@ def test_a_prompt_id_outside_the_vocabulary_is_refused(ids: list[int], bad: int)
         ({"session_params": {"offset": "3"}}, "session_params.offset"),
         ({"session_params": {"offset": True}}, "session_params.offset"),
         ({"session_params": {"replace": 1}}, "session_params.replace"),
+        # a room without a host ended a decoder's scheduler
+        ({"bootstrap_room": 52}, "bootstrap_host"),
+        ({"bootstrap_host": "10.0.0.1"}, "bootstrap_room"),
+        ({"bootstrap_host": "h", "bootstrap_room": -1}, "bootstrap_room"),
+        ({"bootstrap_host": "h", "bootstrap_room": 5, "bootstrap_port": "x"}, "bootstrap_port"),
+        ({"rid": ["a", "b"]}, "rid"),
+        ({"rid": 5}, "rid"),
+        ({"text": ["a", "b"], "rid": [1, 2]}, "rid"),
     ],
 )
 def test_each_hostile_field_is_named(request_fields: dict, field: str) -> None:
