@@ -37,8 +37,9 @@ MAX_SAMPLES_PER_REQUEST = 1024
 MAX_N = 128
 # Stop token ids and logit bias entries of one request (each is a vocabulary row write)
 MAX_TOKEN_LIST = 4096
-# A sampling seed is an int64 in SGLang's sampler
+# A sampling seed is an int64 in SGLang's sampler; top_k an int32 in its sampling batch
 INT64 = (-(2**63), 2**63 - 1)
+INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -187,8 +188,11 @@ def sampling_params_problem(field: str, params: Any, limits: ModelLimits) -> Bad
         if value is not None and not 0 <= value <= limits.context_len:
             return BadField(f"{field}.{name}", f"{value} is outside [0, {limits.context_len}]")
     top_k = params.get("top_k")
-    if top_k is not None and top_k != -1 and top_k < 1:
-        return BadField(f"{field}.top_k", f"-1 (the whole vocabulary) or at least 1, not {top_k}")
+    if top_k is not None and top_k != -1 and not 1 <= top_k <= INT32_MAX:
+        # (a sampling batch holds top_k in an int32 tensor: a larger one ended a scheduler)
+        return BadField(
+            f"{field}.top_k", f"-1 (the whole vocabulary) or 1 to {INT32_MAX}, not {top_k}"
+        )
     interval = params.get("stream_interval")
     if interval is not None and interval < 1:
         return BadField(f"{field}.stream_interval", f"at least 1, not {interval}")
@@ -323,6 +327,9 @@ def raw_request_problem(request: Mapping[str, Any], limits: ModelLimits) -> BadF
     if problem is not None:
         return problem
     samples = _batch_size(request)
+    listed = request.get("sampling_params")
+    if isinstance(listed, list) and len(listed) != samples:  # (an empty list was a 500)
+        return BadField("sampling_params", f"an object, or a list of one per prompt ({samples})")
     for field, params in _sampling_params(request):
         problem = sampling_params_problem(field, params, limits)
         if problem is not None:

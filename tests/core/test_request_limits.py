@@ -119,7 +119,10 @@ def test_a_prompt_id_outside_the_vocabulary_is_refused(ids: list[int], bad: int)
         ({"sampling_params": {"stop": [1, 2]}}, "sampling_params.stop"),
         ({"sampling_params": {"stream_interval": 0}}, "sampling_params.stream_interval"),
         ({"sampling_params": "greedy"}, "sampling_params"),
-        ({"sampling_params": [{}, {"temperature": -1.0}]}, "sampling_params[1].temperature"),
+        (
+            {"text": ["a", "b"], "sampling_params": [{}, {"temperature": -1.0}]},
+            "sampling_params[1].temperature",
+        ),
         (
             {"text": ["a"] * 16, "sampling_params": {"n": MAX_N}},
             "batch",
@@ -136,6 +139,9 @@ def test_a_prompt_id_outside_the_vocabulary_is_refused(ids: list[int], bad: int)
         ({"bootstrap_host": "h", "bootstrap_room": -1}, "bootstrap_room"),
         ({"bootstrap_host": "h", "bootstrap_room": 5, "bootstrap_port": "x"}, "bootstrap_port"),
         ({"rid": ["a", "b"]}, "rid"),
+        ({"sampling_params": []}, "sampling_params"),
+        ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
+        ({"sampling_params": {"top_k": 2**32}}, "sampling_params.top_k"),
         ({"rid": 5}, "rid"),
         ({"text": ["a", "b"], "rid": [1, 2]}, "rid"),
     ],
