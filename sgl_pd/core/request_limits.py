@@ -40,6 +40,9 @@ MAX_TOKEN_LIST = 4096
 # A sampling seed is an int64 in SGLang's sampler; top_k an int32 in its sampling batch
 INT64 = (-(2**63), 2**63 - 1)
 INT32_MAX = 2**31 - 1
+# A logit bias is added to float32 logits: past float32's range it is an infinity, and
+# the softmax of an infinite logit is NaN
+MAX_LOGIT_BIAS = 1e30
 
 
 @dataclass(frozen=True)
@@ -230,8 +233,8 @@ def _logit_bias_problem(field: str, bias: Any, vocab_size: int) -> BadField | No
             return BadField(field, f"keys are token ids, not {key!r:.40}")
         if not 0 <= token < vocab_size:
             return BadField(field, f"token id {token} is outside the vocabulary [0, {vocab_size})")
-        if not _is_number(value) or not math.isfinite(value):
-            return BadField(f"{field}[{key}]", f"a finite number, not {value!r:.40}")
+        if not _is_number(value) or not abs(value) <= MAX_LOGIT_BIAS:
+            return BadField(f"{field}[{key}]", f"a number in [-1e30, 1e30], not {value!r:.40}")
     return None
 
 

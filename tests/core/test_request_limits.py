@@ -104,6 +104,7 @@ def test_a_prompt_id_outside_the_vocabulary_is_refused(ids: list[int], bad: int)
         ({"sampling_params": {"logit_bias": {"600": 1.0}}}, "sampling_params.logit_bias"),
         ({"sampling_params": {"logit_bias": {"x": 1.0}}}, "sampling_params.logit_bias"),
         ({"sampling_params": {"logit_bias": {"3": math.inf}}}, "sampling_params.logit_bias[3]"),
+        ({"sampling_params": {"logit_bias": {"3": 1e300}}}, "sampling_params.logit_bias[3]"),
         ({"sampling_params": {"temperature": math.inf}}, "sampling_params.temperature"),
         ({"sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
         ({"sampling_params": {"top_p": math.nan}}, "sampling_params.top_p"),
