@@ -8,14 +8,16 @@ scheduler ever saw but that SGLang's HTTP process failed on with an unhandled ex
   turns only pydantic's validation errors into 400s (`around_request_body_to_args`);
 - `/v1/detokenize` with token ids outside the vocabulary (`after_detokenize_validate`);
 - the Ollama endpoints, whose handlers let a ValueError through - the chat template's
-  refusal of an empty conversation, and the 400s of `request_checks`
-  (`around_ollama_handler`).
+  refusal of an empty conversation, and the 400s of `request_checks` - and whose
+  streams (their default) dropped the connection on one (`around_ollama_handler`).
 
 Runs in each server's HTTP process, on every server sgl_pd launches.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
 from sgl_pd.backend.request_checks import model_limits
@@ -59,10 +61,22 @@ def after_detokenize_validate(result: Any, serving: Any, request: Any, *a: Any, 
 async def around_ollama_handler(original: Any, serving: Any, request: Any, *args: Any) -> Any:
     """AROUND hook of ``OllamaServing.handle_chat`` / ``handle_generate``: a request it
     cannot serve (a ValueError: an empty conversation, a field `request_checks` refused)
-    is answered 400 with the reason, in Ollama's error shape."""
-    try:
-        return await original(serving, request, *args)
-    except ValueError as e:
-        from fastapi.responses import ORJSONResponse
+    is answered 400 with the reason, in Ollama's error shape; once a stream has started
+    (Ollama streams by default), as its last line, instead of a dropped connection."""
+    from fastapi.responses import ORJSONResponse, StreamingResponse
 
+    try:
+        response = await original(serving, request, *args)
+    except ValueError as e:
         return ORJSONResponse({"error": str(e)}, status_code=400)
+    if isinstance(response, StreamingResponse):
+        response.body_iterator = _ending_with_the_error(response.body_iterator)
+    return response
+
+
+async def _ending_with_the_error(chunks: AsyncIterable[Any]) -> AsyncIterator[Any]:
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except ValueError as e:
+        yield json.dumps({"error": str(e)}) + "\n"

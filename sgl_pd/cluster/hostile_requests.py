@@ -57,7 +57,10 @@ class Outcome:
 
     @property
     def server_error(self) -> bool:
-        return (isinstance(self.status, int) and self.status >= 500) or self.error_in_stream
+        """A 5xx, but 501: an endpoint a server does not offer (the router's /v1/responses)
+        says so with a 501, which is no failure."""
+        failed = isinstance(self.status, int) and self.status >= 500 and self.status != 501
+        return failed or self.error_in_stream
 
     @property
     def no_answer(self) -> bool:

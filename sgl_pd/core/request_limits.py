@@ -313,6 +313,21 @@ def _bootstrap_problem(request: Mapping[str, Any]) -> BadField | None:
     return None
 
 
+# fields that hold one value per prompt of a batch (a list of them, or one for all)
+_PER_PROMPT = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "return_logprob",
+               "top_logprobs_num", "logprob_start_len")  # fmt: skip
+
+
+def _per_prompt_problem(request: Mapping[str, Any], batch: int) -> BadField | None:
+    """A per-prompt field given as a list has one value per prompt: a shorter list was
+    a 500 (SGLang indexes it by prompt), and a single request takes no list."""
+    for name in _PER_PROMPT:
+        value = request.get(name)
+        if isinstance(value, list) and (batch == 1 or len(value) != batch):
+            return BadField(name, f"one value, or a list of one per prompt ({batch})")
+    return None
+
+
 def _rid_problem(rid: Any, batch: int) -> BadField | None:
     """A request id is a string; a batch's, one string per prompt (or one for all)."""
     if rid is None or isinstance(rid, str):
@@ -349,6 +364,7 @@ def raw_request_problem(request: Mapping[str, Any], limits: ModelLimits) -> BadF
     return (
         _logprob_problem(request, limits)
         or _session_problem(request.get("session_params"))
+        or _per_prompt_problem(request, _batch_size(request))
         or _bootstrap_problem(request)
         or _rid_problem(request.get("rid"), _batch_size(request))
     )

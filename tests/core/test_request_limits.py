@@ -141,6 +141,8 @@ def test_a_prompt_id_outside_the_vocabulary_is_refused(ids: list[int], bad: int)
         ({"bootstrap_host": "h", "bootstrap_room": 5, "bootstrap_port": "x"}, "bootstrap_port"),
         ({"rid": ["a", "b"]}, "rid"),
         ({"sampling_params": []}, "sampling_params"),
+        ({"text": ["a", "b"], "bootstrap_port": [1]}, "bootstrap_port"),
+        ({"return_logprob": [True]}, "return_logprob"),
         ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
         ({"sampling_params": {"top_k": 2**32}}, "sampling_params.top_k"),
         ({"rid": 5}, "rid"),
