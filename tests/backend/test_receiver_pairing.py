@@ -52,3 +52,23 @@ def test_matching_settings_ask_for_pages() -> None:
     receiver.send_metadata([1, 2, 3], aux_index=1)
     assert seen.asked == [17] and receiver._error is None
     seen.rig.prefill.writers.close()
+
+
+def test_a_client_abort_is_no_warning_and_a_failure_is(caplog: Any) -> None:
+    """A client that went away ends its request in the ordinary way: logged at info, so
+    that a healthy decoder's warnings mean something; any other failure warns."""
+    import logging
+
+    receiver, seen = _receiver(prefill_writes_end_s=54.0, decoder_holds_s=120.0)
+    with caplog.at_level(logging.INFO, logger="sgl_pd.receiver"):
+        receiver.abort()
+        other, more = _receiver(prefill_writes_end_s=54.0, decoder_holds_s=120.0)
+        other.fail_recompute("the prefill server refused it")
+    levels = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert levels == [
+        (logging.INFO, "request 17: aborted by the decode scheduler"),
+        (logging.WARNING, "request 17: the prefill server refused it"),
+    ]
+    assert seen.aborted == [17]  # the prefill server still hears of it
+    seen.rig.prefill.writers.close()
+    more.rig.prefill.writers.close()

@@ -192,7 +192,9 @@ class SglPdKVReceiver(BaseKVReceiver):
                 self.kv_mgr.abort_unrequested(
                     self.bootstrap_addr, self._table, self.bootstrap_room, reason, abort
                 )
-        logger.warning("request %d: %s", self.bootstrap_room, reason)
+        # a client that went away is no server problem: not a warning
+        log = logger.info if abort is AbortReason.CLIENT else logger.warning
+        log("request %d: %s", self.bootstrap_room, reason)
 
     def _conclude(self, state: int) -> None:
         self.conclude_state = state
