@@ -49,12 +49,15 @@ def test_a_client_abort_reported_by_sglang_is_expected_and_other_transfer_failur
     None
 ):
     prefix = "2026-12-06 04:16:09,959 pid 30812 WARNING sglang.srt.disaggregation.prefill: "
+    decode = "Decode handshake failed for request rank=1 with exception KV of request 37 from h:1"
     request = "for request rank=0 req.bootstrap_room=37 with exception KV transfer of request 37"
     lines = {
         f"{prefix}Prefill bootstrap failed {request} failed: decoder aborted: client": True,
         f"{prefix}Prefill transfer failed {request} failed: decoder aborted: client": True,
         f"{prefix}Prefill transfer failed {request} failed: decoder aborted: timeout": False,
         f"{prefix}Prefill transfer failed {request} failed: peer lost": False,
+        f"{prefix}{decode} did not arrive: aborted by the decode scheduler": True,
+        f"{prefix}{decode} did not arrive: peer lost": False,
     }
     for line, expected in lines.items():
         assert any(p.search(line) for p in EXPECTED_WARNINGS) == expected, line
