@@ -51,7 +51,7 @@ def after_detokenize_validate(result: Any, serving: Any, request: Any, *a: Any, 
     lists = tokens if tokens and isinstance(tokens[0], list) else [tokens]
     vocab_size = model_limits(serving.tokenizer_manager).vocab_size
     for i, ids in enumerate(lists):
-        field = f"tokens[{i}]" if lists is not tokens else "tokens"
+        field = f"tokens[{i}]" if lists is tokens else "tokens"  # (lists of lists: indexed)
         problem = token_ids_problem(field, ids, vocab_size)
         if problem is not None:
             return str(problem)

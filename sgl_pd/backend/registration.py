@@ -129,9 +129,9 @@ def register_backend() -> None:
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
         nested(
+            request_checks.around_generate_request,
             refusals.around_generate_request,
             direct.around_generate_request,
-            request_checks.around_generate_request,
         ),
         HookType.AROUND,
     )

@@ -87,17 +87,24 @@ def model_limits(manager: Any) -> ModelLimits:
     return limits
 
 
-async def around_generate_request(
-    original: Any, manager: Any, obj: Any, request: Any = None
-) -> AsyncIterator[Any]:
-    """AROUND hook of ``TokenizerManager.generate_request`` (outermost): a generate
-    request with a field no scheduler can safely take is refused before anything else
-    sees it. A ValueError is SGLang's own way to answer 400 with the message."""
+def refuse_unsafe(manager: Any, obj: Any) -> None:
+    """Raises ValueError (SGLang's 400) for a generate request with a field no scheduler
+    can safely take; called before anything else sees the request."""
     if hasattr(obj, "sampling_params"):  # generate, not embedding
         problem = raw_request_problem(vars(obj), model_limits(manager))
         if problem is not None:
             raise ValueError(str(problem))
         _check_logit_processors(manager, getattr(obj, "custom_logit_processor", None))
+
+
+async def around_generate_request(
+    original: Any, manager: Any, obj: Any, request: Any = None
+) -> AsyncIterator[Any]:
+    """AROUND hook of ``TokenizerManager.generate_request``, innermost of sgl_pd's: on a
+    prefill server `refusals` wraps it, so a refused router request's room is refused
+    too and its decoder hears at once; a direct-mode decoder calls `refuse_unsafe`
+    itself before it submits a request anywhere."""
+    refuse_unsafe(manager, obj)
     async for out in original(manager, obj, request):
         yield out
 
@@ -106,7 +113,7 @@ def _check_logit_processors(manager: Any, payloads: Any) -> None:
     """A custom logit processor (served with --enable-custom-logit-processor) is built
     from its payload in the scheduler, where a payload that does not load would end the
     process: loaded here first, by SGLang's own loader (which caches it), and refused
-    with a 400 unless it is a CustomLogitProcessor."""
+    with a 400 unless it is callable."""
     if not payloads or not getattr(manager.server_args, "enable_custom_logit_processor", False):
         return  # (without the flag SGLang refuses every payload itself)
     from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
@@ -120,10 +127,8 @@ def _check_logit_processors(manager: Any, payloads: Any) -> None:
             raise ValueError(
                 f"invalid request field custom_logit_processor: it does not load ({e})"[:500]
             ) from None
-        if not isinstance(processor, CustomLogitProcessor):
-            raise ValueError(
-                "invalid request field custom_logit_processor: not a CustomLogitProcessor"
-            )
+        if not callable(processor):  # (the scheduler only calls it)
+            raise ValueError("invalid request field custom_logit_processor: not callable")
 
 
 def before_validate_one_request(manager: Any, obj: Any, *args: Any, **kw: Any) -> None:

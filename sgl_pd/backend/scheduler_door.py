@@ -8,7 +8,8 @@ request in flight and, for a prefill server, the requests of every decoder it se
 net under it, for a field nobody has found yet:
 
 - `around_create_generation_req` marks an exception raised while building the `Req`
-  (nothing is queued or allocated before it) as the request's own fault;
+  (nothing is queued or allocated before it; a session request's session may already
+  have been changed, as SGLang changes it first) as the request's own fault;
 - `around_handle_generate_request` answers such a request with an abort of status 400
   naming the error, as SGLang answers requests its queues refuse; on a prefill server
   its room is refused too, so a decoder waiting for its KV fails it at once
@@ -50,6 +51,8 @@ def around_handle_generate_request(
     try:
         return original(scheduler, recv_req, *args, **kwargs)
     except RequestNotBuilt as e:
+        if getattr(scheduler, "rust_server", None) is not None:
+            raise  # (its abort path reads a built Req's fields: not for this request)
         _refuse(scheduler, recv_req, f"invalid request: {e}"[:1000])
         return None
 

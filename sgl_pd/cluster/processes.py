@@ -189,7 +189,8 @@ def stop_all(processes: Sequence[ManagedProcess], grace_s: float = STOP_GRACE_S)
     while time.monotonic() < deadline and any(p.running() for p in running):
         time.sleep(0.2)
     for p in running:
-        p.kill_group()
+        if p.running():  # (a group that ended is not signalled: its id may be reused)
+            p.kill_group()
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -32,9 +32,9 @@ import numpy as np
 
 # Samples one HTTP request may ask for (prompts of a batch times `n`): more is a request
 # no client needs and every scheduler would hold in its queues at once
-MAX_SAMPLES_PER_REQUEST = 1024
+MAX_SAMPLES_PER_REQUEST = 65536
 # Parallel samples of one prompt (SGLang copies the request this many times)
-MAX_N = 128
+MAX_N = 1024
 # Stop token ids and logit bias entries of one request (each is a vocabulary row write)
 MAX_TOKEN_LIST = 4096
 # A sampling seed is an int64 in SGLang's sampler; top_k an int32 in its sampling batch
@@ -120,16 +120,27 @@ def _prompt_ids_problem(input_ids: Any, limits: ModelLimits) -> BadField | None:
     return token_ids_problem("input_ids", input_ids, limits.vocab_size)
 
 
-def _batch_size(request: Mapping[str, Any]) -> int:
-    """Prompts in the request: 1 for a single request."""
+@dataclass(frozen=True)
+class _Prompts:
+    """How SGLang reads a request's prompts (`GenerateReqInput._determine_batch_size`): a
+    batch - of one, too - when text is a list, input_ids a list of lists or input_embeds
+    a list of lists of rows; per-prompt fields may then be lists of `count` values."""
+
+    batch: bool
+    count: int
+
+
+def _prompts(request: Mapping[str, Any]) -> _Prompts:
     text, ids, embeds = (request.get(k) for k in ("text", "input_ids", "input_embeds"))
     if isinstance(text, list):
-        return len(text)
+        return _Prompts(True, len(text))
     if isinstance(ids, list) and ids and isinstance(ids[0], list):
-        return len(ids)
-    if isinstance(embeds, list) and embeds and isinstance(embeds[0], list) and embeds[0]:
-        return len(embeds) if isinstance(embeds[0][0], list) else 1
-    return 1
+        return _Prompts(True, len(ids))
+    if isinstance(embeds, list) and embeds and isinstance(embeds[0], list):
+        first_row = embeds[0][0] if embeds[0] else None
+        if isinstance(first_row, list):  # prompts of rows, not rows of numbers
+            return _Prompts(True, len(embeds))
+    return _Prompts(False, 1)
 
 
 def _sampling_params(request: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
@@ -187,9 +198,11 @@ def sampling_params_problem(field: str, params: Any, limits: ModelLimits) -> Bad
     if n is not None and not 1 <= n <= MAX_N:
         return BadField(f"{field}.n", f"{n} samples; 1 to {MAX_N}")
     for name in ("max_new_tokens", "min_new_tokens"):
+        # (SGLang checks them against the context, or shrinks them with
+        # --allow-auto-truncate; a scheduler keeps them in int32 tensors)
         value = params.get(name)
-        if value is not None and not 0 <= value <= limits.context_len:
-            return BadField(f"{field}.{name}", f"{value} is outside [0, {limits.context_len}]")
+        if value is not None and not 0 <= value <= INT32_MAX:
+            return BadField(f"{field}.{name}", f"{value} is outside [0, {INT32_MAX}]")
     top_k = params.get("top_k")
     if top_k is not None and top_k != -1 and not 1 <= top_k <= INT32_MAX:
         # (a sampling batch holds top_k in an int32 tensor: a larger one ended a scheduler)
@@ -201,6 +214,8 @@ def sampling_params_problem(field: str, params: Any, limits: ModelLimits) -> Bad
         return BadField(f"{field}.stream_interval", f"at least 1, not {interval}")
     stop_ids = params.get("stop_token_ids")
     if stop_ids is not None:
+        if isinstance(stop_ids, (set, frozenset, tuple, list)):  # (SGLang drops None entries)
+            stop_ids = [t for t in stop_ids if t is not None]
         problem = token_ids_problem(
             f"{field}.stop_token_ids", stop_ids, limits.vocab_size, max_len=MAX_TOKEN_LIST
         )
@@ -318,23 +333,26 @@ _PER_PROMPT = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "return_log
                "top_logprobs_num", "logprob_start_len")  # fmt: skip
 
 
-def _per_prompt_problem(request: Mapping[str, Any], batch: int) -> BadField | None:
-    """A per-prompt field given as a list has one value per prompt: a shorter list was
-    a 500 (SGLang indexes it by prompt), and a single request takes no list."""
-    for name in _PER_PROMPT:
+def _per_prompt_problem(request: Mapping[str, Any], prompts: _Prompts, n: int) -> BadField | None:
+    """A per-prompt field given as a list: a batch's has one value per prompt (a shorter
+    list was a 500: SGLang indexes it by prompt); a single prompt sampled once takes no
+    list (a list request id was a 500). With n > 1 SGLang copies the request first, and
+    reads the lists itself."""
+    rid = request.get("rid")
+    named = rid if isinstance(rid, list) else [rid]
+    if not all(r is None or isinstance(r, str) for r in named):
+        return BadField("rid", "a string (a list of them for a batch)")
+    if not prompts.batch and n > 1:
+        return None
+    for name in (*_PER_PROMPT, "rid"):
         value = request.get(name)
-        if isinstance(value, list) and (batch == 1 or len(value) != batch):
-            return BadField(name, f"one value, or a list of one per prompt ({batch})")
+        if not isinstance(value, list):
+            continue
+        if not prompts.batch:
+            return BadField(name, "one value for a single prompt, not a list")
+        if len(value) != prompts.count:
+            return BadField(name, f"one value, or a list of one per prompt ({prompts.count})")
     return None
-
-
-def _rid_problem(rid: Any, batch: int) -> BadField | None:
-    """A request id is a string; a batch's, one string per prompt (or one for all)."""
-    if rid is None or isinstance(rid, str):
-        return None
-    if batch > 1 and isinstance(rid, list) and all(isinstance(r, str) for r in rid):
-        return None
-    return BadField("rid", "a string" + (f", or a list of {batch} strings" if batch > 1 else ""))
 
 
 def raw_request_problem(request: Mapping[str, Any], limits: ModelLimits) -> BadField | None:
@@ -344,29 +362,30 @@ def raw_request_problem(request: Mapping[str, Any], limits: ModelLimits) -> BadF
     problem = _prompt_ids_problem(request.get("input_ids"), limits)
     if problem is not None:
         return problem
-    samples = _batch_size(request)
+    prompts = _prompts(request)
     listed = request.get("sampling_params")
-    if isinstance(listed, list) and len(listed) != samples:  # (an empty list was a 500)
-        return BadField("sampling_params", f"an object, or a list of one per prompt ({samples})")
+    if isinstance(listed, list) and len(listed) != prompts.count:  # (an empty one was a 500)
+        return BadField(
+            "sampling_params", f"an object, or a list of one per prompt ({prompts.count})"
+        )
+    samples = 0  # what SGLang makes of the request: each prompt, n times
     for field, params in _sampling_params(request):
         problem = sampling_params_problem(field, params, limits)
         if problem is not None:
             return problem
         n = params.get("n") if isinstance(params, dict) else None
-        samples_each = n if isinstance(n, int) and n > 1 else 1
-        if isinstance(request.get("sampling_params"), list):
-            continue  # one params object per prompt: counted below
-        samples *= samples_each
+        each = n if isinstance(n, int) and n > 1 else 1
+        samples += each if isinstance(listed, list) else each * prompts.count
     if samples > MAX_SAMPLES_PER_REQUEST:
         return BadField(
             "batch", f"{samples} samples in one request, at most {MAX_SAMPLES_PER_REQUEST}"
         )
+    n = listed.get("n") if isinstance(listed, dict) else None
     return (
         _logprob_problem(request, limits)
         or _session_problem(request.get("session_params"))
-        or _per_prompt_problem(request, _batch_size(request))
+        or _per_prompt_problem(request, prompts, n if isinstance(n, int) else 1)
         or _bootstrap_problem(request)
-        or _rid_problem(request.get("rid"), _batch_size(request))
     )
 
 

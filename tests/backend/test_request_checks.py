@@ -14,7 +14,9 @@ def _manager(mode: str = "decode", backend: str = BACKEND_NAME) -> SimpleNamespa
     return SimpleNamespace(
         server_args=SimpleNamespace(
             disaggregation_mode=mode, disaggregation_transfer_backend=backend
-        )
+        ),
+        model_config=SimpleNamespace(vocab_size=512, hidden_size=64),
+        context_len=2048,
     )
 
 

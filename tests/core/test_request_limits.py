@@ -124,10 +124,8 @@ def test_a_prompt_id_outside_the_vocabulary_is_refused(ids: list[int], bad: int)
             {"text": ["a", "b"], "sampling_params": [{}, {"temperature": -1.0}]},
             "sampling_params[1].temperature",
         ),
-        (
-            {"text": ["a"] * 16, "sampling_params": {"n": MAX_N}},
-            "batch",
-        ),
+        ({"text": ["a"] * 65, "sampling_params": {"n": MAX_N}}, "batch"),
+        ({"text": ["a"] * 65, "sampling_params": [{"n": MAX_N}] * 65}, "batch"),
         ({"text": ["a"] * (MAX_SAMPLES_PER_REQUEST + 1)}, "batch"),
         ({"session_params": {"r!": "x"}}, "session_params"),
         ({"session_params": ["id"]}, "session_params"),
@@ -154,6 +152,33 @@ def test_each_hostile_field_is_named(request_fields: dict, field: str) -> None:
     assert problem is not None, request_fields
     assert problem.field == field
     assert str(problem).startswith(f"invalid request field {field}: ")
+
+
+@pytest.mark.parametrize(
+    "request_fields",
+    [
+        # what a router adds to a batch of one (a completions prompt given as a list)
+        {"text": ["Hello"], "bootstrap_host": ["h"], "bootstrap_port": [1], "bootstrap_room": [7]},
+        {"input_ids": [[1, 2, 3]], "rid": ["r1"], "return_logprob": [True]},
+        # n > 1: SGLang copies the request, then reads its lists
+        {"text": "hi", "sampling_params": {"n": 2}, "rid": ["a"]},
+        {
+            "text": "hi",
+            "sampling_params": {"n": 2},
+            "bootstrap_host": ["h", "h"],
+            "bootstrap_room": [1, 2],
+        },
+        # /v1/score's one request of every item
+        {"text": ["item"] * 1500},
+        {"sampling_params": {"n": 200}},
+        # the context is SGLang's to check (it shrinks them with --allow-auto-truncate)
+        {"sampling_params": {"max_new_tokens": 100000}},
+        {"sampling_params": {"stop_token_ids": [2, None]}},
+        {"sampling_params": {"stop_token_ids": {2, 3}}},
+    ],
+)
+def test_requests_sglang_serves_pass(request_fields: dict) -> None:
+    assert raw_request_problem(request_fields, LIMITS) is None
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from sgl_pd.backend import request_checks
 from sgl_pd.backend.decode.local_fallback import direct_sender, local_host
 from sgl_pd.backend.metrics import PlacementMetrics
 from sgl_pd.backend.streams import Stopped, until_stopped
@@ -443,6 +444,7 @@ async def around_generate_request(
         async for out in original(manager, obj, request):
             yield out
         return
+    request_checks.refuse_unsafe(manager, obj)  # before any prefill server sees it
     room = direct_room(secrets.randbits(63))
     prompt = _prompt_key(obj)
     tried: list[str] = []
