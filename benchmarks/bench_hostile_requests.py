@@ -46,12 +46,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 import requests
 from tqdm import tqdm
 
 from sgl_pd.cluster.client import generate_ids
-from sgl_pd.cluster.hostile import process_tree
+from sgl_pd.cluster.hostile import gone_pids, health_status, process_tree
 from sgl_pd.cluster.hostile_requests import (
     MAIN_ENDPOINTS,
     OTHER_ENDPOINTS,
@@ -171,14 +170,11 @@ def problems(group: Group, expected: list[int], patience: Patience) -> list[str]
     """What is wrong with a group's servers now; [] when all is well."""
     found = []
     for name, server in group.servers.items():
-        gone = {p for p in group.pids[name] if not psutil.pid_exists(p)}
+        gone = gone_pids(group.pids[name])
         if gone:
             found.append(f"{name}: processes {sorted(gone)} are gone")
             continue
-        try:
-            status = requests.get(f"{server.url}/health", timeout=patience.seconds(30)).status_code
-        except requests.RequestException as e:
-            status = f"no answer ({type(e).__name__})"  # type: ignore[assignment]
+        status = health_status(server, patience.seconds(30))
         if status != 200:
             found.append(f"{name} /health: {status}")
     if found:

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
 from sgl_pd.backend.request_checks import model_limits
-from sgl_pd.core.request_limits import token_ids_problem
+from sgl_pd.core.request_limits import id_lists_problem
 
 
 async def around_request_body_to_args(original: Any, *args: Any, **kwargs: Any) -> Any:
@@ -48,14 +48,9 @@ def after_detokenize_validate(result: Any, serving: Any, request: Any, *a: Any, 
     tokens = getattr(request, "tokens", None)
     if not isinstance(tokens, list):
         return result
-    lists = tokens if tokens and isinstance(tokens[0], list) else [tokens]
     vocab_size = model_limits(serving.tokenizer_manager).vocab_size
-    for i, ids in enumerate(lists):
-        field = f"tokens[{i}]" if lists is tokens else "tokens"  # (lists of lists: indexed)
-        problem = token_ids_problem(field, ids, vocab_size)
-        if problem is not None:
-            return str(problem)
-    return result
+    problem = id_lists_problem("tokens", tokens, vocab_size)
+    return str(problem) if problem is not None else result
 
 
 async def around_ollama_handler(original: Any, serving: Any, request: Any, *args: Any) -> Any:

@@ -134,9 +134,7 @@ class ManagedProcess:
     def kill(self) -> None:
         """SIGKILL to the whole process group at once, as a crash would end it."""
         assert self.process is not None, "start() first"
-        _signal_group(self.process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=30)
+        self.kill_group(reap_s=30)
 
     def pause(self) -> None:
         """SIGSTOP to the whole process group: alive, connections still accepted, but
@@ -171,12 +169,13 @@ class ManagedProcess:
             _signal_group(self.process.pid, signal.SIGCONT)
             _signal_group(self.process.pid, signal.SIGTERM)
 
-    def kill_group(self) -> None:
-        """SIGKILL to whatever of the group still runs, and the leader reaped."""
+    def kill_group(self, reap_s: float = 5.0) -> None:
+        """SIGKILL to whatever of the group still runs, and the leader reaped (waiting
+        up to `reap_s`)."""
         if self.process is not None:
             _signal_group(self.process.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=5)
+                self.process.wait(timeout=reap_s)
 
 
 def stop_all(processes: Sequence[ManagedProcess], grace_s: float = STOP_GRACE_S) -> None:

@@ -13,7 +13,7 @@ Two passes, both pure:
   SGLang normalizes it and before anything is sent anywhere (a prefill server included):
   value ranges and types that need no prompt;
 - `tokenized_request_problem` reads one request of it once its prompt is token ids: ids
-  against the vocabulary, logprob positions and embedding widths against the prompt.
+  against the vocabulary, and embedding widths against the model's.
 
 Sampling parameters SGLang itself verifies at its door (`SamplingParams.verify`: top_p,
 min_p, penalties, min/max new tokens, logit bias keys) are checked again only for what
@@ -94,7 +94,8 @@ def token_ids_problem(
         return BadField(field, f"{len(ids)} token ids, at most {max_len}")
     if not ids:
         return None
-    if not all(_is_int(i) for i in ids):
+    # the types present, not each id (a type per id in C: a long prompt costs little)
+    if not all(issubclass(t, int) and t is not bool for t in set(map(type, ids))):
         bad = next(i for i in ids if not _is_int(i))
         return BadField(field, f"token ids are integers, not {bad!r:.40}")
     try:
@@ -108,16 +109,27 @@ def token_ids_problem(
     return None
 
 
-def _prompt_ids_problem(input_ids: Any, limits: ModelLimits) -> BadField | None:
-    if input_ids is None:
+def id_lists_problem(
+    field: str,
+    value: Any,
+    vocab_size: int,
+    *,
+    max_len: int | None = None,
+    skip_none: bool = False,
+) -> BadField | None:
+    """`value`: token ids, or a list of them (one per prompt of a batch, `field[i]`);
+    None is no ids. `skip_none`: a list's None entries are prompts without any."""
+    if value is None:
         return None
-    if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
-        for i, ids in enumerate(input_ids):
-            problem = token_ids_problem(f"input_ids[{i}]", ids, limits.vocab_size)
-            if problem is not None:
-                return problem
-        return None
-    return token_ids_problem("input_ids", input_ids, limits.vocab_size)
+    if not (isinstance(value, list) and value and isinstance(value[0], list)):
+        return token_ids_problem(field, value, vocab_size, max_len=max_len)
+    for i, ids in enumerate(value):
+        if ids is None and skip_none:
+            continue
+        problem = token_ids_problem(f"{field}[{i}]", ids, vocab_size, max_len=max_len)
+        if problem is not None:
+            return problem
+    return None
 
 
 @dataclass(frozen=True)
@@ -141,15 +153,6 @@ def _prompts(request: Mapping[str, Any]) -> _Prompts:
         if isinstance(first_row, list):  # prompts of rows, not rows of numbers
             return _Prompts(True, len(embeds))
     return _Prompts(False, 1)
-
-
-def _sampling_params(request: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
-    params = request.get("sampling_params")
-    if isinstance(params, list):
-        for i, p in enumerate(params):
-            yield f"sampling_params[{i}]", p
-    else:
-        yield "sampling_params", params
 
 
 # sampling parameters that are numbers: (lowest, highest) allowed, None = unbounded; the
@@ -267,22 +270,10 @@ def _logprob_problem(request: Mapping[str, Any], limits: ModelLimits) -> BadFiel
                 f"logprob_start_len{suffix}",
                 f"-1 (output only) or a prompt position, not {start!r:.40}",
             )
-    ids = request.get("token_ids_logprob")
-    if ids is None:
-        return None
-    nested = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-    named = (
-        [(f"token_ids_logprob[{i}]", one) for i, one in enumerate(ids)]
-        if nested
-        else [("token_ids_logprob", ids)]
-    )
-    for name, one in named:
-        if one is None:
-            continue
-        problem = token_ids_problem(name, one, limits.vocab_size, max_len=MAX_TOKEN_LIST)
-        if problem is not None:
-            return problem
-    return None
+    return id_lists_problem(
+        "token_ids_logprob", request.get("token_ids_logprob"), limits.vocab_size,
+        max_len=MAX_TOKEN_LIST, skip_none=True,
+    )  # fmt: skip
 
 
 # SGLang's SessionParams fields, and the types each takes (None allowed for all)
@@ -359,7 +350,7 @@ def raw_request_problem(request: Mapping[str, Any], limits: ModelLimits) -> BadF
     """The first field of a generate request, as it arrived (single or batch), that no
     scheduler can safely take; None when there is none. `request` maps field names to
     values (a `GenerateReqInput`'s attributes)."""
-    problem = _prompt_ids_problem(request.get("input_ids"), limits)
+    problem = id_lists_problem("input_ids", request.get("input_ids"), limits.vocab_size)
     if problem is not None:
         return problem
     prompts = _prompts(request)
@@ -369,8 +360,8 @@ def raw_request_problem(request: Mapping[str, Any], limits: ModelLimits) -> BadF
             "sampling_params", f"an object, or a list of one per prompt ({prompts.count})"
         )
     samples = 0  # what SGLang makes of the request: each prompt, n times
-    for field, params in _sampling_params(request):
-        problem = sampling_params_problem(field, params, limits)
+    for suffix, params in _per_item(listed):
+        problem = sampling_params_problem(f"sampling_params{suffix}", params, limits)
         if problem is not None:
             return problem
         n = params.get("n") if isinstance(params, dict) else None
@@ -393,11 +384,10 @@ def tokenized_request_problem(
     input_ids: Sequence[int] | None,
     limits: ModelLimits,
     *,
-    logprob_start_len: Any = None,
     input_embeds: Any = None,
 ) -> BadField | None:
-    """One request of a batch, its prompt tokenized: the ids a scheduler will embed, and
-    what is measured against the prompt."""
+    """One request of a batch, its prompt tokenized: the ids a scheduler will embed (a
+    text or chat prompt's too), and its input embeddings' width."""
     if input_ids is not None:
         problem = token_ids_problem("input_ids", list(input_ids), limits.vocab_size)
         if problem is not None:

@@ -119,6 +119,19 @@ class Checked:
         self.notes += other.notes
 
 
+def health_status(server: Server, timeout_s: float) -> int | str:
+    """The server's /health status code, or why there was none."""
+    try:
+        return requests.get(f"{server.url}/health", timeout=timeout_s).status_code
+    except requests.RequestException as e:
+        return f"no answer ({type(e).__name__})"
+
+
+def gone_pids(pids: set[int]) -> set[int]:
+    """Those of `pids` (a server's process tree, `process_tree`) no longer running."""
+    return {p for p in pids if not psutil.pid_exists(p)}
+
+
 def check_cluster(
     cluster: PdCluster,
     pids: dict[str, set[int]],
@@ -132,14 +145,11 @@ def check_cluster(
     the real requests through the router give the tokens they gave before."""
     out = Checked()
     for name, server in (("prefill", cluster.prefill), ("decode", cluster.decode)):
-        try:
-            status = requests.get(f"{server.url}/health", timeout=timeout_s).status_code
-        except requests.RequestException as e:
-            status = f"no answer ({type(e).__name__})"  # type: ignore[assignment]
+        status = health_status(server, timeout_s)
         if status != 200:
             out.health_failures += 1
             out.notes.append(f"{name} /health: {status}")
-        gone = {p for p in pids[name] if not psutil.pid_exists(p)}
+        gone = gone_pids(pids[name])
         if gone:
             out.server_crashes += len(gone)
             out.notes.append(f"{name}: processes {sorted(gone)} are gone")
