@@ -57,7 +57,7 @@ from sgl_pd.cluster.load import plot_grouped_bars
 from sgl_pd.cluster.local import direct_cluster, local_patience, monolithic_server
 from sgl_pd.cluster.multiturn import Request
 from sgl_pd.cluster.prompts import long_prompt_ids
-from sgl_pd.cluster.streaming import Answer, judge, metric_sums, send
+from sgl_pd.cluster.streaming import Answer, judge, metric_by_label, metric_sums, send
 
 MODES = ("mono", "on", "off")
 COMMON = ["--chunked-prefill-size", "512", "--log-level", "warning"]
@@ -71,6 +71,8 @@ class ModeResult:
     gaps_s: list[float] = field(default_factory=list)  # running streams' inter-token gaps
     local_prefills: float = 0.0
     sent_out: float = 0.0  # of the local prefills, sent to the prefill server after all
+    mixed_steps: float = 0.0  # local steps that decoded the running streams in their forward
+    unmixed_steps: float = 0.0  # local steps that ran the local tokens alone
 
     def ttft_ms(self, kind: str, q: float) -> float:
         values = [a.ttft_s for k, a in self.answers.items() if k.endswith(kind)]
@@ -178,7 +180,7 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[int, ModeR
         for count in args.streams:
             print(f"[bench] {mode}: {count} running streams ...", flush=True)
             result = ModeResult()
-            before = _local_prefills(url) if mode != "mono" else (0.0, 0.0)
+            before = _local_counts(url) if mode != "mono" else {}
             streams = Streams(url, count, args.stream_tokens)
             with streams.running():
                 result.answers = conversation_turns(
@@ -187,18 +189,28 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[int, ModeR
                 )  # fmt: skip
             result.gaps_s = streams.gaps_s
             if mode != "mono":
-                after = _local_prefills(url)
-                result.local_prefills = after[0] - before[0]
-                result.sent_out = after[1] - before[1]
+                after = _local_counts(url)
+                result.local_prefills = after["local"] - before["local"]
+                result.sent_out = after["sent_out"] - before["sent_out"]
+                result.mixed_steps = after["mixed"] - before["mixed"]
+                result.unmixed_steps = after["unmixed"] - before["unmixed"]
             results[count] = result
     return results
 
 
-def _local_prefills(url: str) -> tuple[float, float]:
-    """(requests placed for local prefill, of them sent to the prefill server after all)."""
+def _local_counts(url: str) -> dict[str, float]:
+    """The decoder's local prefill counters: requests placed for local prefill (`local`),
+    of them sent to the prefill server after all (`sent_out`), and the local steps it ran
+    mixed into the streams' decode (`mixed`) or alone (`unmixed`)."""
     names = ["sgl_pd_local_prefills_total", "sgl_pd_local_prefills_sent_out_total"]
     sums = metric_sums(url, names)
-    return sums[names[0]], sums[names[1]]
+    steps = metric_by_label(url, "sgl_pd_local_prefill_steps_total", "kind")
+    return {
+        "local": sums[names[0]],
+        "sent_out": sums[names[1]],
+        "mixed": steps.get("mixed", 0.0),
+        "unmixed": steps.get("unmixed", 0.0),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,8 +314,13 @@ def main(argv: list[str] | None = None) -> int:
             "itl_p99_on_over_off": _ratio(
                 results["on"][count].gap_ms(99), results["off"][count].gap_ms(99)
             ),
+            "itl_p50_on_over_off": _ratio(
+                results["on"][count].gap_ms(50), results["off"][count].gap_ms(50)
+            ),
             "local_prefills_on": results["on"][count].local_prefills,
             "sent_out_on": results["on"][count].sent_out,
+            "local_steps_mixed_on": results["on"][count].mixed_steps,
+            "local_steps_unmixed_on": results["on"][count].unmixed_steps,
         }
         for count in args.streams
     }

@@ -224,6 +224,7 @@ class TransferMetrics:
 PLACEMENT_REASONS = ("cached_prefix", "load")  # why a prefill server was chosen
 # why a request placed for local prefill was not
 SENT_OUT_REASONS = ("slower", "itl_slo", "no_room", "unadmitted", "queue_full")
+LOCAL_STEP_KINDS = ("mixed", "unmixed")
 
 
 class PlacementMetrics:
@@ -238,6 +239,7 @@ class PlacementMetrics:
         self._cached: Any = None
         self._local: Any = None
         self._sent_out: Any = None
+        self._steps: Any = None
         if not enabled:
             return
         from prometheus_client import REGISTRY, Counter
@@ -259,16 +261,27 @@ class PlacementMetrics:
             "sgl_pd_local_prefills_sent_out",
             "Requests placed for local prefill that a decoder sent to a prefill server after"
             " all (counted in its scheduler), by why: slower (their first token was"
-            " predicted sooner remote), itl_slo (their steps could not ride in the running"
-            " streams' decode forward within the ITL SLO), no_room (no request slot or memory"
-            " for them: the transfer queues come first), unadmitted (no decode step"
-            " admitted them within"
-            " a few steps), queue_full (the local queue held --max-queued-requests)",
+            " predicted sooner remote), itl_slo (no local step, mixed into the running"
+            " streams' decode or alone, could carry them within the ITL SLO), no_room (no"
+            " request slot or memory for them: the transfer queues come first), unadmitted"
+            " (no decode step admitted them within a few steps), queue_full (the local queue"
+            " held --max-queued-requests)",
             ["why"],
             registry=reg,
         )
         for why in SENT_OUT_REASONS:
             self._sent_out.labels(why=why)
+        self._steps = Counter(
+            "sgl_pd_local_prefill_steps",
+            "Local prefill steps a decoder ran (counted in its first scheduler rank), by kind:"
+            " mixed (the running streams decoded in the same forward) or unmixed (the local"
+            " tokens alone, then the streams' decode step: where mixing costs the streams"
+            " more, or SGLang does not mix logprob requests)",
+            ["kind"],
+            registry=reg,
+        )
+        for kind in LOCAL_STEP_KINDS:
+            self._steps.labels(kind=kind)
         self._counter = Counter(
             "sgl_pd_prefill_placements",
             "Requests a decoder handed to a prefill server (direct mode), by why that one",
@@ -291,6 +304,10 @@ class PlacementMetrics:
         """`why`: one of `SENT_OUT_REASONS`."""
         if self._sent_out is not None:
             self._sent_out.labels(why=why).inc()
+
+    def stepped(self, mixed: bool) -> None:
+        if self._steps is not None:
+            self._steps.labels(kind="mixed" if mixed else "unmixed").inc()
 
     def placed(self, cached_tokens: int) -> None:
         if self._counter is None:

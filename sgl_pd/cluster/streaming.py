@@ -104,6 +104,17 @@ def metric_sums(url: str, names: Iterable[str]) -> dict[str, float]:
     return out
 
 
+def metric_by_label(url: str, name: str, label: str) -> dict[str, float]:
+    """One metric of the server's Prometheus /metrics, summed per value of `label`."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(requests.get(f"{url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name == name and label in sample.labels:
+                value = sample.labels[label]
+                out[value] = out.get(value, 0.0) + sample.value
+    return out
+
+
 @dataclass(frozen=True)
 class Client:
     """Sends requests to one server (or router) at `url`; answers keyed by request key."""

@@ -3,12 +3,17 @@ there at all (pure: the standard library and numpy).
 
 A decode step that also prefills k prompt tokens for a local request costs the running
 streams time: their next token waits for the whole forward. The decoder measures what its
-own steps cost (`StepCost`: seconds = a + b * running requests + c * local tokens, fitted
-online from every step it runs, forgetting old ones) and gives each step the most local
-tokens that keep it within the ITL SLO, a factor over the predicted plain decode step
-(`local_tokens_within_slo`). Where extend tokens are nearly free (a GPU) the fitted c is
-small and the budget grows to its cap by itself; where they are dear (a CPU) it shrinks -
-no per-device constant.
+own steps cost (`StepCost`: seconds = a + b * running requests + c * local tokens, plus
+d * running requests when the step mixes the streams' decode into a local prefill's
+forward, fitted online from every step it runs, forgetting old ones). A mixed step runs
+the streams through the attention backend's extend path, which may cost each of them more
+than a decode step does (SGLang's `torch_native` backend attends over a stream's whole
+context again for its one new token); an unmixed local step runs only the local tokens,
+and the streams then wait for it and for their own decode step. Each step takes the kind
+that carries more local tokens within the ITL SLO, a factor over the predicted plain
+decode step (`plan_local_step`). Where extend tokens are nearly free (a GPU) the fitted
+c and d are small and the budget grows to its cap by itself; where they are dear (a CPU)
+it shrinks - no per-device constant.
 
 SGLang's `PrefillAdder` takes one token per running request out of both of its prefill
 budgets when the step mixes decode into the prefill forward (`num_mixed_decode_tokens`):
@@ -78,15 +83,27 @@ class OnlineLinearFit:
 
 @dataclass(frozen=True)
 class StepCoefficients:
-    """A decode step's seconds = offset + per_request * running + per_local_token * local."""
+    """A decode step's seconds = offset + per_request * running + per_local_token * local,
+    plus per_mixed_request * running when the step mixes (running streams and local tokens
+    in one forward). `running` counts the streams the step decodes: an unmixed local step
+    decodes none."""
 
     offset: float
     per_request: float
     per_local_token: float
+    per_mixed_request: float = 0.0
 
     def seconds(self, running: int, local_tokens: int) -> float:
         decode = max(self.offset + self.per_request * running, 0.0)
-        return decode + max(self.per_local_token, 0.0) * local_tokens
+        if local_tokens <= 0:
+            return decode
+        mixing = max(self.per_mixed_request, 0.0) * running
+        return decode + mixing + max(self.per_local_token, 0.0) * local_tokens
+
+
+def _features(running: int, local_tokens: int) -> tuple[float, ...]:
+    mixed = running > 0 and local_tokens > 0
+    return (1.0, float(running), float(local_tokens), float(running) if mixed else 0.0)
 
 
 class StepCost:
@@ -95,57 +112,74 @@ class StepCost:
     between two tokens."""
 
     def __init__(self) -> None:
-        self._fit = OnlineLinearFit(3)
+        self._fit = OnlineLinearFit(4)
         self._local_steps = 0  # samples with local tokens: c is identified only by them
 
     def observe(self, running: int, local_tokens: int, seconds: float) -> None:
-        self._fit.observe((1.0, float(running), float(local_tokens)), seconds)
+        self._fit.observe(_features(running, local_tokens), seconds)
         if local_tokens > 0:
             self._local_steps += 1
 
     def coefficients(self) -> StepCoefficients | None:
+        """The fitted costs, or None before `MIN_SAMPLES` local steps were seen. Until a
+        mixed step was, the mixing cost is 0 (its feature never varied)."""
         w = self._fit.coefficients()
         if w is None or self._local_steps < MIN_SAMPLES:
             return None
         return StepCoefficients(*w)
 
 
-def local_tokens_within_slo(
+@dataclass(frozen=True)
+class LocalStep:
+    """How the next local step runs: `tokens` local prompt tokens, `mixed` with the
+    running streams' decode in the same forward or alone (they decode in the step after),
+    and whether it keeps the streams within the ITL SLO - a step always carries at least
+    one page, so a local request progresses even where none would."""
+
+    tokens: int
+    mixed: bool
+    within_slo: bool = True
+
+
+def plan_local_step(
     model: StepCoefficients | None,
     running: int,
     *,
     slo_factor: float,
     cap: int,
     page_size: int,
-) -> int:
-    """The local prompt tokens one step may carry: the most that keep the predicted step
-    within `slo_factor` x the predicted plain decode step at `running` requests, between
-    one page (a local request always progresses) and `cap`. Before the model is fitted,
-    or with the SLO off (`slo_factor` <= 0), `cap` (those steps are the measurements)."""
+    can_mix: bool = True,
+) -> LocalStep:
+    """The next local step at `running` streams: mixed (the streams wait for one forward
+    of their decode, the mixing and the local tokens) or unmixed (they wait for a forward
+    of the local tokens alone, then their own decode step), whichever carries more local
+    tokens within `slo_factor` x the predicted plain decode step; whole pages, between
+    one page and `cap`. `can_mix`: SGLang mixes the step (no logprobs asked on either
+    side). Before the model is fitted, with the SLO off (`slo_factor` <= 0) or without
+    streams: `cap`, mixed where it can be (those steps are the measurements)."""
     floor = max(1, page_size)
     cap = max(cap - cap % floor, floor)  # whole pages, as SGLang's chunks are
     if model is None or slo_factor <= 0 or running == 0:
-        return cap  # (no stream to slow down)
-    c = model.per_local_token
-    if c <= 0:
-        return cap  # extend tokens cost nothing measurable here
+        return LocalStep(cap, mixed=can_mix)
     decode_s = model.seconds(running, 0)
-    tokens = int((slo_factor - 1.0) * decode_s / c)
-    tokens -= tokens % floor  # whole pages, as SGLang's chunks are
-    return min(cap, max(floor, tokens))
-
-
-def unmixed_step_within_slo(
-    model: StepCoefficients | None, running: int, *, slo_factor: float, page_size: int
-) -> bool:
-    """Whether a local step that cannot ride in the streams' decode forward (SGLang does
-    not mix logprob requests) keeps them within the SLO: they then wait for it and for
-    their own decode step, so it must cost at most (`slo_factor` - 1) decode steps even
-    at one page. Without streams, a model or an SLO: yes."""
-    if model is None or slo_factor <= 0 or running == 0:
-        return True
-    decode_s = model.seconds(running, 0)
-    return model.seconds(0, max(1, page_size)) <= (slo_factor - 1.0) * decode_s
+    slack = (slo_factor - 1.0) * decode_s  # what the streams may wait beyond their step
+    c = max(model.per_local_token, 0.0)
+    options = [(False, model.seconds(0, 0))]  # (mixed, its cost beyond the local tokens')
+    if can_mix:
+        options.insert(0, (True, max(model.per_mixed_request, 0.0) * running))
+    best: LocalStep | None = None
+    for mixed, overhead in options:
+        if overhead > slack:
+            continue
+        tokens = cap if c <= 0 else min(cap, int((slack - overhead) / c))
+        tokens -= tokens % floor  # whole pages, as SGLang's chunks are
+        if tokens >= floor and (best is None or tokens > best.tokens):
+            best = LocalStep(tokens, mixed)
+    if best is not None:
+        return best
+    # not even a page fits: the cheaper kind, one page (the request should go out)
+    mixed, _ = min(options, key=lambda option: option[1])
+    return LocalStep(floor, mixed, within_slo=False)
 
 
 def adder_budget(local_tokens: int, running: int, mixed: bool) -> int:
@@ -203,18 +237,22 @@ def local_first_token_s(
     running: int,
     tokens_ahead: int,
     tokens: int,
-    per_step: int,
+    plan: LocalStep,
     local_share: float = 1.0,
 ) -> float:
     """Predicted seconds to a local request's first token: the steps until its last
-    chunk ran (the local tokens queued before it, then its own, `per_step` a step, the
-    last step carrying what is left), the decode steps between them (`local_share`: the
-    share of iterations with local work waiting that ran a local step), and the step
-    that samples its first token."""
-    per_step = max(1, per_step)
+    chunk ran (the local tokens queued before it, then its own, `plan.tokens` a step, the
+    last step carrying what is left; an unmixed step followed by the streams' decode
+    step), the decode steps between them (`local_share`: the share of iterations with
+    local work waiting that ran a local step), and the step that samples its first
+    token."""
+    per_step = max(1, plan.tokens)
+    decoded = running if plan.mixed else 0
+    after = 0.0 if plan.mixed or running == 0 else step.seconds(running, 0)
     full, rest = divmod(tokens_ahead + tokens, per_step)
-    prefill = full * step.seconds(running, per_step) + (step.seconds(running, rest) if rest else 0)
     local_steps = full + (1 if rest else 0)
+    prefill = full * step.seconds(decoded, per_step) + (step.seconds(decoded, rest) if rest else 0)
+    prefill += local_steps * after
     between = local_steps * (1.0 / max(local_share, 0.05) - 1.0) * step.seconds(running, 0)
     return prefill + between + step.seconds(running + 1, 0)
 
@@ -240,14 +278,15 @@ def prefill_here_is_sooner(
     running: int,
     tokens_ahead: int,
     tokens: int,
-    per_step: int,
+    plan: LocalStep,
     local_share: float = 1.0,
 ) -> bool:
-    """Whether the first token comes sooner prefilled here than remote. Without both
-    models fitted: here (the placement rules chose it; the steps teach the models)."""
+    """Whether the first token comes sooner prefilled here, in steps as `plan`, than
+    remote. Without both models fitted: here (the placement rules chose it; the steps
+    teach the models)."""
     if step is None or remote is None:
         return True
-    here = local_first_token_s(step, running, tokens_ahead, tokens, per_step, local_share)
+    here = local_first_token_s(step, running, tokens_ahead, tokens, plan, local_share)
     return here <= remote.seconds(tokens)
 
 
@@ -269,7 +308,7 @@ class LocalWait:
         self._steps.pop(rid, None)
 
 
-MODEL_WORDS = 5  # `pack_models`' length
+MODEL_WORDS = 6  # `pack_models`' length
 
 
 def pack_models(step: StepCoefficients | None, remote: RemoteCoefficients | None) -> list[float]:
@@ -277,7 +316,11 @@ def pack_models(step: StepCoefficients | None, remote: RemoteCoefficients | None
     that gives every rank of a TP group rank 0's models: each rank times its own steps,
     and ranks that budgeted differently would build different batches."""
     nan = float("nan")
-    words = [nan] * 3 if step is None else [step.offset, step.per_request, step.per_local_token]
+    words = (
+        [nan] * 4
+        if step is None
+        else [step.offset, step.per_request, step.per_local_token, step.per_mixed_request]
+    )
     words += [nan, nan] if remote is None else [remote.offset, remote.per_token]
     return words
 
@@ -285,6 +328,6 @@ def pack_models(step: StepCoefficients | None, remote: RemoteCoefficients | None
 def unpack_models(
     words: list[float],
 ) -> tuple[StepCoefficients | None, RemoteCoefficients | None]:
-    step = None if math.isnan(words[0]) else StepCoefficients(*words[0:3])
-    remote = None if math.isnan(words[3]) else RemoteCoefficients(*words[3:5])
+    step = None if math.isnan(words[0]) else StepCoefficients(*words[0:4])
+    remote = None if math.isnan(words[4]) else RemoteCoefficients(*words[4:6])
     return step, remote

@@ -72,10 +72,15 @@ def test_any_number_of_running_streams_leaves_the_local_budget_whole(
     running: int, local_pages: int, page_size: int
 ) -> None:
     local = local_pages * page_size
-    adder = _adder(page_size, adder_budget(local, running, mixed=True), running)
-    assert adder.rem_input_tokens == local
-    assert adder.rem_chunk_tokens == local
-    assert adder.budget_state() == AddReqResult.CONTINUE
+    for mixed in (True, False):
+        # SGLang passes the running batch size as the mixed decode tokens only when the
+        # step mixes (`is_mixed_chunk`, set from the step's plan)
+        adder = _adder(
+            page_size, adder_budget(local, running, mixed=mixed), running if mixed else 0
+        )
+        assert adder.rem_input_tokens == local
+        assert adder.rem_chunk_tokens == local
+        assert adder.budget_state() == AddReqResult.CONTINUE
 
 
 @settings(max_examples=100, deadline=None)

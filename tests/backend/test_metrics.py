@@ -308,3 +308,19 @@ def test_local_prefills_count_why_the_decoder_kept_them() -> None:
     }
     assert counts == {"cached_prefix": 2.0, "saturated": 0.0, "unavailable": 1.0}
     PlacementMetrics(False).local("saturated")  # off: nothing registered, nothing raised
+
+
+def test_local_steps_count_whether_they_mixed_the_streams_in() -> None:
+    from sgl_pd.backend.metrics import LOCAL_STEP_KINDS, PlacementMetrics
+
+    registry = CollectorRegistry()
+    placements = PlacementMetrics(True, registry)
+    placements.stepped(mixed=True)
+    placements.stepped(mixed=False)
+    placements.stepped(mixed=False)
+    counts = {
+        kind: _value(registry, "sgl_pd_local_prefill_steps_total", kind=kind)
+        for kind in LOCAL_STEP_KINDS
+    }
+    assert counts == {"mixed": 1.0, "unmixed": 2.0}
+    PlacementMetrics(False).stepped(mixed=True)  # off: nothing registered, nothing raised

@@ -14,7 +14,7 @@ from sgl_pd.core.local_budget import (
     MIN_REMOTE_SAMPLES,
     MIN_SAMPLES,
     REMOTE_WINDOW_S,
-    LocalShare,
+    LocalStep,
     LocalWait,
     RemoteCoefficients,
     RemoteCost,
@@ -22,10 +22,9 @@ from sgl_pd.core.local_budget import (
     StepCost,
     adder_budget,
     local_first_token_s,
-    local_tokens_within_slo,
     pack_models,
+    plan_local_step,
     prefill_here_is_sooner,
-    unmixed_step_within_slo,
     unpack_models,
 )
 
@@ -45,11 +44,15 @@ def test_the_step_cost_fit_recovers_a_linear_cost_from_noisy_steps() -> None:
 
 
 def test_the_fit_follows_a_change_and_forgets_the_old_cost() -> None:
+    # (local steps of two sizes: at one size and one batch a token's cost and the
+    # streams' mixing cost are one sum, which no fit can split)
     cost = StepCost()
     for i in range(200):
-        cost.observe(10, 16 * (i % 2), 0.01 + 0.001 * 16 * (i % 2))
+        local = (16, 0, 48, 0)[i % 4]
+        cost.observe(10, local, 0.01 + 0.001 * local)
     for i in range(400):  # the same steps became four times cheaper per local token
-        cost.observe(10, 16 * (i % 2), 0.01 + 0.00025 * 16 * (i % 2))
+        local = (16, 0, 48, 0)[i % 4]
+        cost.observe(10, local, 0.01 + 0.00025 * local)
     fitted = cost.coefficients()
     assert fitted is not None and math.isclose(fitted.per_local_token, 0.00025, rel_tol=0.05)
 
@@ -64,49 +67,116 @@ def test_no_model_before_local_steps_were_measured() -> None:
     assert cost.coefficients() is not None
 
 
+def test_the_fit_tells_the_cost_of_mixing_streams_from_that_of_local_tokens() -> None:
+    """A mixed step's streams go through the extend path (on SGLang's `torch_native`
+    backend each attends over its whole context again): a cost per stream that only
+    mixed steps pay. Unmixed local steps decode no stream."""
+    truth = StepCoefficients(0.010, 0.0002, 0.0005, per_mixed_request=0.0008)
+    rng = random.Random(11)
+    cost = StepCost()
+    for i in range(600):
+        running = rng.randint(1, 300)
+        local = rng.randint(1, 128) if i % 3 else 0
+        if local and i % 2:
+            running = 0  # an unmixed local step
+        cost.observe(running, local, truth.seconds(running, local) * rng.uniform(0.97, 1.03))
+    fitted = cost.coefficients()
+    assert fitted is not None
+    assert math.isclose(fitted.per_mixed_request, truth.per_mixed_request, rel_tol=0.1)
+    assert math.isclose(fitted.per_local_token, truth.per_local_token, rel_tol=0.1)
+    assert math.isclose(fitted.seconds(64, 16), truth.seconds(64, 16), rel_tol=0.05)
+    assert truth.seconds(0, 16) == 0.010 + 16 * 0.0005  # (no stream mixed: no mixing cost)
+
+
 def test_the_slo_sizes_the_local_tokens_to_the_measured_costs() -> None:
-    # decode step 20 ms at 10 streams, 1 ms per local token: 1.25x allows 5 tokens
+    # decode step 20 ms at 10 streams, 1 ms per local token: 1.25x allows 5 tokens mixed
+    # (an unmixed step pays the 10 ms offset again: none)
     cpu = StepCoefficients(offset=0.010, per_request=0.001, per_local_token=0.001)
-    assert local_tokens_within_slo(cpu, 10, slo_factor=1.25, cap=512, page_size=1) == 5
+    assert plan_local_step(cpu, 10, slo_factor=1.25, cap=512, page_size=1) == LocalStep(5, True)
     # extend tokens nearly free (a GPU): the cap
     gpu = StepCoefficients(offset=0.010, per_request=0.0001, per_local_token=1e-7)
-    assert local_tokens_within_slo(gpu, 10, slo_factor=1.25, cap=512, page_size=1) == 512
-    # whole pages, at least one: a local request always progresses
-    assert local_tokens_within_slo(cpu, 10, slo_factor=1.25, cap=512, page_size=16) == 16
-    assert local_tokens_within_slo(cpu, 10, slo_factor=1.01, cap=512, page_size=1) == 1
+    assert plan_local_step(gpu, 10, slo_factor=1.25, cap=512, page_size=1) == LocalStep(512, True)
+    # whole pages
+    assert plan_local_step(cpu, 10, slo_factor=2.0, cap=512, page_size=16).tokens == 16
+
+
+def test_where_mixing_the_streams_costs_more_than_a_step_the_local_chunk_runs_alone() -> None:
+    # 64 streams: decode 42 ms; mixing them costs 0.5 ms each (32 ms), past the 10.5 ms a
+    # 1.25x SLO leaves; alone a chunk pays the 10 ms offset and 0.1 ms a token
+    costly_mix = StepCoefficients(0.010, 0.0005, 0.0001, per_mixed_request=0.0005)
+    plan = plan_local_step(costly_mix, 64, slo_factor=1.25, cap=512, page_size=1)
+    assert plan == LocalStep(5, mixed=False)
+    # a request SGLang does not mix (logprobs) gets the unmixed plan whatever mixing costs
+    cheap_mix = StepCoefficients(0.010, 0.0005, 0.0001)
+    assert plan_local_step(cheap_mix, 64, slo_factor=1.25, cap=512, page_size=1).mixed
+    assert not plan_local_step(
+        cheap_mix, 64, slo_factor=1.25, cap=512, page_size=1, can_mix=False
+    ).mixed
+
+
+def test_a_step_no_kind_of_which_fits_the_slo_carries_a_page_and_says_so() -> None:
+    cpu = StepCoefficients(offset=0.010, per_request=0.001, per_local_token=0.001)
+    plan = plan_local_step(cpu, 10, slo_factor=1.01, cap=512, page_size=16)
+    assert plan.tokens == 16 and not plan.within_slo
+    # the unmixed kind where it cannot mix: a page costs 26 ms, past 0.25 x 20 ms
+    assert not plan_local_step(
+        cpu, 10, slo_factor=1.25, cap=512, page_size=16, can_mix=False
+    ).within_slo
+    assert plan_local_step(cpu, 10, slo_factor=3.0, cap=512, page_size=1, can_mix=False).within_slo
 
 
 def test_without_a_model_or_streams_or_slo_a_step_carries_its_cap() -> None:
     cpu = StepCoefficients(offset=0.010, per_request=0.001, per_local_token=0.001)
-    assert local_tokens_within_slo(None, 10, slo_factor=1.25, cap=64, page_size=1) == 64
-    assert local_tokens_within_slo(cpu, 0, slo_factor=1.25, cap=64, page_size=1) == 64
-    assert local_tokens_within_slo(cpu, 10, slo_factor=0, cap=64, page_size=1) == 64
+    assert plan_local_step(None, 10, slo_factor=1.25, cap=64, page_size=1) == LocalStep(64, True)
+    assert plan_local_step(cpu, 0, slo_factor=1.25, cap=64, page_size=1) == LocalStep(64, True)
+    assert plan_local_step(cpu, 10, slo_factor=0, cap=64, page_size=1) == LocalStep(64, True)
+    assert plan_local_step(None, 10, slo_factor=1.25, cap=64, page_size=1, can_mix=False) == (
+        LocalStep(64, False)
+    )
 
 
 @given(
     offset=st.floats(1e-4, 1.0),
     per_request=st.floats(0, 1e-2),
     per_token=st.floats(1e-7, 1e-2),
+    per_mixed=st.floats(0, 1e-2),
     running=st.integers(1, 2000),
     slo=st.floats(1.01, 4.0),
     cap=st.integers(1, 4096),
     page=st.sampled_from([1, 16, 64]),
+    can_mix=st.booleans(),
 )
-def test_the_budget_keeps_the_step_within_the_slo_unless_one_page_exceeds_it(
+def test_a_step_within_the_slo_keeps_the_streams_within_it_and_carries_the_most_it_can(
     offset: float,
     per_request: float,
     per_token: float,
+    per_mixed: float,
     running: int,
     slo: float,
     cap: int,
     page: int,
+    can_mix: bool,
 ) -> None:
-    model = StepCoefficients(offset, per_request, per_token)
-    tokens = local_tokens_within_slo(model, running, slo_factor=slo, cap=cap, page_size=page)
-    assert page <= tokens <= max(cap, page)
-    assert tokens % page == 0
-    if tokens > page:  # more than the progress floor: it fits the SLO
-        assert model.seconds(running, tokens) <= slo * model.seconds(running, 0) * (1 + 1e-9)
+    model = StepCoefficients(offset, per_request, per_token, per_mixed)
+    plan = plan_local_step(model, running, slo_factor=slo, cap=cap, page_size=page, can_mix=can_mix)
+    assert page <= plan.tokens <= max(cap, page)
+    assert plan.tokens % page == 0
+    assert can_mix or not plan.mixed
+    decode = model.seconds(running, 0)
+
+    def waits(tokens: int, mixed: bool) -> float:
+        """What the streams wait between two tokens through a local step."""
+        if mixed:
+            return model.seconds(running, tokens)
+        return model.seconds(0, tokens) + decode
+
+    if plan.within_slo:
+        assert waits(plan.tokens, plan.mixed) <= slo * decode * (1 + 1e-9)
+        other_fits = waits(plan.tokens + page, plan.mixed) <= slo * decode * (1 - 1e-9)
+        assert plan.tokens == max(cap - cap % page, page) or not other_fits
+    else:
+        for mixed in [True, False] if can_mix else [False]:
+            assert waits(page, mixed) > slo * decode * (1 - 1e-9)
 
 
 @given(local=st.integers(1, 4096), running=st.integers(0, 4096))
@@ -118,19 +188,27 @@ def test_the_adder_gets_the_streams_back_only_when_the_step_mixes(local: int, ru
 def test_a_follow_up_goes_where_its_first_token_comes_sooner() -> None:
     step = StepCoefficients(offset=0.010, per_request=0.0, per_local_token=0.0005)
     remote = RemoteCoefficients(offset=0.060, per_token=0.0001)
-    sooner = {"running": 4, "tokens_ahead": 0, "per_step": 64}
+    sooner = {"running": 4, "tokens_ahead": 0, "plan": LocalStep(64, True)}
     # 40 tokens: one 30 ms step + a 10 ms decode step here, 64 ms remote
     assert prefill_here_is_sooner(step, remote, tokens=40, **sooner)
     # behind 600 queued local tokens: 10 steps here
     assert not prefill_here_is_sooner(step, remote, tokens=40, **{**sooner, "tokens_ahead": 600})
     # at 8 tokens a step (a tight SLO) 40 tokens take 5 steps of 14 ms: remote is sooner
-    assert not prefill_here_is_sooner(step, remote, tokens=40, **{**sooner, "per_step": 8})
+    assert not prefill_here_is_sooner(
+        step, remote, tokens=40, **{**sooner, "plan": LocalStep(8, True)}
+    )
     # without both models the placement rules decide (here)
     assert prefill_here_is_sooner(None, remote, tokens=4000, **sooner)
     assert prefill_here_is_sooner(step, None, tokens=4000, **sooner)
-    assert local_first_token_s(step, 4, 0, 40, 64) == step.seconds(4, 40) + step.seconds(5, 0)
-    assert local_first_token_s(step, 4, 30, 40, 64) == (
+    mixed = LocalStep(64, True)
+    assert local_first_token_s(step, 4, 0, 40, mixed) == step.seconds(4, 40) + step.seconds(5, 0)
+    assert local_first_token_s(step, 4, 30, 40, mixed) == (
         step.seconds(4, 64) + step.seconds(4, 6) + step.seconds(5, 0)
+    )
+    # unmixed: each local step runs alone, then the streams' decode step
+    alone = LocalStep(64, False)
+    assert local_first_token_s(step, 4, 0, 40, alone) == (
+        step.seconds(0, 40) + step.seconds(4, 0) + step.seconds(5, 0)
     )
 
 
@@ -186,32 +264,8 @@ def test_a_request_waits_a_bounded_number_of_steps() -> None:
 
 
 def test_models_cross_to_other_ranks_whole_or_as_unfitted() -> None:
-    step = StepCoefficients(0.01, 0.0002, 0.0005)
+    step = StepCoefficients(0.01, 0.0002, 0.0005, 0.0003)
     remote = RemoteCoefficients(0.05, 0.0001)
     assert unpack_models(pack_models(step, remote)) == (step, remote)
     assert unpack_models(pack_models(None, remote)) == (None, remote)
     assert unpack_models(pack_models(step, None)) == (step, None)
-
-
-def test_a_step_that_cannot_mix_fits_the_slo_only_where_a_page_is_cheap() -> None:
-    # the streams wait a whole step more: a page must cost a quarter of a decode step
-    cpu = StepCoefficients(offset=0.010, per_request=0.001, per_local_token=0.001)
-    assert not unmixed_step_within_slo(cpu, 10, slo_factor=1.25, page_size=1)
-    assert unmixed_step_within_slo(cpu, 10, slo_factor=3.0, page_size=1)
-    cheap_offset = StepCoefficients(offset=0.001, per_request=0.001, per_local_token=0.0001)
-    assert unmixed_step_within_slo(cheap_offset, 10, slo_factor=1.25, page_size=1)
-    assert unmixed_step_within_slo(cpu, 0, slo_factor=1.25, page_size=1)  # no stream
-    assert unmixed_step_within_slo(None, 10, slo_factor=1.25, page_size=1)
-    assert unmixed_step_within_slo(cpu, 10, slo_factor=0, page_size=1)  # no SLO
-
-
-def test_a_local_step_every_other_iteration_doubles_the_wait_for_it() -> None:
-    step = StepCoefficients(offset=0.010, per_request=0.0, per_local_token=0.0005)
-    share = LocalShare()
-    for i in range(400):  # SGLang's decode step between two local steps
-        share.observe(i % 2 == 0)
-    assert math.isclose(share.value, 0.5, abs_tol=0.05)
-    every = local_first_token_s(step, 4, 0, 128, 32)
-    alternate = local_first_token_s(step, 4, 0, 128, 32, share.value)
-    # four local steps of 26 ms, and about four decode steps of 10 ms between them
-    assert math.isclose(alternate - every, 4 * step.seconds(4, 0), rel_tol=0.15)

@@ -39,6 +39,7 @@ STREAM_PROMPT_TOKENS = 40
 ANSWER_TOKENS = 4
 LOCAL = "sgl_pd_local_prefills_total"
 SENT_OUT = "sgl_pd_local_prefills_sent_out_total"
+LOCAL_STEPS = "sgl_pd_local_prefill_steps_total"  # mixed or unmixed
 RUNNING = "sglang:num_running_reqs"
 
 
@@ -136,6 +137,7 @@ def test_follow_ups_are_answered_whatever_runs_on_the_decoder(
     prompt, answer = _history(decoder, seed)
     placed_before = _metric(decoder, LOCAL)
     sent_before = _metric(decoder, SENT_OUT)
+    steps_before = _metric(decoder, LOCAL_STEPS)
     follow_ups = []
     tokens = 96 if streams < 100 else 192  # (running until the last stream joined)
     with _streams(decoder, streams, tokens, patience, seed=seed + 5000) as answers:
@@ -147,6 +149,8 @@ def test_follow_ups_are_answered_whatever_runs_on_the_decoder(
     sent_out = _metric(decoder, SENT_OUT) - sent_before
     assert placed == 2, "the follow-ups were not placed on the decoder"
     assert 0 <= sent_out <= placed
+    if sent_out < placed:  # prefilled here: in local steps, mixed with the streams or not
+        assert _metric(decoder, LOCAL_STEPS) > steps_before
     for asked, got in follow_ups:
         assert got == generate_ids(mono.url, asked, ANSWER_TOKENS)
     assert len(answers) == streams and all(a.status_code == 200 for a in answers)

@@ -25,12 +25,13 @@ from typing import Any
 from sgl_pd.core.local_budget import (
     MODEL_WORDS,
     LocalShare,
+    LocalStep,
     RemoteCoefficients,
     RemoteCost,
     StepCoefficients,
     StepCost,
-    local_tokens_within_slo,
     pack_models,
+    plan_local_step,
     unpack_models,
 )
 
@@ -70,14 +71,16 @@ class StepPacer:
         self._iterations = 0
         self._reported_s = -REPORT_INTERVAL_S
 
-    def budget(self, running: int) -> int:
-        """The local tokens the next step may carry with `running` streams."""
-        return local_tokens_within_slo(
+    def plan(self, running: int, *, can_mix: bool = True) -> LocalStep:
+        """How the next local step runs with `running` streams: its local tokens, and
+        whether it mixes their decode in (`can_mix`: SGLang would)."""
+        return plan_local_step(
             self.step_model,
             running,
             slo_factor=self.slo_factor,
             cap=self.cap,
             page_size=self.page_size,
+            can_mix=can_mix,
         )
 
     def stepped(self, scheduler: Any, remote: RemoteCost | None) -> None:
@@ -137,6 +140,7 @@ class StepPacer:
                 if step is None
                 else f"step {1e3 * step.offset:.2f} ms + {1e3 * step.per_request:.3f} ms a"
                 f" request + {1e3 * step.per_local_token:.3f} ms a local token"
+                f" + {1e3 * step.per_mixed_request:.3f} ms a request mixed with local tokens"
             )
             + (
                 "; remote prefills not measured yet"
@@ -144,8 +148,14 @@ class StepPacer:
                 else f"; remote prefill {1e3 * remote.offset:.1f} ms +"
                 f" {1e3 * remote.per_token:.3f} ms a token"
             )
-            + f"; {self.budget(running)} local tokens a step at {running} running requests"
+            + self._described_plan(running)
         )
+
+    def _described_plan(self, running: int) -> str:
+        plan = self.plan(running)
+        kind = "mixed" if plan.mixed else "unmixed"
+        slo = "" if plan.within_slo else " (past the ITL SLO: local requests go out)"
+        return f"; {plan.tokens} local tokens a {kind} step at {running} running requests{slo}"
 
 
 def step_shape(batch: Any) -> tuple[int, int]:

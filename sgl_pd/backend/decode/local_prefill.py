@@ -9,15 +9,17 @@ sampling with the request's full state, as a monolithic server does) over a queu
 its own, with limits that keep the running streams flowing - the reason PD exists:
 
 - a local step computes at most the local tokens its ITL SLO allows
-  (`local_pacing.StepPacer.budget`, from the steps this decoder measured), at least one
+  (`local_pacing.StepPacer.plan`, from the steps this decoder measured), at least one
   page and at most `step_tokens`; a longer suffix is chunked over several steps. SGLang's
-  `max_prefill_tokens` and chunk size for the step are that budget plus the running
-  streams' decode tokens, which SGLang's adder takes out again (`core.local_budget.
-  adder_budget`): any number of streams admits local work;
+  `max_prefill_tokens` and chunk size for the step are that budget plus, in a mixed step,
+  the running streams' decode tokens, which SGLang's adder takes out again
+  (`core.local_budget.adder_budget`): any number of streams admits local work;
 - the running streams decode in the same forward as the local chunk (SGLang's mixed
-  chunk), so they get a token every step; where SGLang does not mix (logprob requests)
-  the next step is their decode step, and it is SGLang's own whenever transferred
-  requests wait to be admitted;
+  chunk) where that carries more local tokens within the SLO; otherwise, and where
+  SGLang does not mix (logprob requests), the local chunk runs alone and the next step
+  is their decode step; it is SGLang's own whenever transferred requests wait to be
+  admitted. Local requests that no step could carry within the SLO go to a prefill
+  server (`itl_slo`);
 - a request goes local only while its first token is predicted sooner here than remote
   (`core.local_budget.prefill_here_is_sooner`), and one that no step admitted within
   `ADMISSION_STEPS` steps, or that finds the local queue full (SGLang's
@@ -55,12 +57,7 @@ from sgl_pd.backend.decode.local_pacing import StepPacer, step_shape
 from sgl_pd.backend.first_token import queued_request_flags, whole_prompt_reason
 from sgl_pd.backend.metrics import PlacementMetrics
 from sgl_pd.core.dispatch import PrefillerLoad
-from sgl_pd.core.local_budget import (
-    LocalWait,
-    adder_budget,
-    prefill_here_is_sooner,
-    unmixed_step_within_slo,
-)
+from sgl_pd.core.local_budget import LocalStep, LocalWait, adder_budget, prefill_here_is_sooner
 from sgl_pd.core.placement import is_direct_room, prefill_locally
 
 logger = logging.getLogger("sgl_pd.local_prefill")
@@ -185,9 +182,10 @@ def around_add_request_to_queue(
     )
     if fallback is not None and fallback.may_send:
         why = None
-        if not _sooner_here(scheduler, local, uncached):
+        plan = local.pacer.plan(len(scheduler.running_batch.reqs), can_mix=_can_mix(scheduler, req))
+        if not _sooner_here(scheduler, local, uncached, plan):
             why = "slower"
-        elif not _mixes_within_slo(scheduler, local, req):
+        elif not plan.within_slo:
             why = "itl_slo"
         elif _queue_full(scheduler, local):
             why = "queue_full"
@@ -219,37 +217,25 @@ def _sendable(local: LocalPrefills, req: Any) -> bool:
     return whole_prompt_reason(len(req.origin_input_ids), **queued_request_flags(req)) is None
 
 
-def _sooner_here(scheduler: Any, local: LocalPrefills, uncached: int) -> bool:
-    running = len(scheduler.running_batch.reqs)
+def _sooner_here(scheduler: Any, local: LocalPrefills, uncached: int, plan: LocalStep) -> bool:
     pacer = local.pacer
     return prefill_here_is_sooner(
         pacer.step_model,
         pacer.remote_model,
-        running=running,
+        running=len(scheduler.running_batch.reqs),
         tokens_ahead=sum(local.uncached.get(r.rid, 0) for r in local.queue),
         tokens=uncached,
-        per_step=pacer.budget(running),
+        plan=plan,
         local_share=pacer.share.value,
     )
 
 
-def _mixes_within_slo(scheduler: Any, local: LocalPrefills, req: Any) -> bool:
-    """A local step that SGLang will not mix into the streams' decode (the request or a
-    running stream wants logprobs) makes them wait a whole step more: within the ITL SLO
-    only where one page costs little enough (`core.local_budget.unmixed_step_within_slo`)."""
-    running = scheduler.running_batch
-    mixes = not getattr(req, "return_logprob", False) and not getattr(
-        running, "return_logprob", False
-    )
-    if mixes:
-        return True
-    pacer = local.pacer
-    return unmixed_step_within_slo(
-        pacer.step_model,
-        len(running.reqs),
-        slo_factor=pacer.slo_factor,
-        page_size=pacer.page_size,
-    )
+def _can_mix(scheduler: Any, *reqs: Any) -> bool:
+    """Whether SGLang would mix a local step of `reqs` into the running streams' decode:
+    not where either side asks for logprobs."""
+    if getattr(scheduler.running_batch, "return_logprob", False):
+        return False
+    return not any(getattr(r, "return_logprob", False) for r in reqs if r is not None)
 
 
 def _queue_full(scheduler: Any, local: LocalPrefills) -> bool:
@@ -386,11 +372,17 @@ def _next_batch(original: Any, scheduler: Any, local: LocalPrefills, running_bat
     streams_wait = not running_batch.is_empty() and not (last is not None and local.last_mixed)
     sglang_waiting = after_local and (streams_wait or bool(scheduler.waiting_queue))
     if (local.queue or local.chunked is not None) and not sglang_waiting:
-        step = _local_step(scheduler, local, running_batch)
-        if step is not None:
-            return step
-        if running_batch.batch_is_full:
-            _send_out_for_room(scheduler, local)
+        plan = local.pacer.plan(
+            len(running_batch.reqs), can_mix=_can_mix(scheduler, local.chunked, *local.queue)
+        )
+        if not plan.within_slo:  # (the costs changed since they were placed here)
+            _send_out_queued(scheduler, local, {r.rid for r in local.queue}, "itl_slo")
+        if local.queue or local.chunked is not None:  # (those that may not go out)
+            step = _local_step(scheduler, local, running_batch, plan)
+            if step is not None:
+                return step
+            if running_batch.batch_is_full:
+                _send_out_for_room(scheduler, local)
     return original(scheduler, running_batch)
 
 
@@ -426,7 +418,8 @@ def _send_out_queued(scheduler: Any, local: LocalPrefills, rids: set[str], why: 
 #   its request mid-prefill, never over SGLang's own (empty on a decoder);
 # - max_prefill_tokens, chunked_prefill_size: the step's local tokens (plus the mixed
 #   decode tokens SGLang's adder takes out again), not a prefill server's chunk;
-# - is_mixed_chunk: the running streams decode in the same forward;
+# - is_mixed_chunk: whether the running streams decode in the same forward (the step's
+#   plan), not the server's --enable-mixed-chunk;
 # - enable_priority_preemption: preempting running requests would hand remote ones back
 #   to the transfer queues.
 _SWAPPED = (
@@ -435,20 +428,20 @@ _SWAPPED = (
 )  # fmt: skip
 
 
-def _local_step(scheduler: Any, local: LocalPrefills, running_batch: Any) -> Any:
+def _local_step(scheduler: Any, local: LocalPrefills, running_batch: Any, plan: LocalStep) -> Any:
     """SGLang's prefill scheduling over the local queue, at most the step's local token
     budget (a longer suffix - the prediction was wrong, or a retracted request recomputes
-    its output too - is chunked, one chunk per local step, as SGLang chunks prefills);
-    None when nothing could be admitted (no free memory or request slot)."""
-    running = len(running_batch.reqs)
-    budget = adder_budget(local.pacer.budget(running), running, mixed=True)
+    its output too - is chunked, one chunk per local step, as SGLang chunks prefills),
+    mixed into the streams' decode as `plan` says; None when nothing could be admitted
+    (no free memory or request slot)."""
+    budget = adder_budget(plan.tokens, len(running_batch.reqs), mixed=plan.mixed)
     saved = {name: getattr(scheduler, name) for name in _SWAPPED}
     for name, value in (
         ("waiting_queue", local.queue),
         ("chunked_req", local.chunked),
         ("max_prefill_tokens", budget),
         ("chunked_prefill_size", budget),
-        ("is_mixed_chunk", True),
+        ("is_mixed_chunk", plan.mixed),
         ("enable_priority_preemption", False),
     ):
         setattr(scheduler, name, value)
@@ -459,13 +452,13 @@ def _local_step(scheduler: Any, local: LocalPrefills, running_batch: Any) -> Any
             if chunked.extend_end > chunked.prefix_len:
                 scheduler.stash_chunked_request(chunked)  # its KV so far, for the next chunk
             local.chunk_launched = False
-        plan = scheduler.get_new_batch_prefill(running_batch)
+        prefill = scheduler.get_new_batch_prefill(running_batch)
     finally:
         local.queue = scheduler.waiting_queue  # rebound without the admitted requests
         local.chunked = scheduler.chunked_req
         for name, value in saved.items():
             setattr(scheduler, name, value)
-    batch = plan.batch_to_run
+    batch = prefill.batch_to_run
     if batch is None:
         return None
     _forget_gone(scheduler, local)  # admitted: a router request's prefill copy goes
@@ -474,10 +467,12 @@ def _local_step(scheduler: Any, local: LocalPrefills, running_batch: Any) -> Any
     local.last_mixed = bool(mixed)
     local.chunk_launched = local.chunked is not None
     local.steps += 1
+    if scheduler.disagg_decode_prealloc_queue.kv_manager.rank == 0:
+        local.metrics.stepped(local.last_mixed)
     batch = scheduler.dp_attn_adapter.maybe_prepare_mlp_sync_batch(batch)
     from sglang.srt.managers.schedule_batch import NextBatchPlan
 
-    return NextBatchPlan(batch_to_run=batch, running_batch=plan.running_batch)
+    return NextBatchPlan(batch_to_run=batch, running_batch=prefill.running_batch)
 
 
 def around_is_fully_idle(original: Any, scheduler: Any, *args: Any, **kw: Any) -> bool:
