@@ -3,6 +3,8 @@
 # benchmarks/results/NAME.txt starts with the command, the commit (and whether the tree
 # had changes), the date and the machine, then everything the benchmark printed; the
 # files it writes (plots, JSON) go to benchmarks/results/NAME/ through its --out flag.
+# Progress bars redraw a line with carriage returns: the terminal sees them live, the
+# result keeps each bar's last state only.
 #   bash benchmarks/record.sh NAME benchmarks/bench_x.py [its arguments...]   (or a .sh script)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,4 +24,5 @@ git diff --quiet HEAD -- sgl_pd benchmarks patches ':!benchmarks/results' || dir
 set -o pipefail
 runner=(.venv/bin/python)
 [[ "$1" == *.sh ]] && runner=(bash)
-PYTHONUNBUFFERED=1 "${runner[@]}" "$@" --out "$out" 2>&1 | tee -a "benchmarks/results/$name.txt"
+PYTHONUNBUFFERED=1 "${runner[@]}" "$@" --out "$out" 2>&1 | tee /dev/stderr \
+    | python3 "$root/benchmarks/final_states.py" >>"benchmarks/results/$name.txt"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import importlib.util
+import io
 import json
 import sys
 from pathlib import Path
@@ -109,3 +110,21 @@ def test_the_hostile_request_campaign_draws_and_reports(
     assert summary["bodies"] == len(bodies)
     assert summary["server_errors_5xx"] == sum(1 for i in range(len(bodies)) if i % 4 == 2)
     json.dumps(summary)
+
+
+def test_a_recorded_result_keeps_each_progress_bars_last_state_only(tmp_path: Path) -> None:
+    final_states = _load(BENCHMARKS / "final_states.py")
+    output = "bar  0%\rbar 50%\rbar 100%\nfigure 1\n\rbar 10%\r   \rnote\nlast\r\n"
+    lines = io.StringIO(output, newline="\n").readlines()  # (a carriage return ends none)
+    assert [final_states.final_state(line) for line in lines] == (
+        ["bar 100%\n", "figure 1\n", "note\n", "last\n"]
+    )
+    recorded = tmp_path / "result.txt"
+    recorded.write_bytes(output.encode())
+    assert final_states.main([str(recorded)]) == 0
+    assert recorded.read_bytes() == b"bar 100%\nfigure 1\nnote\nlast\n"
+
+
+def test_committed_results_hold_no_progress_redraws() -> None:
+    for result in sorted((BENCHMARKS / "results").glob("*.txt")):
+        assert b"\r" not in result.read_bytes(), f"{result.name}: run final_states.py on it"
