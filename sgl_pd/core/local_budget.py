@@ -3,17 +3,17 @@ there at all (pure: the standard library and numpy).
 
 A decode step that also prefills k prompt tokens for a local request costs the running
 streams time: their next token waits for the whole forward. The decoder measures what its
-own steps cost (`StepCost`: seconds = a + b * running requests + c * local tokens, plus
-d * running requests when the step mixes the streams' decode into a local prefill's
-forward, fitted online from every step it runs, forgetting old ones). A mixed step runs
-the streams through the attention backend's extend path, which may cost each of them more
-than a decode step does (SGLang's `torch_native` backend attends over a stream's whole
-context again for its one new token); an unmixed local step runs only the local tokens,
-and the streams then wait for it and for their own decode step. Each step takes the kind
-that carries more local tokens within the ITL SLO, a factor over the predicted plain
-decode step (`plan_local_step`). Where extend tokens are nearly free (a GPU) the fitted
-c and d are small and the budget grows to its cap by itself; where they are dear (a CPU)
-it shrinks - no per-device constant.
+own steps cost (`StepCost`, fitted online from every step it runs, forgetting old ones):
+a plain decode step is a + b * running requests; a local step adds c * local tokens,
+plus d * running requests when it mixes the streams' decode into the local forward (they
+go through the attention backend's extend path, which may cost each of them more than a
+decode step: SGLang's `torch_native` backend attends over a stream's whole context again
+for its one new token), or is e + c * local tokens when it runs alone (unmixed: the
+streams then wait for it and for their own decode step). Each step takes the kind that
+carries more local tokens within the ITL SLO, a factor over the predicted plain decode
+step (`plan_local_step`). Where extend tokens are nearly free (a GPU) the fitted c and d
+are small and the budget grows to its cap by itself; where they are dear (a CPU) it
+shrinks - no per-device constant.
 
 SGLang's `PrefillAdder` takes one token per running request out of both of its prefill
 budgets when the step mixes decode into the prefill forward (`num_mixed_decode_tokens`):
@@ -44,7 +44,11 @@ import numpy as np
 # scheduling steps a local request may wait unadmitted before it goes to a prefill server
 ADMISSION_STEPS = 8
 FORGETTING = 0.98  # weight of a sample relative to the next one (~50 steps remembered)
-MIN_SAMPLES = 8  # steps seen before a fitted step model is used
+MIN_SAMPLES = 8  # steps of a kind seen before a fit of them is used
+# every this many local steps one carries half the tokens the SLO allows: at one size and
+# one stream count a local token's cost and the mixing's are one sum no fit can split,
+# and a split that drifts would end in a wrong plan
+PROBE_EVERY = 4
 # remote prefills seen before theirs is: a decoder sees far fewer of them than steps, and
 # until then every placement stays local
 MIN_REMOTE_SAMPLES = 4
@@ -55,7 +59,7 @@ _RIDGE = 1e-9  # keeps the normal equations solvable before the features vary
 
 class OnlineLinearFit:
     """y ~ w . x, fitted by exponentially weighted least squares (old samples fade by
-    `forgetting` per new one). `x`: the feature vector, its first entry 1 (the offset)."""
+    `forgetting` per new one). `x`: the feature vector."""
 
     def __init__(self, features: int, forgetting: float = FORGETTING) -> None:
         self._forgetting = forgetting
@@ -64,7 +68,7 @@ class OnlineLinearFit:
         self.samples = 0
 
     def observe(self, x: tuple[float, ...], y: float) -> None:
-        if not math.isfinite(y) or y <= 0:
+        if not math.isfinite(y):
             return
         v = np.asarray(x, dtype=np.float64)
         self._xtx = self._forgetting * self._xtx + np.outer(v, v)
@@ -83,50 +87,77 @@ class OnlineLinearFit:
 
 @dataclass(frozen=True)
 class StepCoefficients:
-    """A decode step's seconds = offset + per_request * running + per_local_token * local,
-    plus per_mixed_request * running when the step mixes (running streams and local tokens
-    in one forward). `running` counts the streams the step decodes: an unmixed local step
-    decodes none."""
+    """A step's seconds. Plain decode: offset + per_request * running. A local step adds
+    per_local_token * local tokens, and per_mixed_request * running when it mixes the
+    streams in (`running` counts the streams a step decodes); an unmixed one decodes no
+    stream and costs unmixed_offset + per_local_token * local (None: no unmixed step
+    measured yet, `offset` stands in)."""
 
     offset: float
     per_request: float
     per_local_token: float
     per_mixed_request: float = 0.0
+    unmixed_offset: float | None = None
 
     def seconds(self, running: int, local_tokens: int) -> float:
         decode = max(self.offset + self.per_request * running, 0.0)
         if local_tokens <= 0:
             return decode
-        mixing = max(self.per_mixed_request, 0.0) * running
-        return decode + mixing + max(self.per_local_token, 0.0) * local_tokens
+        tokens = max(self.per_local_token, 0.0) * local_tokens
+        if running > 0:
+            return decode + max(self.per_mixed_request, 0.0) * running + tokens
+        return self.alone_offset() + tokens
 
-
-def _features(running: int, local_tokens: int) -> tuple[float, ...]:
-    mixed = running > 0 and local_tokens > 0
-    return (1.0, float(running), float(local_tokens), float(running) if mixed else 0.0)
+    def alone_offset(self) -> float:
+        """What an unmixed local step costs besides its tokens."""
+        offset = self.offset if self.unmixed_offset is None else self.unmixed_offset
+        return max(offset, 0.0)
 
 
 class StepCost:
     """What this decoder's steps cost, from the steps it ran. A step's time is the whole
     loop iteration (scheduling, the forward, output processing): what a stream waits
-    between two tokens."""
+    between two tokens.
+
+    Two fits, each forgetting only as its own steps arrive: plain decode steps
+    (a + b * running), and what local work adds to a step over the decode its streams
+    would cost (mixed: c * local + d * running; unmixed: e + c * local). A decoder that
+    sends every local request out for a while thus keeps what local steps cost instead
+    of fading it to "free"."""
 
     def __init__(self) -> None:
-        self._fit = OnlineLinearFit(4)
-        self._local_steps = 0  # samples with local tokens: c is identified only by them
+        self._decode = OnlineLinearFit(2)  # (1, running)
+        self._local = OnlineLinearFit(3)  # (unmixed, local tokens, running if mixed)
+        self._unmixed_steps = 0  # e is measured only by them
 
     def observe(self, running: int, local_tokens: int, seconds: float) -> None:
-        self._fit.observe(_features(running, local_tokens), seconds)
-        if local_tokens > 0:
-            self._local_steps += 1
+        if not math.isfinite(seconds) or seconds <= 0:
+            return
+        if local_tokens <= 0:
+            self._decode.observe((1.0, float(running)), seconds)
+            return
+        mixed = running > 0
+        if mixed:
+            decode = self._decode.coefficients()
+            if decode is None:
+                return  # (what the local work added is not known before the decode cost)
+            seconds -= decode[0] + decode[1] * running
+        else:
+            self._unmixed_steps += 1
+        features = (0.0 if mixed else 1.0, float(local_tokens), float(running) if mixed else 0.0)
+        self._local.observe(features, seconds)
 
     def coefficients(self) -> StepCoefficients | None:
-        """The fitted costs, or None before `MIN_SAMPLES` local steps were seen. Until a
-        mixed step was, the mixing cost is 0 (its feature never varied)."""
-        w = self._fit.coefficients()
-        if w is None or self._local_steps < MIN_SAMPLES:
+        """The fitted costs, or None before `MIN_SAMPLES` decode and local steps were
+        seen. The mixing cost is 0 until a mixed step was (its feature never varied)."""
+        decode, local = self._decode.coefficients(), self._local.coefficients()
+        if decode is None or local is None:
             return None
-        return StepCoefficients(*w)
+        unmixed, per_token, per_mixed = local
+        measured = self._unmixed_steps >= MIN_SAMPLES
+        return StepCoefficients(
+            decode[0], decode[1], per_token, per_mixed, unmixed if measured else None
+        )
 
 
 @dataclass(frozen=True)
@@ -149,6 +180,7 @@ def plan_local_step(
     cap: int,
     page_size: int,
     can_mix: bool = True,
+    probe: bool = False,
 ) -> LocalStep:
     """The next local step at `running` streams: mixed (the streams wait for one forward
     of their decode, the mixing and the local tokens) or unmixed (they wait for a forward
@@ -156,7 +188,10 @@ def plan_local_step(
     tokens within `slo_factor` x the predicted plain decode step; whole pages, between
     one page and `cap`. `can_mix`: SGLang mixes the step (no logprobs asked on either
     side). Before the model is fitted, with the SLO off (`slo_factor` <= 0) or without
-    streams: `cap`, mixed where it can be (those steps are the measurements)."""
+    streams: `cap`, mixed where it can be (those steps are the measurements); where only
+    an unmixed step might fit and none was measured yet, one page unmixed (a
+    measurement too). `probe` (every `PROBE_EVERY` local steps): half the tokens, so that
+    the fit sees steps of more than one size."""
     floor = max(1, page_size)
     cap = max(cap - cap % floor, floor)  # whole pages, as SGLang's chunks are
     if model is None or slo_factor <= 0 or running == 0:
@@ -164,19 +199,24 @@ def plan_local_step(
     decode_s = model.seconds(running, 0)
     slack = (slo_factor - 1.0) * decode_s  # what the streams may wait beyond their step
     c = max(model.per_local_token, 0.0)
-    options = [(False, model.seconds(0, 0))]  # (mixed, its cost beyond the local tokens')
+    # (mixed, what the step costs the streams besides its local tokens)
+    options = [(False, model.alone_offset())] if model.unmixed_offset is not None else []
     if can_mix:
         options.insert(0, (True, max(model.per_mixed_request, 0.0) * running))
     best: LocalStep | None = None
     for mixed, overhead in options:
         if overhead > slack:
             continue
-        tokens = cap if c <= 0 else min(cap, int((slack - overhead) / c))
+        tokens = cap if c <= 0 else int(min(float(cap), (slack - overhead) / c))
+        if probe:
+            tokens //= 2
         tokens -= tokens % floor  # whole pages, as SGLang's chunks are
         if tokens >= floor and (best is None or tokens > best.tokens):
             best = LocalStep(tokens, mixed)
     if best is not None:
         return best
+    if model.unmixed_offset is None:
+        return LocalStep(floor, mixed=False)  # not measured yet: a page measures it
     # not even a page fits: the cheaper kind, one page (the request should go out)
     mixed, _ = min(options, key=lambda option: option[1])
     return LocalStep(floor, mixed, within_slo=False)
@@ -242,17 +282,15 @@ def local_first_token_s(
 ) -> float:
     """Predicted seconds to a local request's first token: the steps until its last
     chunk ran (the local tokens queued before it, then its own, `plan.tokens` a step, the
-    last step carrying what is left; an unmixed step followed by the streams' decode
-    step), the decode steps between them (`local_share`: the share of iterations with
-    local work waiting that ran a local step), and the step that samples its first
-    token."""
+    last step carrying what is left), the decode steps between them (`local_share`: the
+    share of iterations with local work waiting that ran a local step - after an
+    unmixed step the streams' decode step is one of those), and the step that samples
+    its first token."""
     per_step = max(1, plan.tokens)
     decoded = running if plan.mixed else 0
-    after = 0.0 if plan.mixed or running == 0 else step.seconds(running, 0)
     full, rest = divmod(tokens_ahead + tokens, per_step)
     local_steps = full + (1 if rest else 0)
     prefill = full * step.seconds(decoded, per_step) + (step.seconds(decoded, rest) if rest else 0)
-    prefill += local_steps * after
     between = local_steps * (1.0 / max(local_share, 0.05) - 1.0) * step.seconds(running, 0)
     return prefill + between + step.seconds(running + 1, 0)
 
@@ -308,19 +346,21 @@ class LocalWait:
         self._steps.pop(rid, None)
 
 
-MODEL_WORDS = 6  # `pack_models`' length
+MODEL_WORDS = 7  # `pack_models`' length
 
 
 def pack_models(step: StepCoefficients | None, remote: RemoteCoefficients | None) -> list[float]:
-    """Both models as floats (a NaN first word marks one unfitted), for the broadcast
-    that gives every rank of a TP group rank 0's models: each rank times its own steps,
-    and ranks that budgeted differently would build different batches."""
+    """Both models as floats (a NaN first word marks one unfitted, a NaN unmixed offset
+    one not measured), for the broadcast that gives every rank of a TP group rank 0's
+    models: each rank times its own steps, and ranks that budgeted differently would
+    build different batches."""
     nan = float("nan")
-    words = (
-        [nan] * 4
-        if step is None
-        else [step.offset, step.per_request, step.per_local_token, step.per_mixed_request]
-    )
+    if step is None:
+        words = [nan] * 5
+    else:
+        unmixed = nan if step.unmixed_offset is None else step.unmixed_offset
+        words = [step.offset, step.per_request, step.per_local_token, step.per_mixed_request]
+        words.append(unmixed)
     words += [nan, nan] if remote is None else [remote.offset, remote.per_token]
     return words
 
@@ -328,6 +368,9 @@ def pack_models(step: StepCoefficients | None, remote: RemoteCoefficients | None
 def unpack_models(
     words: list[float],
 ) -> tuple[StepCoefficients | None, RemoteCoefficients | None]:
-    step = None if math.isnan(words[0]) else StepCoefficients(*words[0:4])
-    remote = None if math.isnan(words[4]) else RemoteCoefficients(*words[4:6])
+    step = None
+    if not math.isnan(words[0]):
+        unmixed = None if math.isnan(words[4]) else words[4]
+        step = StepCoefficients(words[0], words[1], words[2], words[3], unmixed)
+    remote = None if math.isnan(words[5]) else RemoteCoefficients(*words[5:7])
     return step, remote

@@ -118,3 +118,25 @@ def test_a_request_with_no_room_here_goes_out_at_once_and_keeps_its_prefill_copy
     assert scheduler.queued == [req] and local.queue == [pinned]
     local_prefill._forget_gone(scheduler, local)
     assert scheduler.skips == []
+
+
+def test_a_request_arriving_after_a_mixed_local_step_is_planned_with_its_streams() -> None:
+    """Between a mixed local step and the next iteration the streams are in that step's
+    batch and SGLang's running batch is empty: the plan counts them still, so a step
+    that would break the ITL SLO at 64 streams sends the request out."""
+    from sgl_pd.core.local_budget import StepCoefficients
+
+    local = LocalPrefills(128, prefix_cache=True, itl_slo=1.25, page_size=16)
+    # a page mixed into 64 streams, or alone, costs more than a quarter of their step
+    local.pacer.step_model = StepCoefficients(0.010, 0.0005, 0.001, 0.0005, unmixed_offset=0.02)
+    scheduler = _Scheduler(local)
+    local.launched = SimpleNamespace(decoding_reqs=[object()] * 64)
+    local.last_mixed = True
+    req = _router_request(12)
+    around_add_request_to_queue(_never_queued, scheduler, req)
+    assert scheduler.queued == [req] and local.queue == []
+    # with no stream decoding, the same request is prefilled here
+    local.launched = None
+    other = _router_request(13)
+    around_add_request_to_queue(_never_queued, scheduler, other)
+    assert local.queue == [other]

@@ -13,6 +13,7 @@ from sgl_pd.core.local_budget import (
     ADMISSION_STEPS,
     MIN_REMOTE_SAMPLES,
     MIN_SAMPLES,
+    PROBE_EVERY,
     REMOTE_WINDOW_S,
     LocalStep,
     LocalWait,
@@ -70,8 +71,8 @@ def test_no_model_before_local_steps_were_measured() -> None:
 def test_the_fit_tells_the_cost_of_mixing_streams_from_that_of_local_tokens() -> None:
     """A mixed step's streams go through the extend path (on SGLang's `torch_native`
     backend each attends over its whole context again): a cost per stream that only
-    mixed steps pay. Unmixed local steps decode no stream."""
-    truth = StepCoefficients(0.010, 0.0002, 0.0005, per_mixed_request=0.0008)
+    mixed steps pay. Unmixed local steps decode no stream and pay their own offset."""
+    truth = StepCoefficients(0.010, 0.0002, 0.0005, per_mixed_request=0.0008, unmixed_offset=0.006)
     rng = random.Random(11)
     cost = StepCost()
     for i in range(600):
@@ -81,20 +82,104 @@ def test_the_fit_tells_the_cost_of_mixing_streams_from_that_of_local_tokens() ->
             running = 0  # an unmixed local step
         cost.observe(running, local, truth.seconds(running, local) * rng.uniform(0.97, 1.03))
     fitted = cost.coefficients()
-    assert fitted is not None
+    assert fitted is not None and fitted.unmixed_offset is not None
     assert math.isclose(fitted.per_mixed_request, truth.per_mixed_request, rel_tol=0.1)
     assert math.isclose(fitted.per_local_token, truth.per_local_token, rel_tol=0.1)
+    assert math.isclose(fitted.unmixed_offset, 0.006, rel_tol=0.1)
     assert math.isclose(fitted.seconds(64, 16), truth.seconds(64, 16), rel_tol=0.05)
-    assert truth.seconds(0, 16) == 0.010 + 16 * 0.0005  # (no stream mixed: no mixing cost)
+    assert math.isclose(fitted.seconds(0, 16), truth.seconds(0, 16), rel_tol=0.05)
+
+
+def test_the_unmixed_offset_is_measured_not_read_off_the_decode_fit() -> None:
+    """At a steady stream count a decode step's offset and per-stream cost are one sum
+    (a + b * 64): an unmixed step's cost cannot be had from them, only from its own
+    steps - until then it is not measured."""
+    truth = StepCoefficients(0.010, 0.0005, 0.0001, 0.00005, unmixed_offset=0.010)
+    rng = random.Random(5)
+    cost = StepCost()
+    for i in range(300):
+        running = 64 + rng.randint(-2, 2)
+        local = 16 if i % 2 else 0  # mixed steps of one size among decode steps
+        cost.observe(running, local, truth.seconds(running, local) * rng.uniform(0.97, 1.03))
+    fitted = cost.coefficients()
+    assert fitted is not None and fitted.unmixed_offset is None
+    for _ in range(MIN_SAMPLES):
+        cost.observe(0, 16, truth.seconds(0, 16))
+    fitted = cost.coefficients()
+    assert fitted is not None and fitted.unmixed_offset is not None
+    assert math.isclose(fitted.seconds(0, 16), truth.seconds(0, 16), rel_tol=0.05)
+
+
+def test_while_no_local_step_runs_the_fit_keeps_what_they_cost() -> None:
+    """Where no local step fits the SLO every request goes out and no local step is
+    timed: the decode steps that run meanwhile must not fade the local costs to free
+    (which would plan the cap on the next request: a step of many times the SLO)."""
+    truth = StepCoefficients(0.010, 0.0005, 0.001, per_mixed_request=0.0005, unmixed_offset=0.012)
+    rng = random.Random(3)
+    cost = StepCost()
+    for i in range(200):
+        k = (16, 32, 48)[i % 3]
+        cost.observe(64, k, truth.seconds(64, k) * rng.uniform(0.97, 1.03))
+        cost.observe(0, k, truth.seconds(0, k) * rng.uniform(0.97, 1.03))
+        cost.observe(64, 0, truth.seconds(64, 0) * rng.uniform(0.97, 1.03))
+    plan = plan_local_step(cost.coefficients(), 64, slo_factor=1.25, cap=512, page_size=16)
+    assert not plan.within_slo
+    for _ in range(5000):  # only decode steps
+        running = 64 + rng.randint(-3, 3)
+        cost.observe(running, 0, truth.seconds(running, 0) * rng.uniform(0.97, 1.03))
+    plan = plan_local_step(cost.coefficients(), 64, slo_factor=1.25, cap=512, page_size=16)
+    assert not plan.within_slo
+
+
+def _closed_loop(truth: StepCoefficients, running: int, steps: int) -> tuple[list[int], int]:
+    """A decoder planning its local steps from what it measured, always with local work
+    waiting: (the steps past the SLO in truth, how many ran unmixed)."""
+    rng = random.Random(running)
+    cost, past, unmixed, slo = StepCost(), [], 0, 1.25
+    for i in range(steps):
+        plan = plan_local_step(
+            cost.coefficients(), running, slo_factor=slo, cap=128, page_size=1,
+            probe=i % PROBE_EVERY == 0,
+        )  # fmt: skip
+        decode = truth.seconds(running, 0)
+        if plan.mixed:
+            wait = truth.seconds(running, plan.tokens)
+            cost.observe(running, plan.tokens, wait * rng.uniform(0.98, 1.02))
+        else:
+            unmixed += 1
+            alone = truth.seconds(0, plan.tokens)
+            cost.observe(0, plan.tokens, alone * rng.uniform(0.98, 1.02))
+            wait = alone + decode
+        if wait > slo * decode * 1.05:
+            past.append(i)
+        cost.observe(running, 0, decode * rng.uniform(0.98, 1.02))  # the streams' own step
+    return past, unmixed
+
+
+def test_in_a_closed_loop_the_plan_settles_within_the_slo() -> None:
+    """Past the measurements at the start (the cap, before anything is fitted; a page
+    alone, before that is), the kind is the right one and steps break the SLO only as
+    rarely as a kind not run for about a thousand local steps (its cost forgotten as
+    the other's steps are fitted) is tried again."""
+    settled = 4 * MIN_SAMPLES
+    # cheap mixing (a GPU-like step): mixed steps throughout
+    cheap = StepCoefficients(0.010, 0.0005, 0.0001, per_mixed_request=0.00001, unmixed_offset=0.01)
+    past, unmixed = _closed_loop(cheap, 64, 3000)
+    assert unmixed == 0 and all(i < settled for i in past)
+    # costly mixing (this CPU): a page mixed into 64 streams breaks the SLO, one alone not
+    costly = StepCoefficients(0.010, 0.0005, 0.0001, per_mixed_request=0.0005, unmixed_offset=0.004)
+    past, unmixed = _closed_loop(costly, 64, 3000)
+    assert unmixed > 3000 - settled
+    assert len([i for i in past if i >= settled]) <= 3  # (one try of mixing per ~1,000)
 
 
 def test_the_slo_sizes_the_local_tokens_to_the_measured_costs() -> None:
     # decode step 20 ms at 10 streams, 1 ms per local token: 1.25x allows 5 tokens mixed
-    # (an unmixed step pays the 10 ms offset again: none)
-    cpu = StepCoefficients(offset=0.010, per_request=0.001, per_local_token=0.001)
+    # (an unmixed step pays its 10 ms offset: none)
+    cpu = StepCoefficients(0.010, 0.001, 0.001, unmixed_offset=0.010)
     assert plan_local_step(cpu, 10, slo_factor=1.25, cap=512, page_size=1) == LocalStep(5, True)
     # extend tokens nearly free (a GPU): the cap
-    gpu = StepCoefficients(offset=0.010, per_request=0.0001, per_local_token=1e-7)
+    gpu = StepCoefficients(0.010, 0.0001, 1e-7, unmixed_offset=0.010)
     assert plan_local_step(gpu, 10, slo_factor=1.25, cap=512, page_size=1) == LocalStep(512, True)
     # whole pages
     assert plan_local_step(cpu, 10, slo_factor=2.0, cap=512, page_size=16).tokens == 16
@@ -102,12 +187,16 @@ def test_the_slo_sizes_the_local_tokens_to_the_measured_costs() -> None:
 
 def test_where_mixing_the_streams_costs_more_than_a_step_the_local_chunk_runs_alone() -> None:
     # 64 streams: decode 42 ms; mixing them costs 0.5 ms each (32 ms), past the 10.5 ms a
-    # 1.25x SLO leaves; alone a chunk pays the 10 ms offset and 0.1 ms a token
-    costly_mix = StepCoefficients(0.010, 0.0005, 0.0001, per_mixed_request=0.0005)
+    # 1.25x SLO leaves; alone a chunk pays a 10 ms offset and 0.1 ms a token
+    costly_mix = StepCoefficients(0.010, 0.0005, 0.0001, 0.0005, unmixed_offset=0.010)
     plan = plan_local_step(costly_mix, 64, slo_factor=1.25, cap=512, page_size=1)
     assert plan == LocalStep(5, mixed=False)
+    # not measured alone yet: one page alone, to measure it
+    unmeasured = StepCoefficients(0.010, 0.0005, 0.0001, 0.0005)
+    plan = plan_local_step(unmeasured, 64, slo_factor=1.25, cap=512, page_size=16)
+    assert plan == LocalStep(16, mixed=False)
     # a request SGLang does not mix (logprobs) gets the unmixed plan whatever mixing costs
-    cheap_mix = StepCoefficients(0.010, 0.0005, 0.0001)
+    cheap_mix = StepCoefficients(0.010, 0.0005, 0.0001, unmixed_offset=0.010)
     assert plan_local_step(cheap_mix, 64, slo_factor=1.25, cap=512, page_size=1).mixed
     assert not plan_local_step(
         cheap_mix, 64, slo_factor=1.25, cap=512, page_size=1, can_mix=False
@@ -115,7 +204,7 @@ def test_where_mixing_the_streams_costs_more_than_a_step_the_local_chunk_runs_al
 
 
 def test_a_step_no_kind_of_which_fits_the_slo_carries_a_page_and_says_so() -> None:
-    cpu = StepCoefficients(offset=0.010, per_request=0.001, per_local_token=0.001)
+    cpu = StepCoefficients(0.010, 0.001, 0.001, unmixed_offset=0.010)
     plan = plan_local_step(cpu, 10, slo_factor=1.01, cap=512, page_size=16)
     assert plan.tokens == 16 and not plan.within_slo
     # the unmixed kind where it cannot mix: a page costs 26 ms, past 0.25 x 20 ms
@@ -126,7 +215,7 @@ def test_a_step_no_kind_of_which_fits_the_slo_carries_a_page_and_says_so() -> No
 
 
 def test_without_a_model_or_streams_or_slo_a_step_carries_its_cap() -> None:
-    cpu = StepCoefficients(offset=0.010, per_request=0.001, per_local_token=0.001)
+    cpu = StepCoefficients(0.010, 0.001, 0.001, unmixed_offset=0.010)
     assert plan_local_step(None, 10, slo_factor=1.25, cap=64, page_size=1) == LocalStep(64, True)
     assert plan_local_step(cpu, 0, slo_factor=1.25, cap=64, page_size=1) == LocalStep(64, True)
     assert plan_local_step(cpu, 10, slo_factor=0, cap=64, page_size=1) == LocalStep(64, True)
@@ -136,10 +225,11 @@ def test_without_a_model_or_streams_or_slo_a_step_carries_its_cap() -> None:
 
 
 @given(
-    offset=st.floats(1e-4, 1.0),
-    per_request=st.floats(0, 1e-2),
-    per_token=st.floats(1e-7, 1e-2),
-    per_mixed=st.floats(0, 1e-2),
+    offset=st.floats(-0.01, 1.0),
+    per_request=st.floats(-1e-3, 1e-2),
+    per_token=st.floats(-1e-4, 1e-2),
+    per_mixed=st.floats(-1e-3, 1e-2),
+    unmixed=st.floats(-0.01, 1.0),
     running=st.integers(1, 2000),
     slo=st.floats(1.01, 4.0),
     cap=st.integers(1, 4096),
@@ -151,15 +241,17 @@ def test_a_step_within_the_slo_keeps_the_streams_within_it_and_carries_the_most_
     per_request: float,
     per_token: float,
     per_mixed: float,
+    unmixed: float,
     running: int,
     slo: float,
     cap: int,
     page: int,
     can_mix: bool,
 ) -> None:
-    model = StepCoefficients(offset, per_request, per_token, per_mixed)
+    model = StepCoefficients(offset, per_request, per_token, per_mixed, unmixed)
     plan = plan_local_step(model, running, slo_factor=slo, cap=cap, page_size=page, can_mix=can_mix)
-    assert page <= plan.tokens <= max(cap, page)
+    top = max(cap - cap % page, page)
+    assert page <= plan.tokens <= top
     assert plan.tokens % page == 0
     assert can_mix or not plan.mixed
     decode = model.seconds(running, 0)
@@ -170,13 +262,21 @@ def test_a_step_within_the_slo_keeps_the_streams_within_it_and_carries_the_most_
             return model.seconds(running, tokens)
         return model.seconds(0, tokens) + decode
 
+    def fits(tokens: int, mixed: bool) -> bool:
+        return waits(tokens, mixed) <= slo * decode * (1 + 1e-9)
+
+    kinds = [True, False] if can_mix else [False]
     if plan.within_slo:
-        assert waits(plan.tokens, plan.mixed) <= slo * decode * (1 + 1e-9)
-        other_fits = waits(plan.tokens + page, plan.mixed) <= slo * decode * (1 - 1e-9)
-        assert plan.tokens == max(cap - cap % page, page) or not other_fits
+        assert fits(plan.tokens, plan.mixed)
+        # neither kind carries a page more within the SLO
+        for mixed in kinds:
+            more = plan.tokens + page
+            assert plan.tokens == top or waits(more, mixed) > slo * decode * (1 - 1e-9)
     else:
-        for mixed in [True, False] if can_mix else [False]:
-            assert waits(page, mixed) > slo * decode * (1 - 1e-9)
+        for mixed in kinds:
+            assert not fits(page, mixed) or waits(page, mixed) > slo * decode * (1 - 1e-9)
+        # the cheaper kind
+        assert waits(page, plan.mixed) <= min(waits(page, m) for m in kinds) * (1 + 1e-9)
 
 
 @given(local=st.integers(1, 4096), running=st.integers(0, 4096))
@@ -205,10 +305,13 @@ def test_a_follow_up_goes_where_its_first_token_comes_sooner() -> None:
     assert local_first_token_s(step, 4, 30, 40, mixed) == (
         step.seconds(4, 64) + step.seconds(4, 6) + step.seconds(5, 0)
     )
-    # unmixed: each local step runs alone, then the streams' decode step
+    # unmixed: each local step runs alone; the streams' decode steps between local steps
+    # are the share of iterations that ran none (measured, `LocalShare`)
     alone = LocalStep(64, False)
-    assert local_first_token_s(step, 4, 0, 40, alone) == (
-        step.seconds(0, 40) + step.seconds(4, 0) + step.seconds(5, 0)
+    assert local_first_token_s(step, 4, 0, 40, alone) == step.seconds(0, 40) + step.seconds(5, 0)
+    assert math.isclose(
+        local_first_token_s(step, 4, 0, 40, alone, local_share=0.5),
+        step.seconds(0, 40) + step.seconds(4, 0) + step.seconds(5, 0),
     )
 
 
@@ -264,8 +367,10 @@ def test_a_request_waits_a_bounded_number_of_steps() -> None:
 
 
 def test_models_cross_to_other_ranks_whole_or_as_unfitted() -> None:
-    step = StepCoefficients(0.01, 0.0002, 0.0005, 0.0003)
+    step = StepCoefficients(0.01, 0.0002, 0.0005, 0.0003, unmixed_offset=0.004)
     remote = RemoteCoefficients(0.05, 0.0001)
     assert unpack_models(pack_models(step, remote)) == (step, remote)
+    unmeasured = StepCoefficients(0.01, 0.0002, 0.0005, 0.0003)
+    assert unpack_models(pack_models(unmeasured, None)) == (unmeasured, None)
     assert unpack_models(pack_models(None, remote)) == (None, remote)
     assert unpack_models(pack_models(step, None)) == (step, None)

@@ -24,6 +24,7 @@ from typing import Any
 
 from sgl_pd.core.local_budget import (
     MODEL_WORDS,
+    PROBE_EVERY,
     LocalShare,
     LocalStep,
     RemoteCoefficients,
@@ -69,11 +70,14 @@ class StepPacer:
         self._launched: deque[tuple[int, int] | None] = deque(maxlen=2 if overlap else 1)
         self._iteration_s: float | None = None  # when the last iteration began
         self._iterations = 0
+        self._local_steps = 0  # launched, counted alike on every rank
         self._reported_s = -REPORT_INTERVAL_S
 
-    def plan(self, running: int, *, can_mix: bool = True) -> LocalStep:
+    def plan(self, running: int, *, can_mix: bool = True, to_run: bool = False) -> LocalStep:
         """How the next local step runs with `running` streams: its local tokens, and
-        whether it mixes their decode in (`can_mix`: SGLang would)."""
+        whether it mixes their decode in (`can_mix`: SGLang would). `to_run`: the plan of
+        a step about to run (every `PROBE_EVERY`th carries half: a probe for the fit),
+        not a prediction."""
         return plan_local_step(
             self.step_model,
             running,
@@ -81,6 +85,7 @@ class StepPacer:
             cap=self.cap,
             page_size=self.page_size,
             can_mix=can_mix,
+            probe=to_run and self._local_steps % PROBE_EVERY == PROBE_EVERY - 1,
         )
 
     def stepped(self, scheduler: Any, remote: RemoteCost | None) -> None:
@@ -105,6 +110,8 @@ class StepPacer:
         `local_tokens` local prompt tokens."""
         if self._launched:  # (empty: a pause came in between)
             self._launched[-1] = (running, local_tokens)
+        if local_tokens > 0:
+            self._local_steps += 1
 
     def paused(self) -> None:
         """The engine pauses: no gap until it runs again measures a step."""
@@ -141,6 +148,11 @@ class StepPacer:
                 else f"step {1e3 * step.offset:.2f} ms + {1e3 * step.per_request:.3f} ms a"
                 f" request + {1e3 * step.per_local_token:.3f} ms a local token"
                 f" + {1e3 * step.per_mixed_request:.3f} ms a request mixed with local tokens"
+                + (
+                    "; unmixed local steps not measured yet"
+                    if step.unmixed_offset is None
+                    else f"; unmixed local step {1e3 * step.unmixed_offset:.2f} ms + tokens"
+                )
             )
             + (
                 "; remote prefills not measured yet"

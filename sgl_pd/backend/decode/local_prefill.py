@@ -182,8 +182,9 @@ def around_add_request_to_queue(
     )
     if fallback is not None and fallback.may_send:
         why = None
-        plan = local.pacer.plan(len(scheduler.running_batch.reqs), can_mix=_can_mix(scheduler, req))
-        if not _sooner_here(scheduler, local, uncached, plan):
+        streams = _streams(scheduler, local)
+        plan = local.pacer.plan(streams, can_mix=_can_mix(scheduler, req))
+        if not _sooner_here(local, streams, uncached, plan):
             why = "slower"
         elif not plan.within_slo:
             why = "itl_slo"
@@ -217,12 +218,21 @@ def _sendable(local: LocalPrefills, req: Any) -> bool:
     return whole_prompt_reason(len(req.origin_input_ids), **queued_request_flags(req)) is None
 
 
-def _sooner_here(scheduler: Any, local: LocalPrefills, uncached: int, plan: LocalStep) -> bool:
+def _streams(scheduler: Any, local: LocalPrefills) -> int:
+    """The streams decoding on this decoder now. Between a mixed local step and the next
+    iteration they are in that step's batch, and SGLang's running batch is empty."""
+    running = len(scheduler.running_batch.reqs)
+    if local.launched is not None and local.last_mixed:
+        running += len(getattr(local.launched, "decoding_reqs", None) or ())
+    return running
+
+
+def _sooner_here(local: LocalPrefills, streams: int, uncached: int, plan: LocalStep) -> bool:
     pacer = local.pacer
     return prefill_here_is_sooner(
         pacer.step_model,
         pacer.remote_model,
-        running=len(scheduler.running_batch.reqs),
+        running=streams,
         tokens_ahead=sum(local.uncached.get(r.rid, 0) for r in local.queue),
         tokens=uncached,
         plan=plan,
@@ -232,7 +242,9 @@ def _sooner_here(scheduler: Any, local: LocalPrefills, uncached: int, plan: Loca
 
 def _can_mix(scheduler: Any, *reqs: Any) -> bool:
     """Whether SGLang would mix a local step of `reqs` into the running streams' decode:
-    not where either side asks for logprobs."""
+    not where either side asks for logprobs. (SGLang has rarer reasons not to - input
+    embeddings, too little memory for the streams' next tokens: such a step runs unmixed
+    at a mixed step's size, past the SLO by a decode step.)"""
     if getattr(scheduler.running_batch, "return_logprob", False):
         return False
     return not any(getattr(r, "return_logprob", False) for r in reqs if r is not None)
@@ -347,8 +359,10 @@ def around_get_next_batch(original: Any, scheduler: Any, running_batch: Any) -> 
     local.pacer.stepped(scheduler, manager.decode.remote_cost)
     waiting = bool(local.queue) or local.chunked is not None
     plan = _next_batch(original, scheduler, local, running_batch)
-    if waiting:
-        local.pacer.share.observe(local.launched is not None)  # (set by a local step only)
+    ran_local = local.launched is not None  # (set by a local step only)
+    if waiting and (ran_local or local.queue or local.chunked is not None):
+        # (an iteration that sent every waiting request out had no local work left)
+        local.pacer.share.observe(ran_local)
     if plan.batch_to_run is not None:
         local.pacer.launched(*step_shape(plan.batch_to_run))
     return plan
@@ -372,11 +386,10 @@ def _next_batch(original: Any, scheduler: Any, local: LocalPrefills, running_bat
     streams_wait = not running_batch.is_empty() and not (last is not None and local.last_mixed)
     sglang_waiting = after_local and (streams_wait or bool(scheduler.waiting_queue))
     if (local.queue or local.chunked is not None) and not sglang_waiting:
-        plan = local.pacer.plan(
-            len(running_batch.reqs), can_mix=_can_mix(scheduler, local.chunked, *local.queue)
-        )
+        plan = _plan(scheduler, local, running_batch)
         if not plan.within_slo:  # (the costs changed since they were placed here)
             _send_out_queued(scheduler, local, {r.rid for r in local.queue}, "itl_slo")
+            plan = _plan(scheduler, local, running_batch)
         if local.queue or local.chunked is not None:  # (those that may not go out)
             step = _local_step(scheduler, local, running_batch, plan)
             if step is not None:
@@ -384,6 +397,13 @@ def _next_batch(original: Any, scheduler: Any, local: LocalPrefills, running_bat
             if running_batch.batch_is_full:
                 _send_out_for_room(scheduler, local)
     return original(scheduler, running_batch)
+
+
+def _plan(scheduler: Any, local: LocalPrefills, running_batch: Any) -> LocalStep:
+    """The next local step's plan, for the request mid-prefill or else the queue's first
+    (the one SGLang's default first-come-first-served policy admits first)."""
+    head = local.chunked if local.chunked is not None else local.queue[0] if local.queue else None
+    return local.pacer.plan(len(running_batch.reqs), can_mix=_can_mix(scheduler, head), to_run=True)
 
 
 def _send_out_unadmitted(scheduler: Any, local: LocalPrefills) -> None:
