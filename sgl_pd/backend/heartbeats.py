@@ -71,6 +71,10 @@ class Watched(Protocol):
 
     def housekeeping(self) -> None: ...
 
+    def tables(self) -> dict[str, int]:
+        """The role's tables and their entries (a soak watches them return to 0)."""
+        ...
+
 
 def peer_gone(inbox: str, session: str | None) -> bool:
     """True only when the peer's inbox refuses connections and so does its transfer

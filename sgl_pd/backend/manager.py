@@ -102,8 +102,16 @@ class _Watching:
     def resumed_after_freeze(self, frozen_s: float) -> None:
         self._role.resumed_after_freeze(frozen_s)
 
+    def tables(self) -> dict[str, int]:
+        return {
+            **self._role.tables(),
+            "control_pending": self._reliable.pending,
+            "deliveries_remembered": self._deliveries.remembered(),
+        }
+
     def housekeeping(self) -> None:
         self._role.housekeeping()
+        self._metrics.set_tables(self.tables())
         self._metrics.control_totals(
             {
                 "resent": self._reliable.resent,

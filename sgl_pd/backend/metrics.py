@@ -143,6 +143,16 @@ class TransferMetrics:
         )
         self._control = {e: control.labels(role=role, event=e) for e in CONTROL_EVENTS}
         self._control_seen = dict.fromkeys(CONTROL_EVENTS, 0)
+        self._role = role
+        self._tables = Gauge(
+            "sgl_pd_table_entries",
+            "Entries of sgl_pd's own tables (rooms, request states, page pins, control messages"
+            " awaiting acknowledgment, deliveries remembered, ...), summed over the server's"
+            " ranks: each returns to 0 once traffic stops",
+            ["role", "table"],
+            multiprocess_mode="livesum",
+            registry=reg,
+        )
         self._rooms = gauge(
             "sgl_pd_rooms",
             "Requests this server's ranks hold transfer state for (live, or draining)",
@@ -213,6 +223,12 @@ class TransferMetrics:
             if new > 0:
                 self._control[event].inc(new)
                 self._control_seen[event] = total
+
+    def set_tables(self, sizes: dict[str, int]) -> None:
+        """Each of sgl_pd's tables' entries now (`tables()` of the role's messenger)."""
+        if self._enabled:
+            for table, size in sizes.items():
+                self._tables.labels(role=self._role, table=table).set(size)
 
     def set_live(self, rooms: int, in_flight: int, staging_bytes: int = 0) -> None:
         if self._enabled:

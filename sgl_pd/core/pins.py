@@ -42,6 +42,16 @@ class PagePins:
         self._releasable: list[int] = []  # held pages whose last pin is gone
         self._pending: dict[int, list[PageIds]] = {}  # request -> ids not on the host yet
 
+    def sizes(self) -> dict[str, int]:
+        """Entries of each of its tables (a soak watches them return to 0)."""
+        with self._lock:
+            return {
+                "pinned_pages": len(self._count),
+                "pin_owners": len(self._by_owner),
+                "held_pages": len(self._held),
+                "pins_pending": len(self._pending),
+            }
+
     @property
     def active(self) -> bool:
         """Some page is pinned or waits to go back (cheap: read without the lock)."""

@@ -250,13 +250,23 @@ class ReliableReceiver:
         key = (envelope.sender, envelope.instance, envelope.seq)
         now = self._clock.monotonic()
         with self._lock:
-            while self._seen:
-                oldest_key, seen_s = next(iter(self._seen.items()))
-                if now - seen_s <= self.window_s and len(self._seen) < MAX_REMEMBERED:
-                    break
-                del self._seen[oldest_key]
+            self._forget_old(now)
             if key in self._seen:
                 self.duplicates += 1
                 return None
             self._seen[key] = now
         return envelope.message
+
+    def remembered(self) -> int:
+        """Deliveries remembered (to tell copies from new messages): those of the last
+        `window_s`, so none once traffic stopped that long ago."""
+        with self._lock:
+            self._forget_old(self._clock.monotonic())
+            return len(self._seen)
+
+    def _forget_old(self, now: float) -> None:
+        while self._seen:
+            oldest_key, seen_s = next(iter(self._seen.items()))
+            if now - seen_s <= self.window_s and len(self._seen) < MAX_REMEMBERED:
+                break
+            del self._seen[oldest_key]

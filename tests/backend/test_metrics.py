@@ -74,6 +74,7 @@ def test_names_and_labels_follow_prometheus_conventions() -> None:
         "sgl_pd_rooms": "gauge",
         "sgl_pd_writes_in_flight": "gauge",
         "sgl_pd_staging_bytes": "gauge",
+        "sgl_pd_table_entries": "gauge",
     }
     for name, kind in types.items():
         if kind == "histogram":  # a unit as the suffix
@@ -81,7 +82,7 @@ def test_names_and_labels_follow_prometheus_conventions() -> None:
         assert (kind == "counter") == name.endswith("_total"), name
     # bounded labels: role everywhere, cause and kind only from their closed sets
     labels = set(re.findall(r"(\w+)=\"", text))
-    assert labels <= {"role", "cause", "kind", "event", "le"}
+    assert labels <= {"role", "cause", "kind", "event", "le"}  # (table: once set, below)
     causes = set(re.findall(r'cause="(\w+)"', text))
     assert causes == {c.value for c in FailureCause}  # all exported at 0 from the start
     assert set(re.findall(r'kind="(\w+)"', text)) == set(LIVENESS_KINDS)
@@ -324,3 +325,13 @@ def test_local_steps_count_whether_they_mixed_the_streams_in() -> None:
     }
     assert counts == {"mixed": 1.0, "unmixed": 2.0}
     PlacementMetrics(False).stepped(mixed=True)  # off: nothing registered, nothing raised
+
+
+def test_table_entries_are_exported_per_table() -> None:
+    registry = CollectorRegistry()
+    metrics = TransferMetrics(True, "decode", registry)
+    metrics.set_tables({"tracks": 3, "control_pending": 0})
+    metrics.set_tables({"tracks": 1, "control_pending": 2})
+    assert _value(registry, "sgl_pd_table_entries", role="decode", table="tracks") == 1.0
+    assert _value(registry, "sgl_pd_table_entries", role="decode", table="control_pending") == 2.0
+    TransferMetrics(False, "decode").set_tables({"tracks": 1})  # off: nothing raised

@@ -213,3 +213,15 @@ def test_ranks_that_number_alike_are_told_apart() -> None:
     net.senders[DECODE].send(PREFILL, first)
     twin.send(PREFILL, second)
     assert net.handled[PREFILL] == [first, second]
+
+
+def test_deliveries_are_forgotten_once_traffic_stopped_a_window_ago() -> None:
+    """What a soak checks: the receiver's memory of deliveries returns to empty at idle,
+    without another message arriving to prune it."""
+    net = Network()
+    for room in range(5):
+        net.senders[PREFILL].send(DECODE, _last_notice(room))
+    receiver = net.receivers[DECODE]
+    assert receiver.remembered() == 5
+    net.clock.advance(receiver.window_s + 1.0)
+    assert receiver.remembered() == 0

@@ -107,6 +107,11 @@ class Completion:
         elif early is None and len(self._early) < MAX_EARLY_NOTICES:
             self._early[notice.request_id] = (self._clock.monotonic(), [notice])
 
+    @property
+    def early_rooms(self) -> int:
+        """Requests with notices that came before the request did."""
+        return len(self._early)
+
     def take_early(self, room: int) -> list[ChunkNotice]:
         early = self._early.pop(room, None)
         return [] if early is None else early[1]

@@ -199,6 +199,16 @@ class DecodeKVManager(SglPdKVManager):
         self.peers.invalidate_inbox(inbox)  # a restarted prefiller has new endpoints
         self.decode.peer_lost(inbox, why, gone)
 
+    def tables(self) -> dict[str, int]:
+        """This rank's tables and their entries, for `sgl_pd_table_entries`."""
+        return {
+            **self.decode.tables(),
+            "expected_prompts": len(self._expected_prompts),
+            "recompute_tails": len(self._recompute_tails),
+            "recompute_attempts": len(self._recompute_attempts),
+            "parked_aborts": len(self._parked_aborts),
+        }
+
     def housekeeping(self) -> None:
         self.decode.housekeeping()
         self._send_parked_aborts()

@@ -485,6 +485,17 @@ class DecodeMessenger:
         self._metrics.set_live(rooms, arriving, staged)
         note_live(rooms, arriving, staged)
 
+    def tables(self) -> dict[str, int]:
+        """This rank's tables and their entries, for `sgl_pd_table_entries`."""
+        with self._lock:
+            return {
+                "tracks": len(self._tracks),
+                "request_states": len(self._states),
+                "early_notices": self._completion.early_rooms,
+                "staging_orphans": self._grants.orphans,
+                "deferred_aborts": len(self._deferred_aborts),
+            }
+
     # -- helpers (lock held) --------------------------------------------------------------
 
     def _now(self) -> float:

@@ -200,6 +200,11 @@ class StagingGrants:
         else:
             self._orphans.append((self._clock.monotonic() + self._hold_s, offset))
 
+    @property
+    def orphans(self) -> int:
+        """Staging blocks of ended requests held until no write can land in them."""
+        return len(self._orphans)
+
     def release_orphans(self, now: float) -> None:
         """Gives back the orphans whose hold ended by `now` (monotonic s)."""
         due = [offset for until, offset in self._orphans if until <= now]

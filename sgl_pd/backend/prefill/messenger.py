@@ -280,6 +280,10 @@ class PrefillMessenger:
         self._metrics.set_live(rooms, writes, staged)
         note_live(rooms, writes, staged)
 
+    def tables(self) -> dict[str, int]:
+        """This rank's tables and their entries, for `sgl_pd_table_entries`."""
+        return {**self.rooms.sizes(), **self.rooms.pins.sizes()}
+
     # -- any thread ---------------------------------------------------------------------
 
     def fail(

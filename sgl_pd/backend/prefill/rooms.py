@@ -345,6 +345,11 @@ class PrefillRooms:
     def freeze_limit_s(self) -> float:
         return 0.0 if self._freeze is None else self._freeze.limit_s
 
+    def sizes(self) -> dict[str, int]:
+        """Entries of its tables (a soak watches them return to 0)."""
+        with self._lock:
+            return {"rooms": len(self._rooms), "room_states": len(self._table.states)}
+
     def counts(self) -> tuple[int, int]:
         """(requests known, write jobs in flight), for the gauges and the pool line."""
         with self._lock:
