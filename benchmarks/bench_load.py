@@ -271,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16 and 128 in flight, 3-min soak")
     parser.add_argument("--concurrency", type=int, nargs="+", help="requests in flight")
-    parser.add_argument("--tp2", action="store_true", default=None, help="a TP2 decoder too")
+    parser.add_argument(
+        "--tp2", action=argparse.BooleanOptionalAction, help="a TP2 decoder too (full: yes)"
+    )
     parser.add_argument("--soak", type=float, help="minutes (0: none; 60 full, 3 quick)")
     parser.add_argument("--sample-s", type=float, help="seconds between soak samples")
     parser.add_argument("--trace", type=Path, help="a Mooncake-format trace to replay")

@@ -21,13 +21,17 @@ from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
 from sgl_pd.backend.request_checks import model_limits
-from sgl_pd.core.request_limits import id_lists_problem
+from sgl_pd.core.request_limits import id_lists_problem, json_depth_problem
 
 
 async def around_request_body_to_args(original: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND hook of FastAPI's ``request_body_to_args`` (body -> the endpoint's request
     model): an exception while validating a body is a validation error of the body,
-    which SGLang answers 400, naming it."""
+    which SGLang answers 400, naming it; so is a body nested past `MAX_JSON_DEPTH`."""
+    body = kwargs.get("received_body", args[1] if len(args) > 1 else None)
+    problem = json_depth_problem(body)
+    if problem is not None:
+        return {}, [{"type": "value_error", "loc": ("body",), "msg": str(problem), "input": None}]
     try:
         return await original(*args, **kwargs)
     except Exception as e:  # a validator broken by the body's shape

@@ -33,6 +33,9 @@ import numpy as np
 # Samples one HTTP request may ask for (prompts of a batch times `n`): more is a request
 # no client needs and every scheduler would hold in its queues at once
 MAX_SAMPLES_PER_REQUEST = 65536
+# nesting of a request body's JSON (objects and lists): a tool schema nested a thousand
+# deep ran SGLang's request handling out of Python's recursion limit (a 500)
+MAX_JSON_DEPTH = 64
 # Parallel samples of one prompt (SGLang copies the request this many times)
 MAX_N = 1024
 # Stop token ids and logit bias entries of one request (each is a vocabulary row write)
@@ -327,13 +330,18 @@ _PER_PROMPT = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "return_log
 def _per_prompt_problem(request: Mapping[str, Any], prompts: _Prompts, n: int) -> BadField | None:
     """A per-prompt field given as a list: a batch's has one value per prompt (a shorter
     list was a 500: SGLang indexes it by prompt); a single prompt sampled once takes no
-    list (a list request id was a 500). With n > 1 SGLang copies the request first, and
-    reads the lists itself."""
+    list (a list request id was a 500). With n > 1 SGLang copies the request first and
+    reads the lists itself - but a list shorter than the prompts is still indexed past
+    its end (a chat request's `bootstrap_host: []` with n = 4 was a 500)."""
     rid = request.get("rid")
     named = rid if isinstance(rid, list) else [rid]
     if not all(r is None or isinstance(r, str) for r in named):
         return BadField("rid", "a string (a list of them for a batch)")
     if not prompts.batch and n > 1:
+        for name in (*_PER_PROMPT, "rid"):
+            value = request.get(name)
+            if isinstance(value, list) and len(value) < prompts.count:
+                return BadField(name, "one value, or a list of one per prompt")
         return None
     for name in (*_PER_PROMPT, "rid"):
         value = request.get(name)
@@ -354,6 +362,9 @@ def raw_request_problem(request: Mapping[str, Any], limits: ModelLimits) -> BadF
     if problem is not None:
         return problem
     prompts = _prompts(request)
+    problem = _prompt_shapes_problem(request, prompts)
+    if problem is not None:
+        return problem
     listed = request.get("sampling_params")
     if isinstance(listed, list) and len(listed) != prompts.count:  # (an empty one was a 500)
         return BadField(
@@ -377,7 +388,57 @@ def raw_request_problem(request: Mapping[str, Any], limits: ModelLimits) -> BadF
         or _session_problem(request.get("session_params"))
         or _per_prompt_problem(request, prompts, n if isinstance(n, int) else 1)
         or _bootstrap_problem(request)
+        or _prefill_dp_rank_problem(request.get("disagg_prefill_dp_rank"))
     )
+
+
+def _prompt_shapes_problem(request: Mapping[str, Any], prompts: _Prompts) -> BadField | None:
+    """Prompt fields that agree on the prompts: a batch's ids and embeddings hold one
+    entry per prompt (a batch of texts with a flat id list beside it was a 500: SGLang
+    indexes the ids by prompt), and embeddings are not empty (an empty list reached the
+    scheduler as a prompt of nothing: a 500, or a stream cut short)."""
+    ids, embeds = request.get("input_ids"), request.get("input_embeds")
+    if prompts.batch and ids is not None:
+        per_prompt = isinstance(ids, list) and all(isinstance(x, list) for x in ids)
+        if not per_prompt or len(ids) != prompts.count:
+            return BadField("input_ids", f"a list of one id list per prompt ({prompts.count})")
+    if embeds is not None:
+        if not isinstance(embeds, list) or not embeds:
+            return BadField("input_embeds", "a non-empty list of embedding rows")
+        per_prompt = isinstance(embeds[0], list) and bool(embeds[0])
+        per_prompt = per_prompt and isinstance(embeds[0][0], list)  # (rows, per prompt)
+        short = len(embeds) != prompts.count or not all(isinstance(e, list) and e for e in embeds)
+        if prompts.batch and per_prompt and short:
+            return BadField(
+                "input_embeds", f"one non-empty list of rows per prompt ({prompts.count})"
+            )
+    return None
+
+
+def _prefill_dp_rank_problem(rank: Any) -> BadField | None:
+    """sgl_pd serves prefill servers of one data-parallel rank: a request naming another
+    failed its KV hand-off at the decoder (a 500)."""
+    if rank is None or (isinstance(rank, int) and not isinstance(rank, bool) and rank == 0):
+        return None
+    return BadField("disagg_prefill_dp_rank", "0 or absent: sgl_pd serves prefill DP size 1")
+
+
+def json_depth_problem(body: Any, limit: int = MAX_JSON_DEPTH) -> BadField | None:
+    """A request body nested deeper than `limit` objects and lists (walked without
+    recursion: the point is not to need it)."""
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children: Any = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth > limit:
+            return BadField("body", f"JSON nested at most {limit} deep")
+        stack.extend((child, depth + 1) for child in children)
+    return None
 
 
 def tokenized_request_problem(
@@ -389,6 +450,8 @@ def tokenized_request_problem(
     """One request of a batch, its prompt tokenized: the ids a scheduler will embed (a
     text or chat prompt's too), and its input embeddings' width."""
     if input_ids is not None:
+        if not isinstance(input_ids, (list, tuple)):  # (a batch's flat list, indexed)
+            return BadField("input_ids", "a list of token ids for each prompt")
         problem = token_ids_problem("input_ids", list(input_ids), limits.vocab_size)
         if problem is not None:
             return problem

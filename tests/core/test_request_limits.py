@@ -11,9 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sgl_pd.core.request_limits import (
+    MAX_JSON_DEPTH,
     MAX_N,
     MAX_SAMPLES_PER_REQUEST,
     ModelLimits,
+    json_depth_problem,
     raw_request_problem,
     tokenized_request_problem,
 )
@@ -196,3 +198,58 @@ def test_input_embeddings_of_the_wrong_shape_are_refused(embeds: list, why: str)
     assert problem is not None and problem.field == "input_embeds"
     assert why in problem.message
     assert tokenized_request_problem(None, LIMITS, input_embeds=[[0.5] * 64] * 3) is None
+
+
+# what the full hostile-request campaign found (each was a 500 or a stream cut short)
+
+
+def test_a_batch_of_texts_with_a_flat_id_list_beside_it_is_refused() -> None:
+    body = {"text": ["a", "b", "c"], "input_ids": [0, 323, 29], "sampling_params": {}}
+    problem = raw_request_problem(body, LIMITS)
+    assert problem is not None and problem.field == "input_ids"
+    fine = {"text": ["a", "b"], "input_ids": [[1, 2], [3]], "sampling_params": {}}
+    assert raw_request_problem(fine, LIMITS) is None
+
+
+def test_empty_input_embeddings_are_refused() -> None:
+    problem = raw_request_problem({"input_embeds": []}, LIMITS)
+    assert problem is not None and problem.field == "input_embeds"
+    batch = {"input_embeds": [[[0.0] * 64], []], "text": None}
+    assert raw_request_problem(batch, LIMITS) is not None
+
+
+def test_a_per_prompt_list_shorter_than_the_prompts_is_refused_with_n_samples_too() -> None:
+    body = {"text": "hi", "bootstrap_host": [], "sampling_params": {"n": 4}}
+    problem = raw_request_problem(body, LIMITS)
+    assert problem is not None and problem.field == "bootstrap_host"
+    router = {
+        "text": "hi",
+        "bootstrap_host": ["10.0.0.1"] * 4,
+        "bootstrap_room": [1, 2, 3, 4],
+        "sampling_params": {"n": 4},
+    }
+    assert raw_request_problem(router, LIMITS) is None  # (SGLang reads such lists itself)
+
+
+@pytest.mark.parametrize("rank", [18920, -1, "0", True, 0.0])
+def test_a_prefill_dp_rank_other_than_zero_is_refused(rank: object) -> None:
+    problem = raw_request_problem({"text": "hi", "disagg_prefill_dp_rank": rank}, LIMITS)
+    assert problem is not None and problem.field == "disagg_prefill_dp_rank"
+    assert raw_request_problem({"text": "hi", "disagg_prefill_dp_rank": 0}, LIMITS) is None
+
+
+def test_a_body_nested_past_the_limit_is_refused_without_recursion() -> None:
+    deep: object = 1
+    for _ in range(100_000):  # (far past Python's recursion limit)
+        deep = [deep]
+    problem = json_depth_problem({"tools": [{"function": {"parameters": deep}}]})
+    assert problem is not None and problem.field == "body"
+    shallow: object = {"type": "object"}
+    for _ in range(MAX_JSON_DEPTH - 2):
+        shallow = {"properties": shallow}
+    assert json_depth_problem({"a": shallow}) is None
+
+
+def test_a_batch_item_whose_ids_are_not_a_list_is_refused() -> None:
+    problem = tokenized_request_problem(323, LIMITS)  # type: ignore[arg-type]
+    assert problem is not None and problem.field == "input_ids"
