@@ -79,6 +79,7 @@ INPUT_TOKENS, OUTPUT_TOKENS = 200, 64
 PROBES = 8  # greedy probe requests per point, judged against the monolithic server
 PROBE_TOKENS = 32
 PROFILE_S = 20.0  # py-spy's sampling of each scheduler at the highest point
+IDLE_WAIT_S = 180.0  # for every table to empty once a soak's traffic stopped
 
 
 @dataclass
@@ -155,7 +156,8 @@ def run_point(
 def setup(name: str, work: Path, room: list[str]) -> Iterator[tuple[str, dict[str, object]]]:
     """(entry URL, {server name: Server}) of one setup, stopped afterwards."""
     patience = local_patience()
-    common = ["--log-level", "warning", "--enable-metrics", *room]
+    # (info: the servers log their pools' idle check, which the soak reads)
+    common = ["--log-level", "info", "--enable-metrics", *room]
     if name == "mono":
         with monolithic_server(work / name, extra=common, patience=patience) as server:
             yield server.url, {"server": server}
@@ -184,8 +186,10 @@ def scheduler_pids(server: object) -> list[int]:
 
 
 def profile(pid: int, seconds: float, out: Path) -> tuple[float, list[tuple[str, int]]]:
-    """py-spy's samples of process `pid` for `seconds` (idle samples left out): the share
-    with an sgl_pd frame on the stack, and the sgl_pd frames seen most."""
+    """py-spy's samples of scheduler process `pid` for `seconds`, idle ones left out: of
+    its scheduler thread's (SGLang's event loop: the thread every decode step runs on;
+    sgl_pd's own threads - messengers, transfer writes - are left out), the share with
+    an sgl_pd frame on the stack, and the sgl_pd frames seen most."""
     raw = out / f"py-spy-{pid}.txt"
     subprocess.run(
         [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid),
@@ -202,6 +206,8 @@ def profile(pid: int, seconds: float, out: Path) -> tuple[float, list[tuple[str,
         if not count.isdigit():
             continue
         n = int(count)
+        if "run_scheduler_process" not in stack:
+            continue  # (another thread of the process)
         total += n
         mine = [f for f in stack.split(";") if "sgl_pd/" in f]
         if mine:
@@ -263,7 +269,14 @@ def soak(
     traffic.stop(local_patience().seconds(600))
     patience = local_patience()
     pools = wait_pools_idle(servers, patience.seconds(120))  # type: ignore[arg-type]
-    idle = {name: gauges(s.url) for name, s in servers.items()}  # type: ignore[attr-defined]
+    # the tables empty as their entries age out (deliveries are remembered a while, to
+    # tell resent copies from new messages): read until all are 0, or the wait is over
+    deadline = time.monotonic() + patience.seconds(IDLE_WAIT_S)
+    while True:
+        idle = {name: gauges(s.url) for name, s in servers.items()}  # type: ignore[attr-defined]
+        if all(v == 0 for g in idle.values() for v in g.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(5.0)
     return Soak(minutes, samples, idle, pools_idle(servers, pools), traffic)  # type: ignore[arg-type]
 
 
