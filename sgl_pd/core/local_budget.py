@@ -87,31 +87,38 @@ class OnlineLinearFit:
 
 @dataclass(frozen=True)
 class StepCoefficients:
-    """A step's seconds. Plain decode: offset + per_request * running. A local step adds
-    per_local_token * local tokens, and per_mixed_request * running when it mixes the
-    streams in (`running` counts the streams a step decodes); an unmixed one decodes no
-    stream and costs unmixed_offset + per_local_token * local (None: no unmixed step
-    measured yet, `offset` stands in)."""
+    """A step's seconds. Plain decode: offset + per_request * running. A mixed local step
+    (`running` > 0 streams decoded in its forward) adds per_local_token * local tokens +
+    per_mixed_request * running. An unmixed one decodes no stream and costs
+    unmixed_offset + unmixed_per_token * local tokens (None: no unmixed step measured
+    yet; `offset` and `per_local_token` stand in)."""
 
     offset: float
     per_request: float
     per_local_token: float
     per_mixed_request: float = 0.0
     unmixed_offset: float | None = None
+    unmixed_per_token: float | None = None
 
     def seconds(self, running: int, local_tokens: int) -> float:
         decode = max(self.offset + self.per_request * running, 0.0)
         if local_tokens <= 0:
             return decode
-        tokens = max(self.per_local_token, 0.0) * local_tokens
         if running > 0:
-            return decode + max(self.per_mixed_request, 0.0) * running + tokens
-        return self.alone_offset() + tokens
+            mixing = max(self.per_mixed_request, 0.0) * running
+            return decode + mixing + max(self.per_local_token, 0.0) * local_tokens
+        return self.alone_offset() + self.alone_per_token() * local_tokens
 
     def alone_offset(self) -> float:
         """What an unmixed local step costs besides its tokens."""
         offset = self.offset if self.unmixed_offset is None else self.unmixed_offset
         return max(offset, 0.0)
+
+    def alone_per_token(self) -> float:
+        per_token = (
+            self.per_local_token if self.unmixed_per_token is None else self.unmixed_per_token
+        )
+        return max(per_token, 0.0)
 
 
 class StepCost:
@@ -119,44 +126,51 @@ class StepCost:
     loop iteration (scheduling, the forward, output processing): what a stream waits
     between two tokens.
 
-    Two fits, each forgetting only as its own steps arrive: plain decode steps
-    (a + b * running), and what local work adds to a step over the decode its streams
-    would cost (mixed: c * local + d * running; unmixed: e + c * local). A decoder that
-    sends every local request out for a while thus keeps what local steps cost instead
-    of fading it to "free"."""
+    Three fits, each forgetting only as its own kind of step arrives: plain decode steps
+    (a + b * running), what a mixed local step adds to the decode its streams would cost
+    (c * local + d * running), and unmixed local steps (e + c' * local). A decoder that
+    runs one kind for a while - or sends every local request out - keeps what the
+    others cost instead of fading them to "free"."""
 
     def __init__(self) -> None:
         self._decode = OnlineLinearFit(2)  # (1, running)
-        self._local = OnlineLinearFit(3)  # (unmixed, local tokens, running if mixed)
-        self._unmixed_steps = 0  # e is measured only by them
+        self._mixed = OnlineLinearFit(2)  # (local tokens, running): over the decode
+        self._unmixed = OnlineLinearFit(2)  # (1, local tokens)
 
     def observe(self, running: int, local_tokens: int, seconds: float) -> None:
         if not math.isfinite(seconds) or seconds <= 0:
             return
         if local_tokens <= 0:
             self._decode.observe((1.0, float(running)), seconds)
-            return
-        mixed = running > 0
-        if mixed:
+        elif running == 0:
+            self._unmixed.observe((1.0, float(local_tokens)), seconds)
+        else:
             decode = self._decode.coefficients()
             if decode is None:
                 return  # (what the local work added is not known before the decode cost)
-            seconds -= decode[0] + decode[1] * running
-        else:
-            self._unmixed_steps += 1
-        features = (0.0 if mixed else 1.0, float(local_tokens), float(running) if mixed else 0.0)
-        self._local.observe(features, seconds)
+            added = seconds - (decode[0] + decode[1] * running)
+            self._mixed.observe((float(local_tokens), float(running)), added)
 
     def coefficients(self) -> StepCoefficients | None:
-        """The fitted costs, or None before `MIN_SAMPLES` decode and local steps were
-        seen. The mixing cost is 0 until a mixed step was (its feature never varied)."""
-        decode, local = self._decode.coefficients(), self._local.coefficients()
-        if decode is None or local is None:
+        """The fitted costs, or None before `MIN_SAMPLES` decode steps and as many local
+        steps of a kind were seen. Until mixed steps were, their token cost is the
+        unmixed one's and mixing is free (the first mixed steps measure it)."""
+        decode = self._decode.coefficients()
+        mixed, unmixed = self._mixed.coefficients(), self._unmixed.coefficients()
+        if decode is None or (mixed is None and unmixed is None):
             return None
-        unmixed, per_token, per_mixed = local
-        measured = self._unmixed_steps >= MIN_SAMPLES
+        if mixed is not None:
+            per_token, per_mixed = mixed
+        else:
+            assert unmixed is not None
+            per_token, per_mixed = unmixed[1], 0.0
         return StepCoefficients(
-            decode[0], decode[1], per_token, per_mixed, unmixed if measured else None
+            decode[0],
+            decode[1],
+            per_token,
+            per_mixed,
+            None if unmixed is None else unmixed[0],
+            None if unmixed is None else unmixed[1],
         )
 
 
@@ -190,36 +204,45 @@ def plan_local_step(
     side). Before the model is fitted, with the SLO off (`slo_factor` <= 0) or without
     streams: `cap`, mixed where it can be (those steps are the measurements); where only
     an unmixed step might fit and none was measured yet, one page unmixed (a
-    measurement too). `probe` (every `PROBE_EVERY` local steps): half the tokens, so that
-    the fit sees steps of more than one size."""
+    measurement too). `probe` (every `PROBE_EVERY` local steps): half the tokens where
+    that is still a page or more, so that the fit sees steps of more than one size."""
     floor = max(1, page_size)
     cap = max(cap - cap % floor, floor)  # whole pages, as SGLang's chunks are
     if model is None or slo_factor <= 0 or running == 0:
-        return LocalStep(cap, mixed=can_mix)
+        return _probed(LocalStep(cap, mixed=can_mix), probe, floor)
     decode_s = model.seconds(running, 0)
     slack = (slo_factor - 1.0) * decode_s  # what the streams may wait beyond their step
-    c = max(model.per_local_token, 0.0)
-    # (mixed, what the step costs the streams besides its local tokens)
-    options = [(False, model.alone_offset())] if model.unmixed_offset is not None else []
+    # (mixed, what the step costs the streams besides its tokens, a token's cost)
+    options: list[tuple[bool, float, float]] = []
     if can_mix:
-        options.insert(0, (True, max(model.per_mixed_request, 0.0) * running))
+        mixing = max(model.per_mixed_request, 0.0) * running
+        options.append((True, mixing, max(model.per_local_token, 0.0)))
+    if model.unmixed_offset is not None:
+        options.append((False, model.alone_offset(), model.alone_per_token()))
     best: LocalStep | None = None
-    for mixed, overhead in options:
+    for mixed, overhead, per_token in options:
         if overhead > slack:
             continue
-        tokens = cap if c <= 0 else int(min(float(cap), (slack - overhead) / c))
-        if probe:
-            tokens //= 2
+        tokens = cap if per_token <= 0 else int(min(float(cap), (slack - overhead) / per_token))
         tokens -= tokens % floor  # whole pages, as SGLang's chunks are
         if tokens >= floor and (best is None or tokens > best.tokens):
             best = LocalStep(tokens, mixed)
     if best is not None:
-        return best
+        return _probed(best, probe, floor)
     if model.unmixed_offset is None:
         return LocalStep(floor, mixed=False)  # not measured yet: a page measures it
     # not even a page fits: the cheaper kind, one page (the request should go out)
-    mixed, _ = min(options, key=lambda option: option[1])
+    mixed, _, _ = min(options, key=lambda option: option[1] + option[2] * floor)
     return LocalStep(floor, mixed, within_slo=False)
+
+
+def _probed(plan: LocalStep, probe: bool, floor: int) -> LocalStep:
+    """Half the plan's tokens (whole pages) for a probe, where that leaves a page."""
+    half = plan.tokens // 2
+    half -= half % floor
+    if not probe or half < floor:
+        return plan
+    return LocalStep(half, plan.mixed, plan.within_slo)
 
 
 def adder_budget(local_tokens: int, running: int, mixed: bool) -> int:
@@ -346,21 +369,20 @@ class LocalWait:
         self._steps.pop(rid, None)
 
 
-MODEL_WORDS = 7  # `pack_models`' length
+MODEL_WORDS = 8  # `pack_models`' length
 
 
 def pack_models(step: StepCoefficients | None, remote: RemoteCoefficients | None) -> list[float]:
-    """Both models as floats (a NaN first word marks one unfitted, a NaN unmixed offset
-    one not measured), for the broadcast that gives every rank of a TP group rank 0's
+    """Both models as floats (a NaN first word marks one unfitted, a NaN unmixed cost one
+    not measured), for the broadcast that gives every rank of a TP group rank 0's
     models: each rank times its own steps, and ranks that budgeted differently would
     build different batches."""
     nan = float("nan")
     if step is None:
-        words = [nan] * 5
+        words = [nan] * 6
     else:
-        unmixed = nan if step.unmixed_offset is None else step.unmixed_offset
         words = [step.offset, step.per_request, step.per_local_token, step.per_mixed_request]
-        words.append(unmixed)
+        words += [nan if v is None else v for v in (step.unmixed_offset, step.unmixed_per_token)]
     words += [nan, nan] if remote is None else [remote.offset, remote.per_token]
     return words
 
@@ -370,7 +392,7 @@ def unpack_models(
 ) -> tuple[StepCoefficients | None, RemoteCoefficients | None]:
     step = None
     if not math.isnan(words[0]):
-        unmixed = None if math.isnan(words[4]) else words[4]
-        step = StepCoefficients(words[0], words[1], words[2], words[3], unmixed)
-    remote = None if math.isnan(words[5]) else RemoteCoefficients(*words[5:7])
+        alone = [None if math.isnan(v) else v for v in words[4:6]]
+        step = StepCoefficients(words[0], words[1], words[2], words[3], alone[0], alone[1])
+    remote = None if math.isnan(words[6]) else RemoteCoefficients(words[6], words[7])
     return step, remote

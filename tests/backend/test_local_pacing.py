@@ -82,3 +82,23 @@ def test_a_pause_measures_nothing() -> None:
     clock.now += 0.015
     pacer.stepped(_Scheduler(), None)
     assert samples == [(10, 0, pytest.approx(0.015))]
+
+
+def test_an_unmixed_step_is_measured_before_one_was_whatever_the_stand_in_predicts() -> None:
+    """Until an unmixed local step was measured its cost is predicted from stand-ins (a
+    decode fit's offset, near 0 at a steady stream count); a real one many times that
+    is a measurement, not an outlier to drop - or the plan explores forever."""
+    clock = _Clock()
+    pacer = StepPacer(cap=128, slo_factor=1.25, page_size=16, clock=clock)
+    pacer.step_model = StepCoefficients(3e-6, 2e-4, 2e-6, 1e-6)  # (offset fitted ~0)
+    for _ in range(2 * MIN_SAMPLES):
+        pacer.stepped(_Scheduler(), None)
+        pacer.launched(0, 16)  # a local step alone
+        clock.now += 0.006
+        pacer.stepped(_Scheduler(), None)
+        pacer.launched(64, 0)
+        clock.now += 0.013
+    pacer.stepped(_Scheduler(), None)
+    fitted = pacer.cost.coefficients()
+    assert fitted is not None and fitted.unmixed_offset is not None
+    assert math.isclose(fitted.seconds(0, 16), 0.006, rel_tol=0.05)

@@ -374,3 +374,58 @@ def test_models_cross_to_other_ranks_whole_or_as_unfitted() -> None:
     assert unpack_models(pack_models(unmeasured, None)) == (unmeasured, None)
     assert unpack_models(pack_models(None, remote)) == (None, remote)
     assert unpack_models(pack_models(step, None)) == (step, None)
+
+
+@given(
+    offset=st.floats(1e-4, 0.1),
+    per_request=st.floats(0, 1e-3),
+    per_token=st.floats(1e-6, 1e-2),
+    per_mixed=st.floats(0, 1e-3),
+    unmixed=st.one_of(st.none(), st.floats(0, 0.1)),
+    running=st.integers(0, 600),
+    slo=st.floats(1.01, 3.0),
+    cap=st.integers(1, 1024),
+    page=st.sampled_from([1, 16, 64]),
+    can_mix=st.booleans(),
+)
+def test_a_probe_only_halves_a_step_that_keeps_a_page(
+    offset: float,
+    per_request: float,
+    per_token: float,
+    per_mixed: float,
+    unmixed: float | None,
+    running: int,
+    slo: float,
+    cap: int,
+    page: int,
+    can_mix: bool,
+) -> None:
+    """A probe step (half the tokens, so the fit sees more than one size) neither sends
+    requests out (the SLO verdict is the plan's) nor drops below a page."""
+    model = StepCoefficients(offset, per_request, per_token, per_mixed, unmixed, unmixed)
+    args = {"slo_factor": slo, "cap": cap, "page_size": page, "can_mix": can_mix}
+    plain = plan_local_step(model, running, **args)
+    probe = plan_local_step(model, running, probe=True, **args)
+    assert probe.within_slo == plain.within_slo and probe.mixed == plain.mixed
+    assert page <= probe.tokens <= plain.tokens and probe.tokens % page == 0
+    assert probe.tokens == plain.tokens or probe.tokens >= page
+
+
+def test_each_kind_of_local_step_keeps_its_cost_while_the_other_runs() -> None:
+    """Mixed and unmixed local steps are fitted apart: thousands of one kind do not fade
+    what the other costs (which would make it look free, and plan it past the SLO)."""
+    truth = StepCoefficients(0.010, 0.0005, 0.0001, 0.0005, unmixed_offset=0.012)
+    rng = random.Random(9)
+    cost = StepCost()
+    for i in range(100):
+        cost.observe(64, 0, truth.seconds(64, 0) * rng.uniform(0.98, 1.02))
+        k = (16, 32)[i % 2]
+        cost.observe(64, k, truth.seconds(64, k) * rng.uniform(0.98, 1.02))
+        cost.observe(0, k, truth.seconds(0, k) * rng.uniform(0.98, 1.02))
+    for i in range(5000):  # only unmixed local steps (and decode steps) from now on
+        k = (16, 32)[i % 2]
+        cost.observe(0, k, truth.seconds(0, k) * rng.uniform(0.98, 1.02))
+        cost.observe(64, 0, truth.seconds(64, 0) * rng.uniform(0.98, 1.02))
+    fitted = cost.coefficients()
+    assert fitted is not None
+    assert math.isclose(fitted.per_mixed_request, truth.per_mixed_request, rel_tol=0.1)

@@ -4,6 +4,8 @@ while the forward pass still runs, and nothing leaked."""
 
 from __future__ import annotations
 
+import collections
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -15,9 +17,12 @@ import requests
 
 from sgl_pd.cluster.client import chat, generate_ids, stream_chat
 from sgl_pd.cluster.conversations import replay, script, wrong_turns
-from sgl_pd.cluster.local import PdCluster, Server
+from sgl_pd.cluster.local import Patience, PdCluster, Server
 from sgl_pd.cluster.logs import pools_idle, timing_lines, unexpected_warnings, wait_pools_idle
 from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids, varied_prompts
+from sgl_pd.cluster.soak import Traffic, gauges
+from sgl_pd.messenger.reliable import MAX_REMEMBERED
+from sgl_pd.models import TINY_LLAMA_PATH
 
 from .conftest import CHUNKED_PREFILL_SIZE, DECODE_PREFIX_CACHE, start_pd
 
@@ -30,6 +35,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdCluster]:
 
 
 PROMPTS = varied_prompts(50)
+REMEMBERED = "table:deliveries_remembered"
 MAX_NEW_TOKENS = 12
 
 
@@ -346,6 +352,39 @@ def test_a_prompt_inside_a_cached_one_holds_all_but_its_last_token(
         assert generate_ids(pd.router_url, ids, 6) == generate_ids(mono.url, ids, 6), n
         line = timing_lines(pd.prefill.process.log_path)[-1]
         assert line["held"] == line["tokens"] == n - 1, (n, line)
+
+
+def test_128_clients_for_30_seconds_are_all_answered_and_every_table_empties(
+    pd: PdCluster, patience: Patience
+) -> None:
+    """The load path, bounded (the sweep and the soak are `bench_load`'s): 128 clients
+    through the router for 30 s, 5% of them leaving after their first token; every
+    request is answered or cancelled, and sgl_pd's tables and SGLang's request gauges of
+    both servers return to 0 (deliveries, remembered a while to tell copies from new
+    messages, only within their bound)."""
+    vocab = json.loads((TINY_LLAMA_PATH / "config.json").read_text())["vocab_size"]
+    traffic = Traffic(
+        pd.router_url, 128, vocab, prompt_tokens=48, output_tokens=16,
+        timeout_s=patience.seconds(600),
+    )  # fmt: skip
+    traffic.start()
+    time.sleep(30.0)
+    traffic.stop(patience.seconds(900))
+    ended = collections.Counter(o.ended for o in traffic.outcomes)
+    assert set(ended) <= {"ok", "cancelled"}, ended
+    assert ended["ok"] >= 128, ended
+    deadline = time.monotonic() + patience.seconds(120)
+    while True:
+        held = {
+            name: {k: v for k, v in gauges(server.url).items() if v and k != REMEMBERED}
+            for name, server in (("prefill", pd.prefill), ("decode", pd.decode))
+        }
+        if not any(held.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(2.0)
+    assert not any(held.values()), f"still held once traffic stopped: {held}"
+    for server in (pd.prefill, pd.decode):
+        assert gauges(server.url).get(REMEMBERED, 0) <= MAX_REMEMBERED
 
 
 def test_every_page_is_free_again(pd: PdCluster) -> None:

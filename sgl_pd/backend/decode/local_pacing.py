@@ -96,7 +96,10 @@ class StepPacer:
         if measured is not None and self._iteration_s is not None:
             running, local = measured
             seconds = now - self._iteration_s
-            predicted = None if self.step_model is None else self.step_model.seconds(running, local)
+            model = self.step_model
+            unmeasured = model is None or (running == 0 < local and model.unmixed_offset is None)
+            # (an unmixed step before one was measured has only a stand-in prediction)
+            predicted = None if unmeasured else model.seconds(running, local)  # type: ignore[union-attr]
             if predicted is None or seconds < OUTLIER_FACTOR * max(predicted, 1e-4):
                 self.cost.observe(running, local, seconds)
         self._iteration_s = now

@@ -400,10 +400,10 @@ def _next_batch(original: Any, scheduler: Any, local: LocalPrefills, running_bat
 
 
 def _plan(scheduler: Any, local: LocalPrefills, running_batch: Any) -> LocalStep:
-    """The next local step's plan, for the request mid-prefill or else the queue's first
-    (the one SGLang's default first-come-first-served policy admits first)."""
-    head = local.chunked if local.chunked is not None else local.queue[0] if local.queue else None
-    return local.pacer.plan(len(running_batch.reqs), can_mix=_can_mix(scheduler, head), to_run=True)
+    """The next local step's plan. Mixed only where SGLang will mix whatever the step
+    admits: no request waiting (or mid-prefill) asks for logprobs."""
+    can_mix = _can_mix(scheduler, local.chunked, *local.queue)
+    return local.pacer.plan(len(running_batch.reqs), can_mix=can_mix, to_run=True)
 
 
 def _send_out_unadmitted(scheduler: Any, local: LocalPrefills) -> None:
