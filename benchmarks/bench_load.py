@@ -186,14 +186,16 @@ def scheduler_pids(server: object) -> list[int]:
 
 
 def profile(pid: int, seconds: float, out: Path) -> tuple[float, list[tuple[str, int]]]:
-    """py-spy's samples of scheduler process `pid` for `seconds`, idle ones left out: of
-    its scheduler thread's (SGLang's event loop: the thread every decode step runs on;
-    sgl_pd's own threads - messengers, transfer writes - are left out), the share with
-    an sgl_pd frame on the stack, and the sgl_pd frames seen most."""
+    """py-spy's samples of scheduler process `pid` for `seconds`, of its scheduler thread
+    (SGLang's event loop, which every step runs on; sgl_pd's own threads - messengers,
+    transfer writes - are left out), idle ones included: that thread waits on torch's
+    worker threads through every forward, and on its queues between steps. The share of
+    its time with sgl_pd's serving code on the stack (not the CPU harness, which stands
+    in for SGLang's GPU kernels here), and the sgl_pd frames seen most."""
     raw = out / f"py-spy-{pid}.txt"
     subprocess.run(
         [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid),
-         "--duration", str(int(seconds)), "--rate", "100", "--format", "raw",
+         "--duration", str(int(seconds)), "--rate", "100", "--format", "raw", "--idle",
          "--nonblocking", "--output", str(raw)],
         capture_output=True, timeout=seconds + 120, check=False,
     )  # fmt: skip
@@ -209,7 +211,7 @@ def profile(pid: int, seconds: float, out: Path) -> tuple[float, list[tuple[str,
         if "run_scheduler_process" not in stack:
             continue  # (another thread of the process)
         total += n
-        mine = [f for f in stack.split(";") if "sgl_pd/" in f]
+        mine = [f for f in stack.split(";") if "sgl_pd/" in f and "sgl_pd/harness/" not in f]
         if mine:
             ours += n
             frames[mine[-1]] += n  # the innermost sgl_pd frame
@@ -329,11 +331,11 @@ def main(argv: list[str] | None = None) -> int:
                 if c == top and name == "pd":
                     pids = {s: scheduler_pids(servers[s]) for s in ("decode", "prefill")}
                     profiler = threading.Thread(
-                        target=_profile_all, args=(pids, shares, args.out), daemon=True
+                        target=_profile_all, args=(pids, shares, work), daemon=True
                     )
                     profiler.start()
-                result, answers = run_point(
-                    url, workload, probes[c], args.out, f"{name}-{c}", timeout_s, args.trace
+                result, answers = run_point(  # (SGLang's details stay with the logs)
+                    url, workload, probes[c], work, f"{name}-{c}", timeout_s, args.trace
                 )
                 if profiler is not None:
                     profiler.join(PROFILE_S * 3 + 300)
