@@ -263,17 +263,22 @@ class PlacementMetrics:
         from sgl_pd.core.placement import LOCAL_REASONS
 
         reg = REGISTRY if registry is None else registry
-        self._local = Counter(
+
+        def labelled(name: str, doc: str, label: str, values: tuple[str, ...]) -> Any:
+            counter = Counter(name, doc, [label], registry=reg)
+            for value in values:  # every series from the start, so rate() sees its first rise
+                counter.labels(**{label: value})
+            return counter
+
+        self._local = labelled(
             "sgl_pd_local_prefills",
             "Requests a decoder prefilled itself, by why: cached_prefix (it held most of the"
             " prompt; the router flow counts it in each scheduler rank, direct mode in the"
             " HTTP process), saturated or unavailable (direct mode: its prefill servers)",
-            ["reason"],
-            registry=reg,
+            "reason",
+            LOCAL_REASONS,
         )
-        for reason in LOCAL_REASONS:
-            self._local.labels(reason=reason)
-        self._sent_out = Counter(
+        self._sent_out = labelled(
             "sgl_pd_local_prefills_sent_out",
             "Requests placed for local prefill that a decoder sent to a prefill server after"
             " all (counted in its scheduler), by why: slower (their first token was"
@@ -282,30 +287,24 @@ class PlacementMetrics:
             " request slot or memory for them: the transfer queues come first), unadmitted"
             " (no decode step admitted them within a few steps), queue_full (the local queue"
             " held --max-queued-requests)",
-            ["why"],
-            registry=reg,
+            "why",
+            SENT_OUT_REASONS,
         )
-        for why in SENT_OUT_REASONS:
-            self._sent_out.labels(why=why)
-        self._steps = Counter(
+        self._steps = labelled(
             "sgl_pd_local_prefill_steps",
             "Local prefill steps a decoder ran (counted in its first scheduler rank), by kind:"
             " mixed (the running streams decoded in the same forward) or unmixed (the local"
             " tokens alone, then the streams' decode step: where mixing costs the streams"
             " more, or SGLang does not mix logprob requests)",
-            ["kind"],
-            registry=reg,
+            "kind",
+            LOCAL_STEP_KINDS,
         )
-        for kind in LOCAL_STEP_KINDS:
-            self._steps.labels(kind=kind)
-        self._counter = Counter(
+        self._counter = labelled(
             "sgl_pd_prefill_placements",
             "Requests a decoder handed to a prefill server (direct mode), by why that one",
-            ["reason"],
-            registry=reg,
+            "reason",
+            PLACEMENT_REASONS,
         )
-        for reason in PLACEMENT_REASONS:
-            self._counter.labels(reason=reason)  # every series from the start
         self._cached = Counter(
             "sgl_pd_prefill_placement_cached_tokens",
             "Prompt tokens the chosen prefill server was predicted to hold already",
