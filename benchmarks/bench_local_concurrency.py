@@ -36,11 +36,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import requests
-
 from sgl_pd.cluster.load import StreamStats, Workload, load_result, summarize
 from sgl_pd.cluster.local import local_patience, pd_cluster
-from sgl_pd.cluster.streaming import metric_sums
+from sgl_pd.cluster.streaming import metric_by_label, metric_sums
 from sgl_pd.models import TINY_LLAMA_PATH
 
 LOCAL = "sgl_pd_local_prefills_total"
@@ -65,13 +63,7 @@ def _ratio(a: float, b: float) -> float:
 
 
 def _sent_out(url: str) -> dict[str, float]:
-    text = requests.get(f"{url}/metrics", timeout=30).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("sgl_pd_local_prefills_sent_out_total{"):
-            why = line.split('why="', 1)[1].split('"', 1)[0]
-            out[why] = out.get(why, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
+    return metric_by_label(url, "sgl_pd_local_prefills_sent_out_total", "why")
 
 
 def main(argv: list[str] | None = None) -> int:
