@@ -13,6 +13,8 @@ lost), `event` (what happened to a guarded control message).
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any
 
 from sgl_pd.core.failures import FailureCause
@@ -144,15 +146,7 @@ class TransferMetrics:
         self._control = {e: control.labels(role=role, event=e) for e in CONTROL_EVENTS}
         self._control_seen = dict.fromkeys(CONTROL_EVENTS, 0)
         self._role = role
-        self._tables = Gauge(
-            "sgl_pd_table_entries",
-            "Entries of sgl_pd's own tables (rooms, request states, page pins, control messages"
-            " awaiting acknowledgment, deliveries remembered, ...), summed over the server's"
-            " ranks: each returns to 0 once traffic stops",
-            ["role", "table"],
-            multiprocess_mode="livesum",
-            registry=reg,
-        )
+        self._tables = TableEntries(True, role, registry=reg)
         self._rooms = gauge(
             "sgl_pd_rooms",
             "Requests this server's ranks hold transfer state for (live, or draining)",
@@ -227,14 +221,57 @@ class TransferMetrics:
     def set_tables(self, sizes: dict[str, int]) -> None:
         """Each of sgl_pd's tables' entries now (`tables()` of the role's messenger)."""
         if self._enabled:
-            for table, size in sizes.items():
-                self._tables.labels(role=self._role, table=table).set(size)
+            self._tables.set(sizes)
 
     def set_live(self, rooms: int, in_flight: int, staging_bytes: int = 0) -> None:
         if self._enabled:
             self._rooms.set(rooms)
             self._in_flight.set(in_flight)
             self._staging.set(staging_bytes)
+
+
+class TableEntries:
+    """`sgl_pd_table_entries{role, table}` as one process sets it: a scheduler rank's
+    tables (`TransferMetrics.set_tables`) or an HTTP front-end's (direct mode's
+    submissions in flight, the router flow's skip notices), summed over the server's
+    live processes. A no-op object when metrics are off."""
+
+    def __init__(self, enabled: bool, role: str, registry: Any = None) -> None:
+        self._role = role
+        self._gauge: Any = None
+        if enabled:
+            from prometheus_client import REGISTRY
+
+            self._gauge = _table_gauge(REGISTRY if registry is None else registry)
+
+    def set(self, sizes: dict[str, int]) -> None:
+        if self._gauge is not None:
+            for table, size in sizes.items():
+                self._gauge.labels(role=self._role, table=table).set(size)
+
+
+# registry -> its gauge: a scheduler rank and an HTTP front-end in one process (tests) share it
+_TABLE_GAUGES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_TABLE_GAUGES_LOCK = threading.Lock()
+
+
+def _table_gauge(registry: Any) -> Any:
+    from prometheus_client import Gauge
+
+    with _TABLE_GAUGES_LOCK:
+        gauge = _TABLE_GAUGES.get(registry)
+        if gauge is None:
+            gauge = _TABLE_GAUGES[registry] = Gauge(
+                "sgl_pd_table_entries",
+                "Entries of sgl_pd's own tables (rooms, request states, page pins, control"
+                " messages awaiting acknowledgment, deliveries remembered, direct mode's"
+                " submissions, skip notices, ...), summed over the server's processes: each"
+                " returns to 0 once traffic stops",
+                ["role", "table"],
+                multiprocess_mode="livesum",
+                registry=registry,
+            )
+        return gauge
 
 
 PLACEMENT_REASONS = ("cached_prefix", "load")  # why a prefill server was chosen

@@ -50,3 +50,31 @@ def test_unskipped_rooms_are_not_touched_and_early_notices_are_bounded() -> None
     assert asyncio.run(arrive(9)) is None
     assert asyncio.run(arrive(0)) is not None  # forgotten: it waits (for its decoder)
     assert asyncio.run(arrive(100)) is not None
+
+
+def test_its_tables_are_exported_as_they_change() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from sgl_pd.backend.metrics import TableEntries
+
+    registry = CollectorRegistry()
+    rooms = SkippedRooms()
+    rooms.export(TableEntries(True, "prefill", registry))
+
+    def entries(table: str) -> float | None:
+        labels = {"role": "prefill", "table": table}
+        return registry.get_sample_value("sgl_pd_table_entries", labels)
+
+    assert entries("skips_unclaimed") == 0 and entries("skips_watched") == 0
+    rooms.skip(1)
+    assert entries("skips_unclaimed") == 1
+
+    async def arrive(room: int) -> None:
+        rooms.watch(room)
+        assert entries("skips_unclaimed") == 0  # room 1's notice claimed
+        assert entries("skips_watched") == (1 if room == 2 else 0)
+        rooms.unwatch(room)
+
+    asyncio.run(arrive(1))
+    asyncio.run(arrive(2))
+    assert entries("skips_watched") == 0

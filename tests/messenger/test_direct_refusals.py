@@ -160,3 +160,36 @@ def test_outputs_pass_through_until_the_request_ends() -> None:
         return [out async for out in _unless_refused(outputs(), refused, lambda: None)]
 
     assert asyncio.run(serve()) == [0, 1, 2]
+
+
+def test_submissions_in_flight_are_exported_and_return_to_zero() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from sgl_pd.backend.metrics import TableEntries
+
+    registry = CollectorRegistry()
+    labels = {"role": "decode", "table": "direct_submissions"}
+    # no prefill server answers at this address: the probe rounds run all the same
+    dispatcher = DirectDispatcher(
+        "127.0.0.1:9",
+        auth=None,
+        probe_interval_s=0.05,
+        tables=TableEntries(True, "decode", registry),
+    )
+
+    def exported(value: float) -> None:
+        deadline = time.monotonic() + 30
+        while registry.get_sample_value("sgl_pd_table_entries", labels) != value:
+            assert time.monotonic() < deadline, f"direct_submissions never read {value}"
+            time.sleep(0.02)
+
+    async def served() -> None:
+        dispatcher.watch(11)
+        await asyncio.to_thread(exported, 1)
+        dispatcher.unwatch(11)
+        await asyncio.to_thread(exported, 0)
+
+    try:
+        asyncio.run(served())
+    finally:
+        dispatcher.close()

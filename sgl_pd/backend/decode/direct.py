@@ -35,7 +35,7 @@ from typing import Any
 
 from sgl_pd.backend import request_checks
 from sgl_pd.backend.decode.local_fallback import direct_sender, local_host
-from sgl_pd.backend.metrics import PlacementMetrics
+from sgl_pd.backend.metrics import PlacementMetrics, TableEntries
 from sgl_pd.backend.streams import Stopped, until_stopped
 from sgl_pd.config import SglPdConfig, sgl_pd_role
 from sgl_pd.core.dispatch import PrefillerLoad, parse_bootstrap_addresses
@@ -96,6 +96,7 @@ class DirectDispatcher:
         name: str = "decoder",
         probe_interval_s: float = PROBE_INTERVAL_S,
         metrics: PlacementMetrics | None = None,
+        tables: TableEntries | None = None,
         local_max_tokens: int = 0,
         saturated_tokens: int = 8192,
         prefix_cache: bool = False,
@@ -118,6 +119,7 @@ class DirectDispatcher:
         self._prefixes = SentPrefixes()  # what each prefill server got from here; under _lock
         self._rates: dict[str, RateEstimate] = {}  # measured per prefill server; under _lock
         self._metrics = metrics or PlacementMetrics(False)
+        self._tables = tables or TableEntries(False, "decode")
         self._name = name[:200]  # names its submissions and probes alike (refusals match)
         self._client = RegistryClient(self._name, auth=auth, attempt_timeout_s=PROBE_TIMEOUT_S)
         self._log = LogLimiter(logger)
@@ -300,8 +302,18 @@ class DirectDispatcher:
                 logger.info("prefill server %s removed", addr)
                 del self._loads[addr]
 
+    def tables(self) -> dict[str, int]:
+        """Submissions whose request is still served here, and placement decisions
+        waiting for their request's trace span."""
+        with self._lock:
+            return {
+                "direct_submissions": len(self._watched),
+                "direct_traced_placements": len(self._placements),
+            }
+
     def _probe_loop(self) -> None:
         while not self._stop.wait(self._probe_interval_s):
+            self._tables.set(self.tables())  # (a round a second: the gauge's resolution)
             addresses = self._read_addresses()
             self._refresh(addresses)
             for addr in addresses:
@@ -340,11 +352,13 @@ def _dispatcher_for(manager: Any) -> DirectDispatcher | None:
             from sgl_pd.backend.server_options import local_prefill_limit
 
             name = direct_sender(server_args)
+            metrics_on = bool(getattr(server_args, "enable_metrics", False))
             _dispatcher = DirectDispatcher(
                 config.prefill_bootstrap,
                 auth=cluster_auth(config),
                 name=name,
-                metrics=PlacementMetrics(bool(getattr(server_args, "enable_metrics", False))),
+                metrics=PlacementMetrics(metrics_on),
+                tables=TableEntries(metrics_on, "decode"),
                 local_max_tokens=local_prefill_limit(server_args, config.local_prefill_max_tokens),
                 saturated_tokens=config.prefill_saturated_tokens,
                 prefix_cache=bool(

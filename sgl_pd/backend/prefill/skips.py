@@ -32,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
+from sgl_pd.backend.metrics import TableEntries
 from sgl_pd.backend.streams import Stopped, until_stopped
 from sgl_pd.config import sgl_pd_role
 
@@ -49,6 +50,30 @@ class SkippedRooms:
         self._early: OrderedDict[int, None] = OrderedDict()  # skipped, request not seen
         # room -> (its loop, resolved when the room is skipped); under _lock
         self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = {}
+        self._exported: TableEntries | None = None  # set by the first request (metrics on?)
+
+    def export(self, tables: TableEntries) -> None:
+        """From now on, every change sets `sgl_pd_table_entries` through `tables` (the
+        first request's server arguments say whether metrics are on; later calls keep
+        the first)."""
+        with self._lock:
+            if self._exported is None:
+                self._exported = tables
+        self._report()
+
+    @property
+    def exporting(self) -> bool:
+        return self._exported is not None
+
+    def tables(self) -> dict[str, int]:
+        """Skip notices whose request has not arrived, and requests here that a notice
+        would end."""
+        with self._lock:
+            return {"skips_unclaimed": len(self._early), "skips_watched": len(self._waiting)}
+
+    def _report(self) -> None:
+        if self._exported is not None:
+            self._exported.set(self.tables())
 
     def skip(self, room: int) -> None:
         """A decoder prefills `room` itself (any thread; idempotent)."""
@@ -62,20 +87,24 @@ class SkippedRooms:
         if waiting is not None:
             loop, future = waiting
             loop.call_soon_threadsafe(_resolve, future)
+        self._report()
 
     def watch(self, room: int) -> asyncio.Future[None] | None:
         """None when `room` was skipped already; else a future resolved if it is."""
         with self._lock:
-            if room in self._early:
+            early = room in self._early
+            if early:
                 del self._early[room]
-                return None
-            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiting[room] = (asyncio.get_running_loop(), future)
-            return future
+            else:
+                future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                self._waiting[room] = (asyncio.get_running_loop(), future)
+        self._report()
+        return None if early else future
 
     def unwatch(self, room: int) -> None:
         with self._lock:
             self._waiting.pop(room, None)
+        self._report()
 
     def __len__(self) -> int:
         with self._lock:
@@ -119,6 +148,10 @@ async def around_stream_one_response(
         async for out in original(manager, *args, **kw):
             yield out
         return
+    if not SKIPPED.exporting:
+        SKIPPED.export(
+            TableEntries(bool(getattr(manager.server_args, "enable_metrics", False)), "prefill")
+        )
     skipped = SKIPPED.watch(room)
     if skipped is None:  # the notice came first: end it at once
         skipped = asyncio.get_running_loop().create_future()
