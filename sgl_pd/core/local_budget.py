@@ -54,6 +54,7 @@ PROBE_EVERY = 4
 MIN_REMOTE_SAMPLES = 4
 REMOTE_WINDOW_S = 30.0  # remote prefills older than this say nothing of the load now
 REMOTE_SAMPLES_KEPT = 256
+MIN_BIAS, MAX_BIAS = 0.25, 4.0  # a local first token's actual / predicted, as counted
 _RIDGE = 1e-9  # keeps the normal equations solvable before the features vary
 
 
@@ -318,6 +319,25 @@ def local_first_token_s(
     return prefill + between + step.seconds(running + 1, 0)
 
 
+class LocalBias:
+    """How much longer local first tokens took than `local_first_token_s` predicted:
+    actual / predicted over the last local requests, smoothed (each clamped to
+    [`MIN_BIAS`, `MAX_BIAS`]: one request held up by a pause must not flip every later
+    placement). Starts at 1; what the model leaves out - output processing, a step's
+    scheduling, the streams joining between steps - it learns, so a follow-up placed here
+    for a first token predicted sooner than remote gets it sooner in fact."""
+
+    def __init__(self, smoothing: float = 0.2) -> None:
+        self._smoothing = smoothing
+        self.value = 1.0
+
+    def observe(self, predicted_s: float, actual_s: float) -> None:
+        if not (math.isfinite(predicted_s) and math.isfinite(actual_s)) or predicted_s <= 0:
+            return
+        ratio = min(MAX_BIAS, max(MIN_BIAS, actual_s / predicted_s))
+        self.value += self._smoothing * (ratio - self.value)
+
+
 class LocalShare:
     """Of the scheduling iterations that began with local work waiting, the share that
     ran a local step, smoothed (the others ran SGLang's decode step: the streams' turn,
@@ -341,14 +361,17 @@ def prefill_here_is_sooner(
     tokens: int,
     plan: LocalStep,
     local_share: float = 1.0,
+    local_bias: float = 1.0,
 ) -> bool:
-    """Whether the first token comes sooner prefilled here, in steps as `plan`, than
-    remote. Without both models fitted: here (the placement rules chose it; the steps
-    teach the models)."""
+    """Whether the first token comes sooner prefilled here, in steps as `plan` (the
+    prediction times `local_bias`: how far local predictions fell short lately), than
+    remote: its prefill and transfer, then the decode step that samples its first token.
+    Without both models fitted: here (the placement rules chose it; the steps teach the
+    models)."""
     if step is None or remote is None:
         return True
     here = local_first_token_s(step, running, tokens_ahead, tokens, plan, local_share)
-    return here <= remote.seconds(tokens)
+    return here * local_bias <= remote.seconds(tokens) + step.seconds(running + 1, 0)
 
 
 class LocalWait:
@@ -369,30 +392,38 @@ class LocalWait:
         self._steps.pop(rid, None)
 
 
-MODEL_WORDS = 8  # `pack_models`' length
+MODEL_WORDS = 9  # `pack_models`' length
 
 
-def pack_models(step: StepCoefficients | None, remote: RemoteCoefficients | None) -> list[float]:
-    """Both models as floats (a NaN first word marks one unfitted, a NaN unmixed cost one
+@dataclass(frozen=True)
+class Models:
+    """What a rank budgets and places with: rank 0's, the same on every rank of a group."""
+
+    step: StepCoefficients | None = None
+    remote: RemoteCoefficients | None = None
+    local_bias: float = 1.0  # `LocalBias.value`
+
+
+def pack_models(models: Models) -> list[float]:
+    """The models as floats (a NaN first word marks one unfitted, a NaN unmixed cost one
     not measured), for the broadcast that gives every rank of a TP group rank 0's
     models: each rank times its own steps, and ranks that budgeted differently would
     build different batches."""
     nan = float("nan")
+    step, remote = models.step, models.remote
     if step is None:
         words = [nan] * 6
     else:
         words = [step.offset, step.per_request, step.per_local_token, step.per_mixed_request]
         words += [nan if v is None else v for v in (step.unmixed_offset, step.unmixed_per_token)]
     words += [nan, nan] if remote is None else [remote.offset, remote.per_token]
-    return words
+    return [*words, models.local_bias]
 
 
-def unpack_models(
-    words: list[float],
-) -> tuple[StepCoefficients | None, RemoteCoefficients | None]:
+def unpack_models(words: list[float]) -> Models:
     step = None
     if not math.isnan(words[0]):
         alone = [None if math.isnan(v) else v for v in words[4:6]]
         step = StepCoefficients(words[0], words[1], words[2], words[3], alone[0], alone[1])
     remote = None if math.isnan(words[6]) else RemoteCoefficients(words[6], words[7])
-    return step, remote
+    return Models(step, remote, words[8])

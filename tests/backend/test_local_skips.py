@@ -140,3 +140,32 @@ def test_a_request_arriving_after_a_mixed_local_step_is_planned_with_its_streams
     other = _router_request(13)
     around_add_request_to_queue(_never_queued, scheduler, other)
     assert local.queue == [other]
+
+
+def test_each_local_first_token_is_measured_against_its_prediction() -> None:
+    """A request queued here with its first token predicted in p seconds, whose last
+    chunk's step ended a seconds later, teaches the pacer a/p (a request still
+    mid-prefill teaches nothing yet); the ratio is what placements scale later
+    predictions by, once rank 0's models are synced."""
+    from sgl_pd.core.local_budget import StepCoefficients
+
+    local = LocalPrefills(512, prefix_cache=True)
+    local.pacer.step_model = StepCoefficients(0.010, 0.0, 0.0005)
+    now = [100.0]
+    local.pacer._clock = lambda: now[0]
+    scheduler = _Scheduler(local)
+    whole, chunked = _router_request(20), _router_request(21)
+    for req in (whole, chunked):
+        req.origin_input_ids = list(range(40))
+        around_add_request_to_queue(_never_queued, scheduler, req)
+    assert local.queue == [whole, chunked]
+    predicted = local.predicted[whole.rid][1]
+    assert predicted > 0
+    now[0] += 3 * predicted  # the step that ran both ends three times later than predicted
+    local.chunked = chunked  # (only part of its prompt ran)
+    local_prefill._first_tokens_came(local, SimpleNamespace(reqs=[whole, chunked]))
+    assert local.pacer.bias.value == pytest.approx(1.0 + 0.2 * (3.0 - 1.0))
+    assert whole.rid not in local.predicted and chunked.rid in local.predicted
+    local.chunked, local.queue = None, []  # its last chunk: measured too
+    local_prefill._first_tokens_came(local, SimpleNamespace(reqs=[chunked]))
+    assert local.predicted == {}

@@ -6,17 +6,22 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from sgl_pd.core.local_budget import (
     ADMISSION_STEPS,
+    MAX_BIAS,
     MIN_REMOTE_SAMPLES,
     MIN_SAMPLES,
+    MODEL_WORDS,
     PROBE_EVERY,
     REMOTE_WINDOW_S,
+    LocalBias,
     LocalStep,
     LocalWait,
+    Models,
     RemoteCoefficients,
     RemoteCost,
     StepCoefficients,
@@ -369,11 +374,39 @@ def test_a_request_waits_a_bounded_number_of_steps() -> None:
 def test_models_cross_to_other_ranks_whole_or_as_unfitted() -> None:
     step = StepCoefficients(0.01, 0.0002, 0.0005, 0.0003, unmixed_offset=0.004)
     remote = RemoteCoefficients(0.05, 0.0001)
-    assert unpack_models(pack_models(step, remote)) == (step, remote)
     unmeasured = StepCoefficients(0.01, 0.0002, 0.0005, 0.0003)
-    assert unpack_models(pack_models(unmeasured, None)) == (unmeasured, None)
-    assert unpack_models(pack_models(None, remote)) == (None, remote)
-    assert unpack_models(pack_models(step, None)) == (step, None)
+    for models in (
+        Models(step, remote, 1.3),
+        Models(unmeasured, None),
+        Models(None, remote, 0.7),
+        Models(step, None),
+        Models(),
+    ):
+        words = pack_models(models)
+        assert len(words) == MODEL_WORDS
+        assert unpack_models(words) == models
+
+
+def test_local_predictions_that_fell_short_are_scaled_up_by_what_they_missed() -> None:
+    bias = LocalBias()
+    assert bias.value == 1.0
+    for _ in range(30):
+        bias.observe(predicted_s=0.100, actual_s=0.150)  # each local first token 1.5x late
+    assert bias.value == pytest.approx(1.5, rel=0.01)
+    bias.observe(predicted_s=0.100, actual_s=60.0)  # one held up by a pause: clamped
+    assert bias.value <= 1.5 + 0.2 * (MAX_BIAS - 1.5) + 1e-9
+    before = bias.value
+    bias.observe(predicted_s=0.0, actual_s=0.1)  # (nothing predicted: nothing learnt)
+    bias.observe(predicted_s=0.1, actual_s=float("nan"))
+    assert bias.value == before
+    # a follow-up sooner here as predicted goes out once predictions run 1.5x late
+    step = StepCoefficients(offset=0.010, per_request=0.0, per_local_token=0.0005)
+    remote = RemoteCoefficients(offset=0.050, per_token=0.0)
+    placement = {"running": 4, "tokens_ahead": 0, "tokens": 80, "plan": LocalStep(64, True)}
+    # here: 42 ms + 18 ms (two steps) + the 10 ms step sampling it = 70 ms; remote 50 + 10
+    assert not prefill_here_is_sooner(step, remote, **placement)
+    assert prefill_here_is_sooner(step, remote, **{**placement, "tokens": 40})  # 30 + 10
+    assert not prefill_here_is_sooner(step, remote, **{**placement, "tokens": 40}, local_bias=1.6)
 
 
 @given(

@@ -25,8 +25,10 @@ from typing import Any
 from sgl_pd.core.local_budget import (
     MODEL_WORDS,
     PROBE_EVERY,
+    LocalBias,
     LocalShare,
     LocalStep,
+    Models,
     RemoteCoefficients,
     RemoteCost,
     StepCoefficients,
@@ -62,8 +64,10 @@ class StepPacer:
         self.page_size = page_size
         self.cost = StepCost()  # this rank's steps
         self.share = LocalShare()  # of iterations with local work waiting, those running it
+        self.bias = LocalBias()  # this rank's local first tokens, actual over predicted
         self.step_model: StepCoefficients | None = None  # rank 0's, as last synced
         self.remote_model: RemoteCoefficients | None = None
+        self.local_bias = 1.0
         self._clock = clock
         # the shapes (running, local tokens) launched by the last iterations, None for
         # an iteration that launched nothing; the oldest is what the next gap measures
@@ -116,6 +120,9 @@ class StepPacer:
         if local_tokens > 0:
             self._local_steps += 1
 
+    def now(self) -> float:
+        return self._clock()
+
     def paused(self) -> None:
         """The engine pauses: no gap until it runs again measures a step."""
         self._launched.clear()
@@ -124,7 +131,8 @@ class StepPacer:
     def _sync(self, scheduler: Any, remote: RemoteCost | None) -> None:
         step = self.cost.coefficients()
         per_token = None if step is None else step.per_local_token
-        words = pack_models(step, None if remote is None else remote.coefficients(per_token))
+        remote_model = None if remote is None else remote.coefficients(per_token)
+        words = pack_models(Models(step, remote_model, self.bias.value))
         if getattr(scheduler, "tp_size", 1) > 1:
             import torch
             import torch.distributed as dist
@@ -133,7 +141,9 @@ class StepPacer:
             assert tensor.numel() == MODEL_WORDS
             dist.broadcast(tensor, src=scheduler.tp_group.ranks[0], group=scheduler.tp_cpu_group)
             words = tensor.tolist()
-        self.step_model, self.remote_model = unpack_models(words)
+        models = unpack_models(words)
+        self.step_model, self.remote_model = models.step, models.remote
+        self.local_bias = models.local_bias
         now = self._clock()
         if getattr(scheduler, "tp_rank", 0) == 0 and now - self._reported_s >= REPORT_INTERVAL_S:
             self._reported_s = now
@@ -163,6 +173,7 @@ class StepPacer:
                 else f"; remote prefill {1e3 * remote.offset:.1f} ms +"
                 f" {1e3 * remote.per_token:.3f} ms a token"
             )
+            + f"; local first tokens {self.local_bias:.2f}x their prediction"
             + self._described_plan(running)
         )
 

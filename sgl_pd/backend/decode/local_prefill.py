@@ -57,7 +57,13 @@ from sgl_pd.backend.decode.local_pacing import StepPacer, step_shape
 from sgl_pd.backend.first_token import queued_request_flags, whole_prompt_reason
 from sgl_pd.backend.metrics import PlacementMetrics
 from sgl_pd.core.dispatch import PrefillerLoad
-from sgl_pd.core.local_budget import LocalStep, LocalWait, adder_budget, prefill_here_is_sooner
+from sgl_pd.core.local_budget import (
+    LocalStep,
+    LocalWait,
+    adder_budget,
+    local_first_token_s,
+    prefill_here_is_sooner,
+)
 from sgl_pd.core.placement import is_direct_room, prefill_locally
 
 logger = logging.getLogger("sgl_pd.local_prefill")
@@ -91,6 +97,9 @@ class LocalPrefills:
         self.may_send_out = may_send_out
         self.fallbacks: dict[str, Fallback] = {}  # rid -> where it goes if not admitted
         self.uncached: dict[str, int] = {}  # rid -> its tokens to prefill here (queued)
+        # rid -> (when it was queued, its first token's predicted seconds), until its
+        # last chunk ran: how far the predictions fall short (`StepPacer.bias`)
+        self.predicted: dict[str, tuple[float, float]] = {}
         self.wait = LocalWait()
         self.prefix_cache = prefix_cache  # the decoder's tree cache holds conversations
         self.metrics = PlacementMetrics(metrics)  # router flow's local prefills
@@ -203,6 +212,7 @@ def around_add_request_to_queue(
     if fallback is not None:
         local.fallbacks[req.rid] = fallback
     local.uncached[req.rid] = max(0, uncached)
+    _remember_prediction(scheduler, local, req, max(0, uncached))
     req.time_stats.set_wait_queue_entry_time()
     return None
 
@@ -237,7 +247,38 @@ def _sooner_here(local: LocalPrefills, streams: int, uncached: int, plan: LocalS
         tokens=uncached,
         plan=plan,
         local_share=pacer.share.value,
+        local_bias=pacer.local_bias,
     )
+
+
+def _remember_prediction(scheduler: Any, local: LocalPrefills, req: Any, uncached: int) -> None:
+    """When `req` (just queued) was queued and its first token's predicted seconds."""
+    pacer = local.pacer
+    if pacer.step_model is None:
+        return
+    streams = _streams(scheduler, local)
+    ahead = sum(local.uncached.get(r.rid, 0) for r in local.queue if r is not req)
+    plan = pacer.plan(streams, can_mix=_can_mix(scheduler, req))
+    seconds = local_first_token_s(
+        pacer.step_model, streams, ahead, uncached, plan, pacer.share.value
+    )
+    local.predicted[req.rid] = (pacer.now(), seconds)
+
+
+def _first_tokens_came(local: LocalPrefills, batch: Any) -> None:
+    """`batch`, a local step just ended, sampled the first token of each local request
+    in it but the one still mid-prefill: each one's wait against its prediction."""
+    now = local.pacer.now()
+    for req in batch.reqs:
+        placed = local.predicted.pop(req.rid, None)
+        if placed is not None and req is not local.chunked:
+            queued_s, predicted_s = placed
+            local.pacer.bias.observe(predicted_s, now - queued_s)
+        elif placed is not None:
+            local.predicted[req.rid] = placed  # (its first token comes with its last chunk)
+    if len(local.predicted) > 2 * len(local.queue) + 2:  # (sent out or aborted meanwhile)
+        live = {r.rid for r in local.queue} | {getattr(local.chunked, "rid", None)}
+        local.predicted = {rid: v for rid, v in local.predicted.items() if rid in live}
 
 
 def _can_mix(scheduler: Any, *reqs: Any) -> bool:
@@ -374,6 +415,7 @@ def _next_batch(original: Any, scheduler: Any, local: LocalPrefills, running_bat
     # they are SGLang's to resume (`around_hold_rebootstrap`), not to merge.
     after_local = last is not None and last is scheduler.last_batch
     if after_local:
+        _first_tokens_came(local, last)
         # the request still mid-prefill stays out, as SGLang's own loop keeps it out
         last.filter_batch(reqs_to_exclude=[r for r in (local.chunked,) if r is not None])
         if not last.is_empty():  # (finished at their first token: gone)
