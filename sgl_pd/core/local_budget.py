@@ -320,22 +320,30 @@ def local_first_token_s(
 
 
 class LocalBias:
-    """How much longer local first tokens took than `local_first_token_s` predicted:
-    actual / predicted over the last local requests, smoothed (each clamped to
-    [`MIN_BIAS`, `MAX_BIAS`]: one request held up by a pause must not flip every later
-    placement). Starts at 1; what the model leaves out - output processing, a step's
-    scheduling, the streams joining between steps - it learns, so a follow-up placed here
-    for a first token predicted sooner than remote gets it sooner in fact."""
+    """How much longer local first tokens took than `local_first_token_s` predicted: the
+    median of actual / predicted over the local requests whose first token came in the
+    last `REMOTE_WINDOW_S` seconds (each clamped to [`MIN_BIAS`, `MAX_BIAS`]), 1 with
+    none. What the model leaves out - output processing, a step's scheduling, the
+    streams' turns between steps - it learns, so a follow-up placed here for a first
+    token predicted sooner than remote gets it sooner in fact. Like `RemoteCost` it
+    forgets: a burst that made local requests late, once gone, does not keep every later
+    one remote (none of those would measure it again)."""
 
-    def __init__(self, smoothing: float = 0.2) -> None:
-        self._smoothing = smoothing
-        self.value = 1.0
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._seen: deque[tuple[float, float]] = deque(maxlen=REMOTE_SAMPLES_KEPT)
 
     def observe(self, predicted_s: float, actual_s: float) -> None:
         if not (math.isfinite(predicted_s) and math.isfinite(actual_s)) or predicted_s <= 0:
             return
         ratio = min(MAX_BIAS, max(MIN_BIAS, actual_s / predicted_s))
-        self.value += self._smoothing * (ratio - self.value)
+        self._seen.append((self._clock(), ratio))
+
+    @property
+    def value(self) -> float:
+        since = self._clock() - REMOTE_WINDOW_S
+        recent = [ratio for at, ratio in self._seen if at >= since]
+        return statistics.median(recent) if recent else 1.0
 
 
 class LocalShare:

@@ -164,7 +164,7 @@ def test_each_local_first_token_is_measured_against_its_prediction() -> None:
     now[0] += 3 * predicted  # the step that ran both ends three times later than predicted
     local.chunked = chunked  # (only part of its prompt ran)
     local_prefill._first_tokens_came(local, SimpleNamespace(reqs=[whole, chunked]))
-    assert local.pacer.bias.value == pytest.approx(1.0 + 0.2 * (3.0 - 1.0))
+    assert local.pacer.bias.value == pytest.approx(3.0)
     assert whole.rid not in local.predicted and chunked.rid in local.predicted
     local.chunked, local.queue = None, []  # its last chunk: measured too
     local_prefill._first_tokens_came(local, SimpleNamespace(reqs=[chunked]))
