@@ -305,25 +305,27 @@ def local_first_token_s(
     local_share: float = 1.0,
 ) -> float:
     """Predicted seconds to a local request's first token: the steps until its last
-    chunk ran (the local tokens queued before it, then its own, `plan.tokens` a step, the
-    last step carrying what is left), the decode steps between them (`local_share`: the
-    share of iterations with local work waiting that ran a local step - after an
-    unmixed step the streams' decode step is one of those), and the step that samples
-    its first token."""
+    chunk ran (the local tokens queued before it, then its own - one at least: SGLang
+    computes the last prompt token of a whole prefix hit again - `plan.tokens` a step,
+    the last step carrying what is left; that step samples the first token) and the
+    decode steps between them (`local_share`: the share of iterations with local work
+    waiting that ran a local step - after an unmixed step the streams' decode step is
+    one of those)."""
     per_step = max(1, plan.tokens)
     decoded = running if plan.mixed else 0
-    full, rest = divmod(tokens_ahead + tokens, per_step)
+    full, rest = divmod(tokens_ahead + max(1, tokens), per_step)
     local_steps = full + (1 if rest else 0)
     prefill = full * step.seconds(decoded, per_step) + (step.seconds(decoded, rest) if rest else 0)
     between = local_steps * (1.0 / max(local_share, 0.05) - 1.0) * step.seconds(running, 0)
-    return prefill + between + step.seconds(running + 1, 0)
+    return prefill + between
 
 
 class LocalBias:
     """How much longer local first tokens took than `local_first_token_s` predicted: the
     median of actual / predicted over the local requests whose first token came in the
-    last `REMOTE_WINDOW_S` seconds (each clamped to [`MIN_BIAS`, `MAX_BIAS`]), 1 with
-    none. What the model leaves out - output processing, a step's scheduling, the
+    last `REMOTE_WINDOW_S` seconds, 1 with none; a ratio outside [`MIN_BIAS`,
+    `MAX_BIAS`] spanned something else (a pause, a burst of retractions) and is not
+    counted. What the model leaves out - output processing, a step's scheduling, the
     streams' turns between steps - it learns, so a follow-up placed here for a first
     token predicted sooner than remote gets it sooner in fact. Like `RemoteCost` it
     forgets: a burst that made local requests late, once gone, does not keep every later
@@ -336,8 +338,9 @@ class LocalBias:
     def observe(self, predicted_s: float, actual_s: float) -> None:
         if not (math.isfinite(predicted_s) and math.isfinite(actual_s)) or predicted_s <= 0:
             return
-        ratio = min(MAX_BIAS, max(MIN_BIAS, actual_s / predicted_s))
-        self._seen.append((self._clock(), ratio))
+        ratio = actual_s / predicted_s
+        if MIN_BIAS <= ratio <= MAX_BIAS:
+            self._seen.append((self._clock(), ratio))
 
     @property
     def value(self) -> float:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from sgl_pd.backend.decode import local_prefill
+from sgl_pd.backend.decode.local_fallback import LOCAL_HOST
 from sgl_pd.backend.decode.local_prefill import LocalPrefills, around_add_request_to_queue
 
 BOOTSTRAP_PORT = 8998
@@ -142,30 +143,100 @@ def test_a_request_arriving_after_a_mixed_local_step_is_planned_with_its_streams
     assert local.queue == [other]
 
 
-def test_each_local_first_token_is_measured_against_its_prediction() -> None:
-    """A request queued here with its first token predicted in p seconds, whose last
-    chunk's step ended a seconds later, teaches the pacer a/p (a request still
-    mid-prefill teaches nothing yet); the ratio is what placements scale later
-    predictions by, once rank 0's models are synced."""
+def _measuring(overlap: bool = False) -> tuple[LocalPrefills, _Scheduler, list[float]]:
+    """A decoder whose step model is fitted, on a clock the test moves."""
     from sgl_pd.core.local_budget import StepCoefficients
 
-    local = LocalPrefills(512, prefix_cache=True)
+    local = LocalPrefills(512, prefix_cache=True, overlap=overlap)
     local.pacer.step_model = StepCoefficients(0.010, 0.0, 0.0005)
     now = [100.0]
     local.pacer._clock = lambda: now[0]
-    scheduler = _Scheduler(local)
-    whole, chunked = _router_request(20), _router_request(21)
-    for req in (whole, chunked):
+    return local, _Scheduler(local), now
+
+
+def _queued(local: LocalPrefills, scheduler: _Scheduler, *rooms: int) -> list[Any]:
+    reqs = [_router_request(room) for room in rooms]
+    for req in reqs:
         req.origin_input_ids = list(range(40))
         around_add_request_to_queue(_never_queued, scheduler, req)
-    assert local.queue == [whole, chunked]
-    predicted = local.predicted[whole.rid][1]
-    assert predicted > 0
-    now[0] += 3 * predicted  # the step that ran both ends three times later than predicted
+    assert local.queue[-len(reqs) :] == reqs
+    return reqs
+
+
+def _predicted(req: Any) -> float:
+    return float(getattr(req, local_prefill._PREDICTION)[2])
+
+
+def test_each_local_first_token_is_measured_against_its_prediction() -> None:
+    """A request queued here with its first token predicted in p seconds, whose last
+    chunk's step ended a seconds later, teaches the pacer a/p; the request still
+    mid-prefill and the streams mixed into the step teach nothing yet."""
+    local, scheduler, now = _measuring()
+    whole, chunked = _queued(local, scheduler, 20, 21)
+    stream = _router_request(22)  # a running stream, decoded in the same (mixed) step
+    setattr(stream, local_prefill._PREDICTION, (0, 0.0, 1e-3))  # (its own, long ago)
+    now[0] += 3 * _predicted(whole)  # the step that ran both ends three times later
     local.chunked = chunked  # (only part of its prompt ran)
-    local_prefill._first_tokens_came(local, SimpleNamespace(reqs=[whole, chunked]))
+    step = SimpleNamespace(reqs=[whole, chunked, stream], decoding_reqs=[stream])
+    local_prefill._first_tokens_came(local, step)
     assert local.pacer.bias.value == pytest.approx(3.0)
-    assert whole.rid not in local.predicted and chunked.rid in local.predicted
-    local.chunked, local.queue = None, []  # its last chunk: measured too
+    assert getattr(whole, local_prefill._PREDICTION) is None
+    local.chunked = None  # its last chunk: measured too, on time
+    now[0] = 100.0 + _predicted(chunked)
     local_prefill._first_tokens_came(local, SimpleNamespace(reqs=[chunked]))
-    assert local.predicted == {}
+    assert local.pacer.bias.value == pytest.approx((3.0 + 1.0) / 2)  # (the median of two)
+
+
+def test_with_the_overlap_scheduler_a_first_token_is_measured_an_iteration_later() -> None:
+    """The overlap scheduler processes a step's results in the next iteration: its
+    first tokens are out only when the iteration after that begins."""
+    local, scheduler, now = _measuring(overlap=True)
+    (req,) = _queued(local, scheduler, 23)
+    predicted = _predicted(req)
+    now[0] += predicted
+    local_prefill._first_tokens_came(local, SimpleNamespace(reqs=[req]))
+    assert local.pacer.bias.value == 1.0 and len(local.first_tokens_due) == 1  # (not yet)
+    now[0] += predicted  # one more step: twice the prediction in all
+    local_prefill._first_tokens_came(local, None)  # (the next iteration ran no local step)
+    assert local.pacer.bias.value == pytest.approx(2.0) and local.first_tokens_due == []
+
+
+def test_requests_sent_out_retracted_or_caught_by_a_pause_teach_nothing() -> None:
+    """What is measured is a local first token as predicted: not a request sent out
+    (it comes back as a running stream), not a retracted one recomputing its output,
+    not one whose wait spanned a pause."""
+    local, scheduler, now = _measuring()
+    out, paused = _queued(local, scheduler, 24, 25)
+    local_prefill._sent_out(scheduler, local, out, local.fallbacks[out.rid], "unadmitted")
+    assert getattr(out, local_prefill._PREDICTION) is None
+    retracted = _router_request(26)  # a local request, retracted with its output so far
+    retracted.bootstrap_host, retracted.output_ids = LOCAL_HOST, [5, 6]
+    around_add_request_to_queue(_never_queued, scheduler, retracted, is_retracted=True)
+    assert retracted in local.queue
+    assert getattr(retracted, local_prefill._PREDICTION, None) is None
+    pause = SimpleNamespace(mode="in_place")
+    local_prefill.around_pause_generation(lambda scheduler, req: None, scheduler, pause)
+    now[0] += 60.0
+    local_prefill._first_tokens_came(local, SimpleNamespace(reqs=[out, paused, retracted]))
+    assert local.pacer.bias.value == 1.0
+
+
+def test_the_bias_rank_zero_measured_moves_placements() -> None:
+    """Placements scale their local prediction by the bias synced from rank 0: a
+    follow-up sooner here at 1x goes out once local first tokens run 4x late."""
+    from sgl_pd.core.local_budget import RemoteCoefficients
+
+    local, scheduler, _ = _measuring()
+    model = local.pacer.step_model
+    remote = RemoteCoefficients(0.030, 0.0)
+    local.pacer.remote_model = remote
+    (here,) = _queued(local, scheduler, 27)  # 30 ms here; remote 30 ms, then a 10 ms step
+    for _ in range(3):
+        local.pacer.bias.observe(0.010, 0.040)
+    local.pacer._sync(scheduler, None)  # (one rank: its own models, none fitted here)
+    assert local.pacer.local_bias == pytest.approx(4.0)
+    local.pacer.step_model, local.pacer.remote_model = model, remote
+    other = _router_request(28)
+    other.origin_input_ids = list(range(40))
+    around_add_request_to_queue(_never_queued, scheduler, other)
+    assert scheduler.queued == [other] and local.queue == [here]  # sent out: slower here

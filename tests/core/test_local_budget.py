@@ -294,29 +294,35 @@ def test_a_follow_up_goes_where_its_first_token_comes_sooner() -> None:
     step = StepCoefficients(offset=0.010, per_request=0.0, per_local_token=0.0005)
     remote = RemoteCoefficients(offset=0.060, per_token=0.0001)
     sooner = {"running": 4, "tokens_ahead": 0, "plan": LocalStep(64, True)}
-    # 40 tokens: one 30 ms step + a 10 ms decode step here, 64 ms remote
+    # 40 tokens: one 30 ms step samples the first token here; remote 64 ms of prefill and
+    # transfer, then the 10 ms decode step that samples it
     assert prefill_here_is_sooner(step, remote, tokens=40, **sooner)
     # behind 600 queued local tokens: 10 steps here
     assert not prefill_here_is_sooner(step, remote, tokens=40, **{**sooner, "tokens_ahead": 600})
-    # at 8 tokens a step (a tight SLO) 40 tokens take 5 steps of 14 ms: remote is sooner
+    # at 4 tokens a step (a tight SLO) 40 tokens take 10 steps of 12 ms: remote is sooner
     assert not prefill_here_is_sooner(
-        step, remote, tokens=40, **{**sooner, "plan": LocalStep(8, True)}
+        step, remote, tokens=40, **{**sooner, "plan": LocalStep(4, True)}
     )
+    # 120 tokens: two steps here (42 + 38 ms = 80 ms), remote 72 ms of prefill and
+    # transfer - later once its own 10 ms decode step is counted
+    assert local_first_token_s(step, 4, 0, 120, LocalStep(64, True)) == pytest.approx(0.080)
+    assert prefill_here_is_sooner(step, remote, tokens=120, **sooner)
+    assert not prefill_here_is_sooner(step, remote, tokens=130, **sooner)  # three steps here
     # without both models the placement rules decide (here)
     assert prefill_here_is_sooner(None, remote, tokens=4000, **sooner)
     assert prefill_here_is_sooner(step, None, tokens=4000, **sooner)
     mixed = LocalStep(64, True)
-    assert local_first_token_s(step, 4, 0, 40, mixed) == step.seconds(4, 40) + step.seconds(5, 0)
-    assert local_first_token_s(step, 4, 30, 40, mixed) == (
-        step.seconds(4, 64) + step.seconds(4, 6) + step.seconds(5, 0)
-    )
+    assert local_first_token_s(step, 4, 0, 40, mixed) == step.seconds(4, 40)
+    assert local_first_token_s(step, 4, 30, 40, mixed) == step.seconds(4, 64) + step.seconds(4, 6)
+    # a whole prefix hit still computes its last prompt token
+    assert local_first_token_s(step, 4, 0, 0, mixed) == step.seconds(4, 1)
     # unmixed: each local step runs alone; the streams' decode steps between local steps
     # are the share of iterations that ran none (measured, `LocalShare`)
     alone = LocalStep(64, False)
-    assert local_first_token_s(step, 4, 0, 40, alone) == step.seconds(0, 40) + step.seconds(5, 0)
+    assert local_first_token_s(step, 4, 0, 40, alone) == step.seconds(0, 40)
     assert math.isclose(
         local_first_token_s(step, 4, 0, 40, alone, local_share=0.5),
-        step.seconds(0, 40) + step.seconds(4, 0) + step.seconds(5, 0),
+        step.seconds(0, 40) + step.seconds(4, 0),
     )
 
 
@@ -394,23 +400,25 @@ def test_local_predictions_that_fell_short_are_scaled_up_by_what_they_missed() -
     for _ in range(5):
         bias.observe(predicted_s=0.100, actual_s=0.150)  # each local first token 1.5x late
     assert bias.value == pytest.approx(1.5)
-    bias.observe(predicted_s=0.100, actual_s=60.0)  # one held up by a pause: the median holds
     bias.observe(predicted_s=0.0, actual_s=0.1)  # (nothing predicted: nothing learnt)
     bias.observe(predicted_s=0.1, actual_s=float("nan"))
     assert bias.value == pytest.approx(1.5)
     for _ in range(7):
-        bias.observe(predicted_s=0.1, actual_s=60.0)
-    assert bias.value == MAX_BIAS  # (clamped)
+        bias.observe(predicted_s=0.1, actual_s=60.0)  # a pause, not a step's cost
+    assert bias.value == pytest.approx(1.5)
+    for _ in range(7):
+        bias.observe(predicted_s=0.1, actual_s=0.1 * MAX_BIAS)
+    assert bias.value == MAX_BIAS
     now[0] += REMOTE_WINDOW_S + 1  # none lately: the model's own predictions again
     assert bias.value == 1.0
-    # a follow-up sooner here as predicted goes out once predictions run 1.5x late
+    # a follow-up sooner here as predicted goes out once predictions run 2.1x late
     step = StepCoefficients(offset=0.010, per_request=0.0, per_local_token=0.0005)
     remote = RemoteCoefficients(offset=0.050, per_token=0.0)
-    placement = {"running": 4, "tokens_ahead": 0, "tokens": 80, "plan": LocalStep(64, True)}
-    # here: 42 ms + 18 ms (two steps) + the 10 ms step sampling it = 70 ms; remote 50 + 10
-    assert not prefill_here_is_sooner(step, remote, **placement)
-    assert prefill_here_is_sooner(step, remote, **{**placement, "tokens": 40})  # 30 + 10
-    assert not prefill_here_is_sooner(step, remote, **{**placement, "tokens": 40}, local_bias=1.6)
+    placement = {"running": 4, "tokens_ahead": 0, "tokens": 40, "plan": LocalStep(64, True)}
+    # here one 30 ms step; remote 50 ms, then the 10 ms decode step that samples it
+    assert prefill_here_is_sooner(step, remote, **placement)
+    assert prefill_here_is_sooner(step, remote, **placement, local_bias=2.0)  # 60 ms: a tie
+    assert not prefill_here_is_sooner(step, remote, **placement, local_bias=2.1)
 
 
 @given(

@@ -64,6 +64,7 @@ class StepPacer:
         self.page_size = page_size
         self.cost = StepCost()  # this rank's steps
         self.share = LocalShare()  # of iterations with local work waiting, those running it
+        self.overlap = overlap  # an iteration's results are processed in the next one
         self.bias = LocalBias()  # this rank's local first tokens, actual over predicted
         self.step_model: StepCoefficients | None = None  # rank 0's, as last synced
         self.remote_model: RemoteCoefficients | None = None

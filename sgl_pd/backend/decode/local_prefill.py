@@ -97,9 +97,11 @@ class LocalPrefills:
         self.may_send_out = may_send_out
         self.fallbacks: dict[str, Fallback] = {}  # rid -> where it goes if not admitted
         self.uncached: dict[str, int] = {}  # rid -> its tokens to prefill here (queued)
-        # rid -> (when it was queued, its first token's predicted seconds), until its
-        # last chunk ran: how far the predictions fall short (`StepPacer.bias`)
-        self.predicted: dict[str, tuple[float, float]] = {}
+        # (when queued, predicted seconds) of local requests whose last chunk ran in the
+        # step just launched: observed once its results are out (the overlap scheduler
+        # processes them an iteration later); how far predictions fall short
+        self.first_tokens_due: list[tuple[float, float]] = []
+        self.pauses = 0  # predictions made before a pause measure the pause: dropped
         self.wait = LocalWait()
         self.prefix_cache = prefix_cache  # the decoder's tree cache holds conversations
         self.metrics = PlacementMetrics(metrics)  # router flow's local prefills
@@ -212,7 +214,8 @@ def around_add_request_to_queue(
     if fallback is not None:
         local.fallbacks[req.rid] = fallback
     local.uncached[req.rid] = max(0, uncached)
-    _remember_prediction(scheduler, local, req, max(0, uncached))
+    if not is_retracted and not req.output_ids:  # (a retracted one recomputes its output too)
+        _remember_prediction(scheduler, local, req, max(0, uncached))
     req.time_stats.set_wait_queue_entry_time()
     return None
 
@@ -251,8 +254,12 @@ def _sooner_here(local: LocalPrefills, streams: int, uncached: int, plan: LocalS
     )
 
 
+_PREDICTION = "_sgl_pd_first_token_predicted"  # Req attribute: (pauses, queued at, seconds)
+
+
 def _remember_prediction(scheduler: Any, local: LocalPrefills, req: Any, uncached: int) -> None:
-    """When `req` (just queued) was queued and its first token's predicted seconds."""
+    """When `req` (just queued) was queued and its first token's predicted seconds, on
+    the request itself (it leaves with it: sent out, aborted or answered)."""
     pacer = local.pacer
     if pacer.step_model is None:
         return
@@ -262,23 +269,38 @@ def _remember_prediction(scheduler: Any, local: LocalPrefills, req: Any, uncache
     seconds = local_first_token_s(
         pacer.step_model, streams, ahead, uncached, plan, pacer.share.value
     )
-    local.predicted[req.rid] = (pacer.now(), seconds)
+    setattr(req, _PREDICTION, (local.pauses, pacer.now(), seconds))
 
 
-def _first_tokens_came(local: LocalPrefills, batch: Any) -> None:
-    """`batch`, a local step just ended, sampled the first token of each local request
-    in it but the one still mid-prefill: each one's wait against its prediction."""
+def _first_tokens_came(local: LocalPrefills, batch: Any | None) -> None:
+    """A scheduling iteration begins after `batch` (None: not a local step): each local
+    request whose last chunk it ran is due its first token - now without the overlap
+    scheduler (the step's results were processed), an iteration later with it. The due
+    ones are measured against their predictions (not the running streams mixed in, nor
+    the request still mid-prefill, nor predictions made before a pause)."""
     now = local.pacer.now()
-    for req in batch.reqs:
-        placed = local.predicted.pop(req.rid, None)
-        if placed is not None and req is not local.chunked:
-            queued_s, predicted_s = placed
+    if local.pacer.overlap:  # the last iteration's due ones: their results are out now
+        for queued_s, predicted_s in local.first_tokens_due:
             local.pacer.bias.observe(predicted_s, now - queued_s)
-        elif placed is not None:
-            local.predicted[req.rid] = placed  # (its first token comes with its last chunk)
-    if len(local.predicted) > 2 * len(local.queue) + 2:  # (sent out or aborted meanwhile)
-        live = {r.rid for r in local.queue} | {getattr(local.chunked, "rid", None)}
-        local.predicted = {rid: v for rid, v in local.predicted.items() if rid in live}
+        local.first_tokens_due = []
+    if batch is None:
+        return
+    decoding = {id(r) for r in getattr(batch, "decoding_reqs", None) or ()}
+    due = []
+    for req in batch.reqs:
+        if id(req) in decoding or req is local.chunked:
+            continue
+        prediction = getattr(req, _PREDICTION, None)
+        if prediction is not None:
+            setattr(req, _PREDICTION, None)
+            pauses, queued_s, predicted_s = prediction
+            if pauses == local.pauses:
+                due.append((queued_s, predicted_s))
+    if local.pacer.overlap:
+        local.first_tokens_due = due
+    else:
+        for queued_s, predicted_s in due:
+            local.pacer.bias.observe(predicted_s, now - queued_s)
 
 
 def _can_mix(scheduler: Any, *reqs: Any) -> bool:
@@ -311,6 +333,7 @@ def _refused_for_space(scheduler: Any, local: LocalPrefills, req: Any) -> bool:
 
 
 def _sent_out(scheduler: Any, local: LocalPrefills, req: Any, fallback: Fallback, why: str) -> None:
+    setattr(req, _PREDICTION, None)  # (its first token will not be a local one)
     local.fallbacks.pop(req.rid, None)
     local.uncached.pop(req.rid, None)
     local.wait.forget(req.rid)
@@ -414,8 +437,8 @@ def _next_batch(original: Any, scheduler: Any, local: LocalPrefills, running_bat
     # A retracting pause took the launched batch's requests (and cleared last_batch):
     # they are SGLang's to resume (`around_hold_rebootstrap`), not to merge.
     after_local = last is not None and last is scheduler.last_batch
+    _first_tokens_came(local, last if after_local else None)
     if after_local:
-        _first_tokens_came(local, last)
         # the request still mid-prefill stays out, as SGLang's own loop keeps it out
         last.filter_batch(reqs_to_exclude=[r for r in (local.chunked,) if r is not None])
         if not last.is_empty():  # (finished at their first token: gone)
@@ -555,6 +578,8 @@ def around_pause_generation(original: Any, scheduler: Any, recv_req: Any) -> Any
     local = _state(scheduler)
     if local is not None:
         local.pacer.paused()  # (the step in flight is not timed across the pause)
+        local.pauses += 1  # (nor is a first token predicted before it)
+        local.first_tokens_due = []
         if getattr(recv_req, "mode", None) == "retract":
             local.launched = None  # its requests are retracted: SGLang's to resume
     if local is None or local.chunked is None or getattr(recv_req, "mode", None) != "retract":
