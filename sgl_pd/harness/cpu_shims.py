@@ -38,6 +38,9 @@ SGLang's ``HookRegistry`` where a hook fits, and logged once per process:
    pinned host tensors, which need a CUDA driver; with no device to copy to, the harness
    gives them plain host tensors (``pin_memory`` is dropped in the LoRA layers' factory
    calls, and ``Tensor.pin_memory()`` returns the tensor itself in a CPU-engine process).
+11. Sliding-window layers in SGLang's hybrid SWA pool on ``torch_native``: the backend
+   reads them through full-pool slots; they read through SWA slots
+   (``swa_attention_cpu``), as SGLang's other backends do.
 """
 
 from __future__ import annotations
@@ -90,6 +93,18 @@ def apply_cpu_shims() -> bool:
         HookType.AROUND,
     )
     _announce("TARGET_VERIFY extend lengths for torch_native (chain drafts, topk 1)")
+    from sgl_pd.harness import swa_attention_cpu
+
+    native = _HOOK + "layers.attention.torch_native_backend.TorchNativeAttnBackend."
+    HookRegistry.register(
+        native + "forward_decode", swa_attention_cpu.around_forward_decode, HookType.AROUND
+    )
+    HookRegistry.register(
+        native + "init_forward_metadata",
+        swa_attention_cpu.after_init_forward_metadata,
+        HookType.AFTER,
+    )
+    _announce("torch_native reads sliding-window layers through SWA-pool slots")
     from sgl_pd.harness.extend_attention_cpu import around_run_sdpa_forward_extend
 
     HookRegistry.register(
@@ -278,9 +293,12 @@ def around_forward_extend(
 ) -> Any:  # fmt: skip
     """TARGET_VERIFY batches carry committed ``seq_lens`` and no extend lengths; give the
     backend a copy of the batch with prefix = seq_lens, extend = draft_token_num and
-    seq_lens + draft_token_num, so its causal SDPA covers prefix + chain."""
+    seq_lens + draft_token_num, so its causal SDPA covers prefix + chain. A sliding
+    layer of the hybrid SWA pool reads through SWA slots (`swa_attention_cpu`)."""
+    from sgl_pd.harness.swa_attention_cpu import with_swa_reads
+
     if not forward_batch.forward_mode.is_target_verify():
-        return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+        return with_swa_reads(original, self, q, k, v, layer, forward_batch, *args, **kwargs)
     spec = forward_batch.spec_info
     topk = getattr(spec, "topk", 1)
     if topk != 1:
@@ -296,4 +314,4 @@ def around_forward_extend(
     batch.extend_prefix_lens = committed
     batch.extend_seq_lens = torch.full_like(committed, n)
     batch.seq_lens = committed + n
-    return original(self, q, k, v, layer, batch, *args, **kwargs)
+    return with_swa_reads(original, self, q, k, v, layer, batch, *args, **kwargs)

@@ -15,5 +15,16 @@ TINY_LLAMA_PATH = MODELS_DIR / "tiny_llama"
 # DeepSeek-V3 (MLA, MoE, one NextN/MTP layer) and Qwen3-MoE, by train_tiny_moe.py
 TINY_DEEPSEEK_V3_PATH = MODELS_DIR / "tiny_deepseek_v3"
 TINY_QWEN3_MOE_PATH = MODELS_DIR / "tiny_qwen3_moe"
+# Mellum: sliding-window and full-attention layers (SGLang's hybrid SWA pool)
+TINY_MELLUM_PATH = MODELS_DIR / "tiny_mellum"
+# Gemma 3's text model: sliding-window layers SGLang keeps in its one plain pool
+TINY_GEMMA3_PATH = MODELS_DIR / "tiny_gemma3"
 
-__all__ = ["MODELS_DIR", "TINY_DEEPSEEK_V3_PATH", "TINY_LLAMA_PATH", "TINY_QWEN3_MOE_PATH"]
+__all__ = [
+    "MODELS_DIR",
+    "TINY_DEEPSEEK_V3_PATH",
+    "TINY_GEMMA3_PATH",
+    "TINY_LLAMA_PATH",
+    "TINY_MELLUM_PATH",
+    "TINY_QWEN3_MOE_PATH",
+]

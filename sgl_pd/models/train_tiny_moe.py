@@ -2,6 +2,8 @@
 
     python -m sgl_pd.models.train_tiny_moe --arch deepseek_v3   # -> tiny_deepseek_v3/
     python -m sgl_pd.models.train_tiny_moe --arch qwen3_moe     # -> tiny_qwen3_moe/
+    python -m sgl_pd.models.train_tiny_moe --arch mellum        # -> tiny_mellum/
+    python -m sgl_pd.models.train_tiny_moe --arch gemma3        # -> tiny_gemma3/
     python -m sgl_pd.models.train_tiny_moe --arch deepseek_v3 --steps 100 --out /tmp/ds
 
 Same corpus and tokenizer as the tiny Llama (``train_tiny.build_corpus``). DeepSeek-V3 (MLA,
@@ -31,9 +33,12 @@ from sgl_pd.models.train_tiny import (
     write_tokenizer_files,
 )
 
-ARCHS = ("deepseek_v3", "qwen3_moe")
-DEFAULT_STEPS = {"deepseek_v3": 3000, "qwen3_moe": 1000}
+ARCHS = ("deepseek_v3", "qwen3_moe", "mellum", "gemma3")
+DEFAULT_STEPS = {"deepseek_v3": 3000, "qwen3_moe": 1000, "mellum": 1000, "gemma3": 1000}
 MAX_POSITIONS = 16384
+# the sliding-window layers of Mellum and Gemma 3 see this many tokens (the token itself
+# included): shorter than most test prompts, so that serving them exercises the window
+SLIDING_WINDOW = 16
 
 
 def model_config(arch: str, vocab_size: int, eos_id: int, end_id: int) -> dict[str, Any]:
@@ -92,6 +97,62 @@ def model_config(arch: str, vocab_size: int, eos_id: int, end_id: int) -> dict[s
             },
             "rope_interleave": True,
             "attention_bias": False,
+        }
+    if arch == "mellum":
+        # Qwen3-MoE's attention and experts, with sliding-window and full-attention layers
+        # (SGLang keeps them in two pools: its hybrid SWA pool) and dense and MoE MLPs
+        return {
+            "architectures": ["MellumForCausalLM"],
+            "model_type": "mellum",
+            **{k: v for k, v in common.items() if k not in ("rope_theta", "torch_dtype")},
+            "dtype": "float32",
+            "intermediate_size": 256,
+            "moe_intermediate_size": 64,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "attention_bias": False,
+            "sliding_window": SLIDING_WINDOW,
+            "layer_types": [
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+            ],
+            "mlp_layer_types": ["dense", "sparse", "dense", "sparse"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        }
+    if arch == "gemma3":
+        # Gemma 3's text model: five sliding-window layers, then a full-attention one.
+        # SGLang serves it with its hybrid SWA pool off (one pool, the window applied in
+        # attention); its loader ties the head to the embedding, so the model does too
+        return {
+            "architectures": ["Gemma3ForCausalLM"],
+            "model_type": "gemma3_text",
+            **{k: v for k, v in common.items() if k not in ("rope_theta", "torch_dtype")},
+            "dtype": "float32",
+            "tie_word_embeddings": True,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "intermediate_size": 256,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 32,
+            "attention_bias": False,
+            "sliding_window": SLIDING_WINDOW,
+            "layer_types": [*(["sliding_attention"] * 5), "full_attention"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
         }
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
@@ -245,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model.eval()
     tensors = checkpoint_state_dict(model)
+    if cfg["tie_word_embeddings"]:
+        tensors.pop("lm_head.weight", None)  # (the embedding's: stored once)
     if mtp is not None:
         mtp.eval()
         tensors.update(mtp.checkpoint_tensors())

@@ -1,0 +1,273 @@
+"""Sliding-window models served on CPU and through sgl_pd: the bundled tiny Mellum
+(three sliding layers with a window of 16 tokens, one full-attention layer) and tiny
+Gemma 3 (five sliding layers, one full).
+
+Monolithic, SGLang keeps the sliding layers in its hybrid SWA pool, with slot numbers of
+their own; the CPU harness makes ``torch_native`` read them through those numbers
+(`sgl_pd.harness.swa_attention_cpu`). The pool is kept small and out-of-window slots are
+freed every step, so that the two numberings part within a few rounds: greedy tokens
+must still equal transformers' own forward.
+
+Through PD the hybrid pool is off on both servers (``--disable-hybrid-swa-memory``): every
+layer's KV sits in one pool and moves as pages, the window applied in attention only.
+Tokens equal the monolithic server's, for prompts shorter and longer than the window, in
+conversations whose later turns hold a prefix on the decoder (hits before and inside the
+window), and the pools are idle after. With the hybrid pool on, a server of either role
+refuses to start, with one line that names the flag.
+
+Gemma 3 SGLang always serves with the hybrid pool off: through PD, its answers and its
+follow-ups' (the decoder holding their prompts) equal transformers'.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+from sgl_pd.cluster.client import REQUEST_TIMEOUT_S
+from sgl_pd.cluster.conversations import Conversation, Reply, replay, script, wrong_turns
+from sgl_pd.cluster.local import (
+    HOST,
+    Patience,
+    Server,
+    monolithic_server,
+    pd_cluster,
+    pd_process,
+    place_servers,
+)
+from sgl_pd.cluster.logs import last_pool_state
+from sgl_pd.cluster.processes import ServerStartError, free_ports, managed
+from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids
+from sgl_pd.models import TINY_GEMMA3_PATH, TINY_MELLUM_PATH
+from sgl_pd.models.train_tiny_moe import SLIDING_WINDOW
+
+from .conftest import DECODE_PREFIX_CACHE
+
+pytestmark = pytest.mark.e2e
+
+COMMON_ARGS = ["--log-level", "info", "--dtype", "float32", "--chunked-prefill-size", "64"]
+# a pool a few prompts fill, with a sliding part as large as the full one: slots are
+# reused soon, in each numbering its own way
+SMALL_POOL = ["--max-total-tokens", "640", "--swa-full-tokens-ratio", "1.0"]
+NO_HYBRID_POOL = ["--disable-hybrid-swa-memory"]
+NEW_TOKENS = 16
+ROUNDS = 4  # rounds of all prompts at once: the numberings part after a few
+# shorter than the window (a few tokens) to several windows and chunks long
+PROMPTS: list[list[int]] = [
+    prompt_ids("Count: 41 42 43"),
+    prompt_ids("Days: Friday"),
+    prompt_ids("3 + 4 ="),
+    *(
+        long_prompt_ids(n, start=7 * n)
+        for n in (SLIDING_WINDOW - 1, SLIDING_WINDOW + 1, 40, 150, 300)
+    ),
+]
+CONVERSATION_OPENERS = [long_prompt_ids(30 + 40 * i, start=300 * i + 5) for i in range(2)]
+
+
+def ask(url: str, ids: list[int]) -> list[int]:
+    response = requests.post(
+        f"{url}/generate",
+        json={
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0},
+        },
+        timeout=REQUEST_TIMEOUT_S,
+    )
+    response.raise_for_status()
+    return [int(t) for t in response.json()["output_ids"]]
+
+
+def ask_all(url: str, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda ids: ask(url, ids), prompts))
+
+
+EOS_IDS = (0, 3)  # <|endoftext|>, <|end|>: where greedy answers may stop
+
+
+def until_eos(ids: list[int]) -> list[int]:
+    """`ids` up to their first stop token, included (SGLang stops there)."""
+    for i, token in enumerate(ids):
+        if token in EOS_IDS:
+            return ids[: i + 1]
+    return ids
+
+
+def transformers_tokens(model_path: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy continuations of `prompts` by transformers' own model (float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    answers = []
+    for ids in prompts:
+        inputs = torch.tensor([ids])
+        with torch.no_grad():
+            out = model.generate(
+                inputs,
+                attention_mask=torch.ones_like(inputs),  # (bos is also the pad token)
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+            )
+        answers.append(until_eos([int(t) for t in out[0, len(ids) :]]))
+    return answers
+
+
+def mismatches(
+    want: list[list[int]], got: list[list[int]]
+) -> list[tuple[int, list[int], list[int]]]:
+    return [
+        (i, a, b)
+        for i, (a, b) in enumerate(zip(want, got, strict=True))
+        if until_eos(a) != until_eos(b)
+    ]
+
+
+@dataclass(frozen=True)
+class MonoRun:
+    rounds: list[list[list[int]]]  # per round, per prompt: the greedy tokens
+    conversations: list[Conversation]
+    log: str
+
+
+@pytest.fixture(scope="module")
+def mono(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterator[MonoRun]:
+    with pytest.MonkeyPatch.context() as env:
+        # out-of-window slots go back to the sliding pool every step, not every 128 tokens
+        env.setenv("SGLANG_SWA_EVICTION_INTERVAL", "1")
+        with monolithic_server(
+            tmp_path_factory.mktemp("mellum-mono"),
+            model=TINY_MELLUM_PATH,
+            extra=[*COMMON_ARGS, *SMALL_POOL],
+            patience=patience,
+        ) as server:
+            rounds = [ask_all(server.url) for _ in range(ROUNDS)]
+            conversations = script(server.url, CONVERSATION_OPENERS, 3, max_new_tokens=NEW_TOKENS)
+            log = server.process.log_path.read_text(errors="replace")
+    yield MonoRun(rounds, conversations, log)
+
+
+def test_the_hybrid_pool_on_cpu_reads_the_sliding_layers_right(mono: MonoRun) -> None:
+    assert "applying CPU shim: torch_native reads sliding-window layers" in mono.log
+    reference = transformers_tokens(TINY_MELLUM_PATH, PROMPTS)
+    for i, answers in enumerate(mono.rounds):
+        assert not mismatches(reference, answers), (f"round {i}", mismatches(reference, answers))
+
+
+def test_the_model_counts_past_its_window(mono: MonoRun) -> None:
+    """Trained on counting: a prompt longer than the window still continues the count
+    (the full-attention layer and the window's last tokens carry it)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(TINY_MELLUM_PATH)
+    text = tokenizer.decode(mono.rounds[0][0])
+    assert text.startswith(" 44 45 46"), text
+
+
+@dataclass(frozen=True)
+class PdRun:
+    answers: list[list[int]]
+    replies: list[list[Reply]]
+    pools: dict[str, tuple[int, bool] | None]  # server -> (tokens used, no leak), idle
+
+
+@pytest.fixture(scope="module")
+def pd(
+    tmp_path_factory: pytest.TempPathFactory, patience: Patience, mono: MonoRun
+) -> Iterator[PdRun]:
+    args = [*COMMON_ARGS, *NO_HYBRID_POOL]
+    with pd_cluster(
+        tmp_path_factory.mktemp("mellum-pd"),
+        model=TINY_MELLUM_PATH,
+        prefill_extra=args,
+        decode_extra=[*args, *DECODE_PREFIX_CACHE],
+        patience=patience,
+    ) as cluster:
+        answers = ask_all(cluster.router_url)
+        replies = replay(cluster.router_url, mono.conversations, concurrency=2)
+        pools = idle_pools([cluster.prefill, cluster.decode], patience)
+    yield PdRun(answers, replies, pools)
+
+
+def idle_pools(servers: list[Server], patience: Patience) -> dict[str, tuple[int, bool] | None]:
+    """Each server's last idle-pool line once all report no pages in use (or the state
+    when the wait ran out: the test shows it)."""
+    deadline = time.monotonic() + patience.seconds(60)
+    while True:
+        states = {s.process.name: last_pool_state(s.process.log_path) for s in servers}
+        if all(state == (0, True) for state in states.values()) or time.monotonic() > deadline:
+            return states
+        time.sleep(1)
+
+
+def test_through_pd_without_the_hybrid_pool_tokens_are_monolithic(mono: MonoRun, pd: PdRun) -> None:
+    assert not mismatches(mono.rounds[0], pd.answers), mismatches(mono.rounds[0], pd.answers)
+    # later turns hold the earlier ones on the decoder: prefixes ending before and
+    # inside the last window of the prompt
+    assert not wrong_turns(pd.replies), pd.replies
+    assert all(state == (0, True) for state in pd.pools.values()), pd.pools
+
+
+def test_with_the_hybrid_pool_a_server_refuses_to_start_and_names_the_flag(
+    tmp_path: Path, patience: Patience, pd: PdRun
+) -> None:
+    """(After the cluster above: one server at a time on two cores.)"""
+    (placement,) = place_servers(1)
+    (port,) = free_ports(1)
+    extra = [*COMMON_ARGS, "--pd-no-auth"]  # (it refuses before it meets a peer)
+    process = pd_process("decode", "decode", TINY_MELLUM_PATH, port, extra, tmp_path, placement)
+    with managed([process]):
+        process.start()
+        with pytest.raises(ServerStartError, match="exited"):
+            process.wait_http_ready(f"http://{HOST}:{port}/health", patience.seconds(240))
+    log = process.log_path.read_text(errors="replace")
+    assert "--disable-hybrid-swa-memory" in log, log[-3000:]
+
+
+# -- a Gemma-3-style model: SGLang keeps its hybrid SWA pool off ----------------------------
+
+
+@dataclass(frozen=True)
+class GemmaRun:
+    prompts: list[list[int]]  # the prompts, then follow-ups holding them as prefixes
+    answers: list[list[int]]
+    pools: dict[str, tuple[int, bool] | None]
+
+
+@pytest.fixture(scope="module")
+def gemma3_pd(
+    tmp_path_factory: pytest.TempPathFactory, patience: Patience, pd: PdRun
+) -> Iterator[GemmaRun]:
+    """(After the Mellum servers: one cluster at a time on two cores.)"""
+    with pd_cluster(
+        tmp_path_factory.mktemp("gemma3-pd"),
+        model=TINY_GEMMA3_PATH,
+        prefill_extra=COMMON_ARGS,
+        decode_extra=[*COMMON_ARGS, *DECODE_PREFIX_CACHE],
+        patience=patience,
+    ) as cluster:
+        answers = ask_all(cluster.router_url)
+        # follow-ups: each prompt, its answer and a few more tokens, so that the decoder
+        # holds the prompt's pages and the prefill server computes the rest
+        follow_ups = [
+            [*p, *a, *long_prompt_ids(SLIDING_WINDOW // 2 + 3, start=900)]
+            for p, a in zip(PROMPTS, answers, strict=True)
+        ]
+        answers += ask_all(cluster.router_url, follow_ups)
+        pools = idle_pools([cluster.prefill, cluster.decode], patience)
+    yield GemmaRun([*PROMPTS, *follow_ups], answers, pools)
+
+
+def test_a_gemma3_style_model_through_pd_gives_transformers_tokens(gemma3_pd: GemmaRun) -> None:
+    """Gemma 3's sliding layers in SGLang's one plain pool (its hybrid pool is off for
+    them): the window is applied in attention only, and the KV moves as any other."""
+    reference = transformers_tokens(TINY_GEMMA3_PATH, gemma3_pd.prompts)
+    assert not mismatches(reference, gemma3_pd.answers), mismatches(reference, gemma3_pd.answers)
+    assert all(state == (0, True) for state in gemma3_pd.pools.values()), gemma3_pd.pools
