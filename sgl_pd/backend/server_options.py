@@ -40,6 +40,14 @@ HYBRID_STATE = (
     "this model keeps state besides the paged KV cache ({kinds}: Mamba / linear attention,"
     " sliding-window or sparse-attention pools), which sgl_pd does not transfer yet"
 )
+# With the hybrid pool off, SGLang keeps every layer's KV in one pool and applies the
+# window in attention only: sgl_pd moves the sliding layers' KV as any other layer's.
+SLIDING_WINDOW_POOL = (
+    "this model keeps its sliding-window layers in SGLang's hybrid SWA pool, which sgl_pd"
+    " does not transfer yet: start both servers with --disable-hybrid-swa-memory (every"
+    " layer's KV then moves as pages: the sliding layers' whole context, not only their"
+    " window)"
+)
 PREFILL_CONTEXT_PARALLEL = (
     "prefill context parallelism (--enable-prefill-cp / --attn-cp-size) is not served yet:"
     " each rank would hold part of the tokens of every page sgl_pd sends whole"
@@ -142,6 +150,9 @@ def unsupported_option(
         return FULL_HIDDEN_STATES
     if first_token == "decode" and getattr(options, "enable_multi_layer_eagle", False):
         return MULTI_LAYER_EAGLE
-    if state_kinds:
-        return HYBRID_STATE.format(kinds=", ".join(sorted({str(k) for k in state_kinds})))
+    kinds = sorted({str(getattr(k, "value", k)).lower() for k in state_kinds})
+    if kinds == ["swa"]:
+        return SLIDING_WINDOW_POOL
+    if kinds:
+        return HYBRID_STATE.format(kinds=", ".join(kinds))
     return None

@@ -70,7 +70,18 @@ def test_a_model_with_state_besides_the_kv_pages_is_refused_at_start() -> None:
         SimpleNamespace(), "prefill", kv_send="layerwise", first_token="decode",
         state_kinds=["MAMBA", "SWA"],
     )  # fmt: skip
-    assert why is not None and "MAMBA, SWA" in why
+    assert why is not None and "mamba, swa" in why
+
+
+def test_a_sliding_window_pool_is_refused_with_the_option_that_serves_the_model() -> None:
+    """SGLang's hybrid SWA pool alone: the line names the flag under which SGLang keeps
+    every layer in one pool, which sgl_pd moves as any KV (either spelling of the kind)."""
+    for kind in ("SWA", "swa"):
+        why = unsupported_option(
+            SimpleNamespace(), "decode", kv_send="layerwise", first_token="decode",
+            state_kinds=[kind],
+        )  # fmt: skip
+        assert why is not None and "--disable-hybrid-swa-memory" in why, why
 
 
 def test_the_manager_refuses_before_it_builds_anything(monkeypatch: pytest.MonkeyPatch) -> None:
