@@ -73,13 +73,18 @@ from sgl_pd.cluster.soak import (
     sample_server,
 )
 from sgl_pd.cluster.streaming import Answer, judge, send
+from sgl_pd.config import SglPdConfig
 from sgl_pd.models import TINY_LLAMA_PATH
 
 INPUT_TOKENS, OUTPUT_TOKENS = 200, 64
 PROBES = 8  # greedy probe requests per point, judged against the monolithic server
 PROBE_TOKENS = 32
 PROFILE_S = 20.0  # py-spy's sampling of each scheduler at the highest point
-IDLE_WAIT_S = 180.0  # for every table to empty once a soak's traffic stopped
+# A receiver remembers each delivery for twice its senders' give-up time, to tell resent
+# copies from new messages (`ReliableReceiver.window_s`): the last of the tables to empty
+# once a soak's traffic stopped, which the wait outlasts by a minute.
+REMEMBERED_S = 2 * SglPdConfig().bounds().give_up_s
+IDLE_WAIT_S = REMEMBERED_S + 60.0
 
 
 @dataclass
@@ -407,6 +412,9 @@ def _soak_report(s: Soak, out: Path) -> dict[str, object]:
     ended = collections.Counter(o.ended if o.ended in ("ok", "cancelled") else "error"
                                 for o in outcomes)  # fmt: skip
     print(f"\nsoak: {s.minutes:g} min, {len(outcomes)} requests {dict(ended)}")
+    failures = collections.Counter(o.ended for o in outcomes if o.ended not in ("ok", "cancelled"))
+    for why, count in failures.most_common(5):
+        print(f"  {count} failed: {why[:300]}")
     print(
         f"{'server':<9}{'RSS MiB':>9}{'RSS %/h':>9}{'threads':>9}{'+thr':>6}{'fds':>6}{'+fds':>6}"
     )

@@ -166,10 +166,12 @@ class Traffic:
                 if r.status_code != 200:
                     return Outcome(start_s, math.nan, (), f"HTTP {r.status_code}")
                 seen = 0
+                finish: Any = None  # the last chunk's finish reason (an abort's says why)
                 for line in r.iter_lines():
                     if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
                         continue
                     chunk = json.loads(line[len(b"data:") :])
+                    finish = (chunk.get("meta_info") or {}).get("finish_reason") or finish
                     tokens = len(chunk.get("output_ids") or ())
                     now = time.monotonic()
                     stamps.extend([now] * max(0, tokens - seen))
@@ -179,7 +181,8 @@ class Traffic:
         except requests.RequestException as e:
             return Outcome(start_s, math.nan, (), type(e).__name__)
         if not stamps:
-            return Outcome(start_s, math.nan, (), "no tokens")
+            why = finish.get("message") if isinstance(finish, dict) else None
+            return Outcome(start_s, math.nan, (), f"no tokens: {why}" if why else "no tokens")
         gaps = tuple(float(b - a) for a, b in itertools.pairwise(stamps) if b > a)
         if cancel:
             return Outcome(start_s, stamps[0] - began, gaps, "cancelled")
