@@ -190,25 +190,47 @@ def scheduler_pids(server: object) -> list[int]:
     return found
 
 
-def profile(pid: int, seconds: float, out: Path) -> tuple[float, list[tuple[str, int]]]:
+@dataclass(frozen=True)
+class Share:
+    """Of a scheduler thread's py-spy samples, the share in sgl_pd's code: `own`, where
+    the innermost sgl_pd-or-SGLang frame is sgl_pd's (what runs below it - the standard
+    library, numpy - is sgl_pd's cost; SGLang's own work called from an sgl_pd hook is
+    SGLang's, and so is the CPU harness, which stands in for its GPU kernels here), and
+    `with_calls`, where any sgl_pd frame is on the stack (SGLang's work it wraps or asks
+    for included: the step an AROUND hook runs, the radix lookup of a local placement);
+    and the innermost sgl_pd frames seen most in `own`."""
+
+    own: float
+    with_calls: float
+    frames: list[tuple[str, int]]
+
+
+def profile(pid: int, seconds: float, out: Path) -> Share:
     """py-spy's samples of scheduler process `pid` for `seconds`, of its scheduler thread
     (SGLang's event loop, which every step runs on; sgl_pd's own threads - messengers,
     transfer writes - are left out), idle ones included: that thread waits on torch's
-    worker threads through every forward, and on its queues between steps. The share of
-    its time with sgl_pd's serving code on the stack (not the CPU harness, which stands
-    in for SGLang's GPU kernels here), and the sgl_pd frames seen most."""
+    worker threads through every forward, and on its queues between steps."""
     raw = out / f"py-spy-{pid}.txt"
     subprocess.run(
         [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid),
          "--duration", str(int(seconds)), "--rate", "100", "--format", "raw", "--idle",
-         "--nonblocking", "--output", str(raw)],
+         "--full-filenames", "--nonblocking", "--output", str(raw)],
         capture_output=True, timeout=seconds + 120, check=False,
     )  # fmt: skip
     if not raw.exists():
-        return math.nan, []
-    total = ours = 0
+        return Share(math.nan, math.nan, [])
+    return sgl_pd_share(raw.read_text())
+
+
+def sgl_pd_share(raw: str) -> Share:
+    """`Share` of py-spy's raw samples (recorded with full file names)."""
+    total = own = with_calls = 0
     frames: collections.Counter[str] = collections.Counter()
-    for line in raw.read_text().splitlines():
+
+    def ours(frame: str) -> bool:
+        return "sgl_pd/" in frame and "sgl_pd/harness/" not in frame
+
+    for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")
         if not count.isdigit():
             continue
@@ -216,16 +238,19 @@ def profile(pid: int, seconds: float, out: Path) -> tuple[float, list[tuple[str,
         if "run_scheduler_process" not in stack:
             continue  # (another thread of the process)
         total += n
-        mine = [f for f in stack.split(";") if "sgl_pd/" in f and "sgl_pd/harness/" not in f]
-        if mine:
-            ours += n
-            frames[mine[-1]] += n  # the innermost sgl_pd frame
-    return (ours / total if total else math.nan), frames.most_common(8)
+        stack_frames = stack.split(";")
+        if any(ours(f) for f in stack_frames):
+            with_calls += n
+        owned = [f for f in stack_frames if "sgl_pd/" in f or "/sglang/" in f]
+        if owned and ours(owned[-1]):
+            own += n
+            frames[owned[-1].split("site-packages/")[-1]] += n
+    if not total:
+        return Share(math.nan, math.nan, [])
+    return Share(own / total, with_calls / total, frames.most_common(8))
 
 
-def _profile_all(
-    pids: dict[str, list[int]], shares: dict[str, tuple[float, list[tuple[str, int]]]], out: Path
-) -> None:
+def _profile_all(pids: dict[str, list[int]], shares: dict[str, Share], out: Path) -> None:
     """Each role's first scheduler, one after the other, once the load is up."""
     time.sleep(5.0)
     for role, found in pids.items():
@@ -318,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     probes = {c: probe_requests(vocab, PROBES, seed=c) for c in points}
     reference: dict[str, Answer] = {}
     results: dict[str, dict[int, Point]] = {}
-    shares: dict[str, tuple[float, list[tuple[str, int]]]] = {}
+    shares: dict[str, Share] = {}
     soaked: Soak | None = None
     for name in setups:
         results[name] = {}
@@ -359,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
 def report(
     results: dict[str, dict[int, Point]],
     points: list[int],
-    shares: dict[str, tuple[float, list[tuple[str, int]]]],
+    shares: dict[str, Share],
     soaked: Soak | None,
     out: Path,
 ) -> int:
@@ -383,9 +408,12 @@ def report(
     }
     print("PD/monolithic requests/s: " + ", ".join(f"{c}: {r:.2f}" for c, r in ratios.items()))
     _plot_sweep(results, points, out / "load_sweep.png")
-    for role, (share, frames) in shares.items():
-        print(f"sgl_pd's share of the {role} scheduler's busy samples at {top}: {share:.1%}")
-        for frame, n in frames:
+    for role, share in shares.items():
+        print(
+            f"sgl_pd's share of the {role} scheduler thread at {top}: {share.own:.1%} in its"
+            f" own code ({share.with_calls:.1%} with the SGLang calls its hooks make)"
+        )
+        for frame, n in share.frames:
             print(f"  {n:>6}  {frame}")
     headline: dict[str, object] = {
         "max_concurrency": top,
@@ -393,7 +421,7 @@ def report(
         "errors": sum(p.errors for p in _all(results)),
         "pd_over_mono_throughput_at_max": round(ratios[top], 3),
         "sgl_pd_scheduler_share_at_max": round(
-            shares.get("decode", (math.nan, []))[0], 4
+            shares["decode"].own if "decode" in shares else math.nan, 4
         ),
     }  # fmt: skip
     if soaked is not None:

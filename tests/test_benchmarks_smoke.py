@@ -128,3 +128,26 @@ def test_a_recorded_result_keeps_each_progress_bars_last_state_only(tmp_path: Pa
 def test_committed_results_hold_no_progress_redraws() -> None:
     for result in sorted((BENCHMARKS / "results").glob("*.txt")):
         assert b"\r" not in result.read_bytes(), f"{result.name}: run final_states.py on it"
+
+
+def test_the_load_benchmark_counts_sglangs_work_under_sgl_pd_hooks_as_sglangs() -> None:
+    """A sample in SGLang's step run through an sgl_pd hook is SGLang's; one in the
+    standard library under sgl_pd's code is sgl_pd's; one in SGLang's radix lookup asked
+    for by sgl_pd counts only with its calls."""
+    bench = _load(BENCHMARKS / "bench_load.py")
+    site = "/v/lib/python3.11/site-packages"
+    loop = f"run_scheduler_process ({site}/sglang/srt/managers/scheduler.py:1)"
+    hook = "_next_batch (/w/sgl_pd/backend/decode/local_prefill.py:399)"
+    raw = "\n".join(
+        [
+            f"{loop};{hook};get_next_batch ({site}/sglang/srt/disaggregation/decode.py:9) 6",
+            f"{loop};put (/w/sgl_pd/messenger/keyed_workers.py:67);put (/py/queue.py:152) 3",
+            f"{loop};lookup (/w/sgl_pd/x.py:1);match_prefix ({site}/sglang/srt/radix.py:2) 1",
+            f"{loop};forward (/w/sgl_pd/harness/extend_attention_cpu.py:5) 10",
+            "thread_loop (/w/sgl_pd/messenger/outbox.py:1) 50",  # (another thread)
+        ]
+    )
+    share = bench.sgl_pd_share(raw)
+    assert share.own == pytest.approx(3 / 20)
+    assert share.with_calls == pytest.approx(10 / 20)  # (the harness stands in for SGLang)
+    assert share.frames == [("put (/w/sgl_pd/messenger/keyed_workers.py:67)", 3)]
