@@ -12,8 +12,9 @@ Through PD the hybrid pool is off on both servers (``--disable-hybrid-swa-memory
 layer's KV sits in one pool and moves as pages, the window applied in attention only.
 Tokens equal the monolithic server's, for prompts shorter and longer than the window, in
 conversations whose later turns hold a prefix on the decoder (hits before and inside the
-window), and the pools are idle after. With the hybrid pool on, a server of either role
-refuses to start, with one line that names the flag.
+window), and the pools are idle after. With the hybrid pool on, a server refuses to start
+(a decoder here; a prefill server's manager asks the same question), with one line that
+names the flag.
 
 Gemma 3 SGLang always serves with the hybrid pool off: through PD, its answers and its
 follow-ups' (the decoder holding their prompts) equal transformers'.
@@ -21,27 +22,26 @@ follow-ups' (the decoder holding their prompts) equal transformers'.
 
 from __future__ import annotations
 
-import time
+import contextlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import requests
 
-from sgl_pd.cluster.client import REQUEST_TIMEOUT_S
+from sgl_pd.cluster.client import generate_ids
 from sgl_pd.cluster.conversations import Conversation, Reply, replay, script, wrong_turns
 from sgl_pd.cluster.local import (
     HOST,
     Patience,
-    Server,
+    PdCluster,
     monolithic_server,
     pd_cluster,
     pd_process,
     place_servers,
 )
-from sgl_pd.cluster.logs import last_pool_state
+from sgl_pd.cluster.logs import PoolStates, pools_idle, wait_pools_idle
 from sgl_pd.cluster.processes import ServerStartError, free_ports, managed
 from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids
 from sgl_pd.models import TINY_GEMMA3_PATH, TINY_MELLUM_PATH
@@ -71,22 +71,9 @@ PROMPTS: list[list[int]] = [
 CONVERSATION_OPENERS = [long_prompt_ids(30 + 40 * i, start=300 * i + 5) for i in range(2)]
 
 
-def ask(url: str, ids: list[int]) -> list[int]:
-    response = requests.post(
-        f"{url}/generate",
-        json={
-            "input_ids": ids,
-            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0},
-        },
-        timeout=REQUEST_TIMEOUT_S,
-    )
-    response.raise_for_status()
-    return [int(t) for t in response.json()["output_ids"]]
-
-
 def ask_all(url: str, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda ids: ask(url, ids), prompts))
+        return list(pool.map(lambda ids: generate_ids(url, ids, NEW_TOKENS), prompts))
 
 
 EOS_IDS = (0, 3)  # <|endoftext|>, <|end|>: where greedy answers may stop
@@ -175,36 +162,41 @@ def test_the_model_counts_past_its_window(mono: MonoRun) -> None:
 class PdRun:
     answers: list[list[int]]
     replies: list[list[Reply]]
-    pools: dict[str, tuple[int, bool] | None]  # server -> (tokens used, no leak), idle
+    pools: PoolStates | None  # None: both pools idle with no leak
 
 
 @pytest.fixture(scope="module")
 def pd(
     tmp_path_factory: pytest.TempPathFactory, patience: Patience, mono: MonoRun
 ) -> Iterator[PdRun]:
-    args = [*COMMON_ARGS, *NO_HYBRID_POOL]
-    with pd_cluster(
-        tmp_path_factory.mktemp("mellum-pd"),
-        model=TINY_MELLUM_PATH,
-        prefill_extra=args,
-        decode_extra=[*args, *DECODE_PREFIX_CACHE],
-        patience=patience,
-    ) as cluster:
+    with router_pd(tmp_path_factory, TINY_MELLUM_PATH, NO_HYBRID_POOL, patience) as cluster:
         answers = ask_all(cluster.router_url)
         replies = replay(cluster.router_url, mono.conversations, concurrency=2)
-        pools = idle_pools([cluster.prefill, cluster.decode], patience)
+        pools = idle_pools(cluster, patience)
     yield PdRun(answers, replies, pools)
 
 
-def idle_pools(servers: list[Server], patience: Patience) -> dict[str, tuple[int, bool] | None]:
-    """Each server's last idle-pool line once all report no pages in use (or the state
-    when the wait ran out: the test shows it)."""
-    deadline = time.monotonic() + patience.seconds(60)
-    while True:
-        states = {s.process.name: last_pool_state(s.process.log_path) for s in servers}
-        if all(state == (0, True) for state in states.values()) or time.monotonic() > deadline:
-            return states
-        time.sleep(1)
+def router_pd(
+    tmp_path_factory: pytest.TempPathFactory, model: Path, extra: list[str], patience: Patience
+) -> contextlib.AbstractContextManager[PdCluster]:
+    """A prefill and a decode server of `model` (the decoder with its prefix cache, every
+    prompt's KV sent) behind the router, both with `extra`."""
+    args = [*COMMON_ARGS, *extra]
+    return pd_cluster(
+        tmp_path_factory.mktemp(model.name),
+        model=model,
+        prefill_extra=args,
+        decode_extra=[*args, *DECODE_PREFIX_CACHE],
+        patience=patience,
+    )
+
+
+def idle_pools(cluster: PdCluster, patience: Patience) -> PoolStates | None:
+    """None once both servers' pools report nothing in use and no leak; else what they
+    report when the wait ran out (the test shows it)."""
+    servers = {"prefill": cluster.prefill, "decode": cluster.decode}
+    states = wait_pools_idle(servers, patience.seconds(60))
+    return None if pools_idle(servers, states) else states
 
 
 def test_through_pd_without_the_hybrid_pool_tokens_are_monolithic(mono: MonoRun, pd: PdRun) -> None:
@@ -212,7 +204,7 @@ def test_through_pd_without_the_hybrid_pool_tokens_are_monolithic(mono: MonoRun,
     # later turns hold the earlier ones on the decoder: prefixes ending before and
     # inside the last window of the prompt
     assert not wrong_turns(pd.replies), pd.replies
-    assert all(state == (0, True) for state in pd.pools.values()), pd.pools
+    assert pd.pools is None, pd.pools
 
 
 def test_with_the_hybrid_pool_a_server_refuses_to_start_and_names_the_flag(
@@ -238,7 +230,7 @@ def test_with_the_hybrid_pool_a_server_refuses_to_start_and_names_the_flag(
 class GemmaRun:
     prompts: list[list[int]]  # the prompts, then follow-ups holding them as prefixes
     answers: list[list[int]]
-    pools: dict[str, tuple[int, bool] | None]
+    pools: PoolStates | None  # None: both pools idle with no leak
 
 
 @pytest.fixture(scope="module")
@@ -246,13 +238,7 @@ def gemma3_pd(
     tmp_path_factory: pytest.TempPathFactory, patience: Patience, pd: PdRun
 ) -> Iterator[GemmaRun]:
     """(After the Mellum servers: one cluster at a time on two cores.)"""
-    with pd_cluster(
-        tmp_path_factory.mktemp("gemma3-pd"),
-        model=TINY_GEMMA3_PATH,
-        prefill_extra=COMMON_ARGS,
-        decode_extra=[*COMMON_ARGS, *DECODE_PREFIX_CACHE],
-        patience=patience,
-    ) as cluster:
+    with router_pd(tmp_path_factory, TINY_GEMMA3_PATH, [], patience) as cluster:
         answers = ask_all(cluster.router_url)
         # follow-ups: each prompt, its answer and a few more tokens, so that the decoder
         # holds the prompt's pages and the prefill server computes the rest
@@ -261,7 +247,7 @@ def gemma3_pd(
             for p, a in zip(PROMPTS, answers, strict=True)
         ]
         answers += ask_all(cluster.router_url, follow_ups)
-        pools = idle_pools([cluster.prefill, cluster.decode], patience)
+        pools = idle_pools(cluster, patience)
     yield GemmaRun([*PROMPTS, *follow_ups], answers, pools)
 
 
@@ -270,4 +256,4 @@ def test_a_gemma3_style_model_through_pd_gives_transformers_tokens(gemma3_pd: Ge
     them): the window is applied in attention only, and the KV moves as any other."""
     reference = transformers_tokens(TINY_GEMMA3_PATH, gemma3_pd.prompts)
     assert not mismatches(reference, gemma3_pd.answers), mismatches(reference, gemma3_pd.answers)
-    assert all(state == (0, True) for state in gemma3_pd.pools.values()), gemma3_pd.pools
+    assert gemma3_pd.pools is None, gemma3_pd.pools
