@@ -191,11 +191,14 @@ def around_add_request_to_queue(
     uncached = len(req.origin_input_ids) - (
         _cached_tokens(scheduler.tree_cache, req) if local.prefix_cache else 0
     )
+    # what the request meets here: the streams, the next step's plan, the local tokens
+    # queued before it (for the placement and for the prediction it is measured by)
+    streams = _streams(scheduler, local)
+    plan = local.pacer.plan(streams, can_mix=_can_mix(scheduler, req))
+    ahead = sum(local.uncached.get(r.rid, 0) for r in local.queue)
     if fallback is not None and fallback.may_send:
         why = None
-        streams = _streams(scheduler, local)
-        plan = local.pacer.plan(streams, can_mix=_can_mix(scheduler, req))
-        if not _sooner_here(local, streams, uncached, plan):
+        if not _sooner_here(local, streams, ahead, uncached, plan):
             why = "slower"
         elif not plan.within_slo:
             why = "itl_slo"
@@ -215,7 +218,7 @@ def around_add_request_to_queue(
         local.fallbacks[req.rid] = fallback
     local.uncached[req.rid] = max(0, uncached)
     if not is_retracted and not req.output_ids:  # (a retracted one recomputes its output too)
-        _remember_prediction(scheduler, local, req, max(0, uncached))
+        _remember_prediction(local, req, streams, ahead, max(0, uncached), plan)
     req.time_stats.set_wait_queue_entry_time()
     return None
 
@@ -240,13 +243,15 @@ def _streams(scheduler: Any, local: LocalPrefills) -> int:
     return running
 
 
-def _sooner_here(local: LocalPrefills, streams: int, uncached: int, plan: LocalStep) -> bool:
+def _sooner_here(
+    local: LocalPrefills, streams: int, ahead: int, uncached: int, plan: LocalStep
+) -> bool:
     pacer = local.pacer
     return prefill_here_is_sooner(
         pacer.step_model,
         pacer.remote_model,
         running=streams,
-        tokens_ahead=sum(local.uncached.get(r.rid, 0) for r in local.queue),
+        tokens_ahead=ahead,
         tokens=uncached,
         plan=plan,
         local_share=pacer.share.value,
@@ -257,15 +262,15 @@ def _sooner_here(local: LocalPrefills, streams: int, uncached: int, plan: LocalS
 _PREDICTION = "_sgl_pd_first_token_predicted"  # Req attribute: (pauses, queued at, seconds)
 
 
-def _remember_prediction(scheduler: Any, local: LocalPrefills, req: Any, uncached: int) -> None:
-    """When `req` (just queued) was queued and its first token's predicted seconds, on
-    the request itself (it leaves with it: sent out, aborted or answered)."""
+def _remember_prediction(
+    local: LocalPrefills, req: Any, streams: int, ahead: int, uncached: int, plan: LocalStep
+) -> None:
+    """When `req` (just queued behind `ahead` local tokens, `streams` running, the next
+    step as `plan`) was queued and its first token's predicted seconds, on the request
+    itself (it leaves with it: sent out, aborted or answered)."""
     pacer = local.pacer
     if pacer.step_model is None:
         return
-    streams = _streams(scheduler, local)
-    ahead = sum(local.uncached.get(r.rid, 0) for r in local.queue if r is not req)
-    plan = pacer.plan(streams, can_mix=_can_mix(scheduler, req))
     seconds = local_first_token_s(
         pacer.step_model, streams, ahead, uncached, plan, pacer.share.value
     )
