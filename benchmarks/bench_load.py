@@ -80,11 +80,10 @@ INPUT_TOKENS, OUTPUT_TOKENS = 200, 64
 PROBES = 8  # greedy probe requests per point, judged against the monolithic server
 PROBE_TOKENS = 32
 PROFILE_S = 20.0  # py-spy's sampling of each scheduler at the highest point
-# A receiver remembers each delivery for twice its senders' give-up time, to tell resent
-# copies from new messages (`ReliableReceiver.window_s`): the last of the tables to empty
-# once a soak's traffic stopped, which the wait outlasts by a minute.
-REMEMBERED_S = 2 * SglPdConfig().bounds().give_up_s
-IDLE_WAIT_S = REMEMBERED_S + 60.0
+# A receiver remembers each delivery a while, to tell resent copies from new messages
+# (`TimingBounds.delivery_memory_s`): the last of the tables to empty once a soak's
+# traffic stopped, which the wait outlasts by a minute.
+IDLE_WAIT_S = SglPdConfig().bounds().delivery_memory_s + 60.0
 
 
 @dataclass

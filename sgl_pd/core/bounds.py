@@ -125,6 +125,12 @@ class TimingBounds:
         return max(self.transfer_timeout_s, 2 * self.hang_timeout_s)
 
     @property
+    def delivery_memory_s(self) -> float:
+        """How long a receiver remembers a delivered control message, to tell a resent
+        copy from a new message: longer than any sender resends one."""
+        return 2 * self.give_up_s
+
+    @property
     def required_keep_alive_s(self) -> float:
         return ROUTER_POOL_IDLE_S + self.hang_timeout_s
 

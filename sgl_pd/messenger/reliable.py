@@ -234,7 +234,7 @@ class ReliableReceiver:
         self._clock = clock
         self.faults = faults if faults is not None else ControlFaults()
         # longer than any sender resends a message: a copy never outlives its record
-        self.window_s = 2 * bounds.give_up_s
+        self.window_s = bounds.delivery_memory_s
         self._lock = threading.Lock()
         # (sender inbox, instance, seq) -> first seen at
         self._seen: OrderedDict[tuple[str, int, int], float] = OrderedDict()
