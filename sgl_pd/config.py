@@ -78,6 +78,9 @@ class SglPdConfig:
     # decode step its streams would otherwise run (predicted from its measured steps,
     # `core.local_budget`); 0 = no SLO, every step carries the step tokens
     local_prefill_itl_slo: float = 1.25
+    # Decoder: one local step in this many scheduling steps may go past the ITL SLO and
+    # carry the step tokens at once (`core.local_budget.BurstAllowance`); 0 = never
+    local_prefill_burst_every: int = 200
     # Decoder, direct mode: prefill servers with this many prompt tokens outstanding
     # from it are saturated; when all are, short fresh prompts are prefilled locally too
     prefill_saturated_tokens: int = 8192
@@ -134,6 +137,11 @@ class SglPdConfig:
         if not (slo == 0 or 1 < slo < float("inf")):
             raise ConfigError(
                 f"--pd-local-prefill-itl-slo must be 0 (off) or a factor over 1, got {slo}"
+            )
+        if self.local_prefill_burst_every < 0:
+            raise ConfigError(
+                "--pd-local-prefill-burst-every must be >= 0 (0: never), got "
+                f"{self.local_prefill_burst_every}"
             )
         if self.prefill_saturated_tokens <= 0:
             raise ConfigError(
@@ -361,6 +369,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "0: no SLO, each step carries --pd-local-prefill-step-tokens.",
     )
     group.add_argument(
+        "--pd-local-prefill-burst-every",
+        type=int,
+        default=SglPdConfig.local_prefill_burst_every,
+        metavar="N",
+        help="Decoder: one local step in N scheduling steps may go past "
+        "--pd-local-prefill-itl-slo and carry --pd-local-prefill-step-tokens at once, so "
+        "that a short follow-up gets its first token in one step; at N >= 100 the SLO "
+        "still holds for the streams' p99 inter-token gap. 0: every step within the SLO.",
+    )
+    group.add_argument(
         "--pd-prefill-saturated-tokens",
         type=int,
         default=SglPdConfig.prefill_saturated_tokens,
@@ -466,6 +484,7 @@ def config_from_args(
         local_prefill_max_tokens=args.pd_local_prefill_max_tokens,
         local_prefill_step_tokens=args.pd_local_prefill_step_tokens,
         local_prefill_itl_slo=args.pd_local_prefill_itl_slo,
+        local_prefill_burst_every=args.pd_local_prefill_burst_every,
         prefill_saturated_tokens=args.pd_prefill_saturated_tokens,
         auth_secret_file=secret_file,
         auth_secret_from_env=secret_from_env,

@@ -11,9 +11,11 @@ decode step: SGLang's `torch_native` backend attends over a stream's whole conte
 for its one new token), or is e + c * local tokens when it runs alone (unmixed: the
 streams then wait for it and for their own decode step). Each step takes the kind that
 carries more local tokens within the ITL SLO, a factor over the predicted plain decode
-step (`plan_local_step`). Where extend tokens are nearly free (a GPU) the fitted c and d
-are small and the budget grows to its cap by itself; where they are dear (a CPU) it
-shrinks - no per-device constant.
+step (`plan_local_step`), but for one step in a while that may carry the cap at once
+(`BurstAllowance`: the SLO then holds for the streams' p99 gap, not for every gap).
+Where extend tokens are nearly free (a GPU) the fitted c and d are small and the budget
+grows to its cap by itself; where they are dear (a CPU) it shrinks - no per-device
+constant.
 
 SGLang's `PrefillAdder` takes one token per running request out of both of its prefill
 budgets when the step mixes decode into the prefill forward (`num_mixed_decode_tokens`):
@@ -180,11 +182,44 @@ class LocalStep:
     """How the next local step runs: `tokens` local prompt tokens, `mixed` with the
     running streams' decode in the same forward or alone (they decode in the step after),
     and whether it keeps the streams within the ITL SLO - a step always carries at least
-    one page, so a local request progresses even where none would."""
+    one page, so a local request progresses even where none would. `then`: this is a
+    burst step (`BurstAllowance`), and `then` the plan of the steps after it."""
 
     tokens: int
     mixed: bool
     within_slo: bool = True
+    then: LocalStep | None = None
+
+    @property
+    def slo_tokens(self) -> int:
+        """The local tokens the SLO itself allows this step: more is a burst."""
+        plan = self.then if self.then is not None else self
+        return plan.tokens if plan.within_slo else 0
+
+
+class BurstAllowance:
+    """One local step in every `every` scheduling iterations may go past the ITL SLO and
+    carry a whole local prompt (up to the step's cap) at once: the SLO holds for the
+    streams' p99 inter-token latency (`every` >= 100: at most 1% of their gaps is a
+    burst's) instead of for every single gap. A follow-up prefilled in one step gets its
+    first token as a monolithic server would give it, where steps each within the SLO
+    would spread it over many - on a CPU, longer than a remote prefill takes. Counted in
+    iterations, alike on every rank of a TP group; 0: never (every step within the SLO).
+    Ready from the start: a window's first burst has no earlier one to count against."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self._since = every  # iterations since the last burst
+
+    @property
+    def ready(self) -> bool:
+        return self.every > 0 and self._since >= self.every
+
+    def iterated(self) -> None:
+        self._since += 1
+
+    def spent(self) -> None:
+        self._since = 0
 
 
 def plan_local_step(
@@ -196,6 +231,7 @@ def plan_local_step(
     page_size: int,
     can_mix: bool = True,
     probe: bool = False,
+    burst: bool = False,
 ) -> LocalStep:
     """The next local step at `running` streams: mixed (the streams wait for one forward
     of their decode, the mixing and the local tokens) or unmixed (they wait for a forward
@@ -206,11 +242,34 @@ def plan_local_step(
     streams: `cap`, mixed where it can be (those steps are the measurements); where only
     an unmixed step might fit and none was measured yet, one page unmixed (a
     measurement too). `probe` (every `PROBE_EVERY` local steps): half the tokens where
-    that is still a page or more, so that the fit sees steps of more than one size."""
+    that is still a page or more, so that the fit sees steps of more than one size.
+    `burst` (`BurstAllowance.ready`): `cap` tokens, mixed where SGLang mixes, wherever
+    the SLO allows fewer (not probed: its size differs anyway)."""
     floor = max(1, page_size)
     cap = max(cap - cap % floor, floor)  # whole pages, as SGLang's chunks are
     if model is None or slo_factor <= 0 or running == 0:
         return _probed(LocalStep(cap, mixed=can_mix), probe, floor)
+    within = _within_slo(model, running, slo_factor, cap, floor, can_mix, probe)
+    if not burst or within.slo_tokens >= cap:
+        return within
+    # the kind the streams wait least through: one forward, or the local one then theirs
+    mixed = can_mix and (
+        model.unmixed_offset is None
+        or model.seconds(running, cap) <= model.seconds(0, cap) + model.seconds(running, 0)
+    )
+    return LocalStep(cap, mixed, then=within)
+
+
+def _within_slo(
+    model: StepCoefficients,
+    running: int,
+    slo_factor: float,
+    cap: int,
+    floor: int,
+    can_mix: bool,
+    probe: bool,
+) -> LocalStep:
+    """`plan_local_step` where every step keeps within the SLO."""
     decode_s = model.seconds(running, 0)
     slack = (slo_factor - 1.0) * decode_s  # what the streams may wait beyond their step
     # (mixed, what the step costs the streams besides its tokens, a token's cost)
@@ -311,9 +370,24 @@ def local_first_token_s(
     decode steps between them (`local_share`: the share of iterations with local work
     waiting that ran a local step - after an unmixed step the streams' decode step is
     one of those)."""
+    work = tokens_ahead + max(1, tokens)
+    seconds = 0.0
+    if plan.then is not None:  # a burst step first, then steps within the SLO
+        seconds += _local_steps_s(step, running, min(work, plan.tokens), plan, local_share)
+        work, plan = work - plan.tokens, plan.then
+    if work > 0:
+        seconds += _local_steps_s(step, running, work, plan, local_share)
+    return seconds
+
+
+def _local_steps_s(
+    step: StepCoefficients, running: int, work: int, plan: LocalStep, local_share: float
+) -> float:
+    """Seconds for steps as `plan` to compute `work` local tokens, with the decode steps
+    between them."""
     per_step = max(1, plan.tokens)
     decoded = running if plan.mixed else 0
-    full, rest = divmod(tokens_ahead + max(1, tokens), per_step)
+    full, rest = divmod(work, per_step)
     local_steps = full + (1 if rest else 0)
     prefill = full * step.seconds(decoded, per_step) + (step.seconds(decoded, rest) if rest else 0)
     between = local_steps * (1.0 / max(local_share, 0.05) - 1.0) * step.seconds(running, 0)

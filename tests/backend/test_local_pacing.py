@@ -102,3 +102,39 @@ def test_an_unmixed_step_is_measured_before_one_was_whatever_the_stand_in_predic
     fitted = pacer.cost.coefficients()
     assert fitted is not None and fitted.unmixed_offset is not None
     assert math.isclose(fitted.seconds(0, 16), 0.006, rel_tol=0.05)
+
+
+def test_a_burst_is_spent_only_by_a_step_that_carried_more_than_the_slo_allows() -> None:
+    clock = _Clock()
+    pacer = StepPacer(cap=64, slo_factor=1.25, page_size=1, burst_every=100, clock=clock)
+    pacer.step_model = StepCoefficients(0.010, 0.001, 0.001, unmixed_offset=0.010)
+    pacer.stepped(_Scheduler(), None)
+    plan = pacer.plan(10, to_run=True)
+    assert plan.tokens == 64 and plan.slo_tokens == 5
+    pacer.launched(10, 5)  # admitted no more than the SLO allows: still ready
+    assert pacer.burst.ready
+    pacer.stepped(_Scheduler(), None)
+    pacer.plan(10, to_run=True)
+    pacer.launched(10, 0)  # nothing admitted (SGLang's decode step ran)
+    assert pacer.burst.ready
+    pacer.stepped(_Scheduler(), None)
+    pacer.plan(10)  # a prediction, not a step
+    pacer.launched(10, 40)
+    assert pacer.burst.ready
+    pacer.stepped(_Scheduler(), None)
+    pacer.plan(10, to_run=True)
+    pacer.launched(10, 40)
+    assert not pacer.burst.ready
+    assert pacer.plan(10).tokens == 5  # every step within the SLO again
+    for _ in range(100):
+        pacer.stepped(_Scheduler(), None)
+    assert pacer.plan(10).tokens == 64
+
+
+def test_a_negative_burst_interval_is_refused_with_the_flag_named() -> None:
+    from sgl_pd.config import SglPdConfig
+    from sgl_pd.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--pd-local-prefill-burst-every must be >= 0"):
+        SglPdConfig(local_prefill_burst_every=-1)
+    assert SglPdConfig(local_prefill_burst_every=0).local_prefill_burst_every == 0

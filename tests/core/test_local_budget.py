@@ -18,6 +18,7 @@ from sgl_pd.core.local_budget import (
     MODEL_WORDS,
     PROBE_EVERY,
     REMOTE_WINDOW_S,
+    BurstAllowance,
     LocalBias,
     LocalStep,
     LocalWait,
@@ -474,3 +475,43 @@ def test_each_kind_of_local_step_keeps_its_cost_while_the_other_runs() -> None:
     fitted = cost.coefficients()
     assert fitted is not None
     assert math.isclose(fitted.per_mixed_request, truth.per_mixed_request, rel_tol=0.1)
+
+
+def test_a_burst_step_carries_the_cap_once_and_then_the_slo_plan() -> None:
+    # decode 20 ms at 10 streams, 1 ms a local token: the SLO allows 5 tokens a step
+    cpu = StepCoefficients(0.010, 0.001, 0.001, unmixed_offset=0.010)
+    within = plan_local_step(cpu, 10, slo_factor=1.25, cap=64, page_size=1)
+    burst = plan_local_step(cpu, 10, slo_factor=1.25, cap=64, page_size=1, burst=True)
+    assert burst == LocalStep(64, True, then=within)
+    assert (burst.slo_tokens, within.slo_tokens) == (5, 5)
+    # where the SLO allows the cap anyway, no burst is spent
+    gpu = StepCoefficients(0.010, 0.0001, 1e-7, unmixed_offset=0.010)
+    assert plan_local_step(gpu, 10, slo_factor=1.25, cap=64, page_size=1, burst=True).then is None
+    # where not even a page fits, every local token is past the SLO
+    tight = plan_local_step(cpu, 10, slo_factor=1.01, cap=64, page_size=16, burst=True)
+    assert tight.tokens == 64 and tight.within_slo and tight.slo_tokens == 0
+    # the kind the streams wait least through: mixing 10 streams at 5 ms each costs more
+    # than the 64 tokens alone (10 + 64 ms) then their decode (20 ms)
+    costly_mix = StepCoefficients(0.010, 0.001, 0.001, 0.005, unmixed_offset=0.010)
+    plan = plan_local_step(costly_mix, 10, slo_factor=1.25, cap=64, page_size=1, burst=True)
+    assert not plan.mixed
+    # a follow-up of 40 tokens: one burst step, where the SLO would take 8 steps
+    one = local_first_token_s(cpu, 10, 0, 40, burst)
+    assert one == pytest.approx(cpu.seconds(10, 40))
+    assert local_first_token_s(cpu, 10, 0, 40, within) == pytest.approx(8 * cpu.seconds(10, 5))
+    # past the cap: the burst step, then steps within the SLO for the rest
+    assert local_first_token_s(cpu, 10, 0, 74, burst) == pytest.approx(
+        cpu.seconds(10, 64) + 2 * cpu.seconds(10, 5)
+    )
+
+
+def test_a_burst_is_allowed_once_in_every_n_iterations() -> None:
+    allowance = BurstAllowance(200)
+    assert allowance.ready  # (a window's first)
+    allowance.spent()
+    for _ in range(199):
+        allowance.iterated()
+        assert not allowance.ready
+    allowance.iterated()
+    assert allowance.ready
+    assert not BurstAllowance(0).ready

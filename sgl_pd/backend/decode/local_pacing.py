@@ -25,6 +25,7 @@ from typing import Any
 from sgl_pd.core.local_budget import (
     MODEL_WORDS,
     PROBE_EVERY,
+    BurstAllowance,
     LocalBias,
     LocalShare,
     LocalStep,
@@ -56,6 +57,7 @@ class StepPacer:
         cap: int,
         slo_factor: float,
         page_size: int,
+        burst_every: int = 0,
         overlap: bool = False,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -66,6 +68,8 @@ class StepPacer:
         self.share = LocalShare()  # of iterations with local work waiting, those running it
         self.overlap = overlap  # an iteration's results are processed in the next one
         self.bias = LocalBias()  # this rank's local first tokens, actual over predicted
+        self.burst = BurstAllowance(burst_every)  # a step past the SLO, once in a while
+        self._to_run: LocalStep | None = None  # the plan of the local step about to run
         self.step_model: StepCoefficients | None = None  # rank 0's, as last synced
         self.remote_model: RemoteCoefficients | None = None
         self.local_bias = 1.0
@@ -82,8 +86,8 @@ class StepPacer:
         """How the next local step runs with `running` streams: its local tokens, and
         whether it mixes their decode in (`can_mix`: SGLang would). `to_run`: the plan of
         a step about to run (every `PROBE_EVERY`th carries half: a probe for the fit),
-        not a prediction."""
-        return plan_local_step(
+        not a prediction. A burst while one is allowed (`BurstAllowance`), in both."""
+        plan = plan_local_step(
             self.step_model,
             running,
             slo_factor=self.slo_factor,
@@ -91,7 +95,11 @@ class StepPacer:
             page_size=self.page_size,
             can_mix=can_mix,
             probe=to_run and self._local_steps % PROBE_EVERY == PROBE_EVERY - 1,
+            burst=self.burst.ready,
         )
+        if to_run:
+            self._to_run = plan
+        return plan
 
     def stepped(self, scheduler: Any, remote: RemoteCost | None) -> None:
         """A scheduling iteration begins: the last one's wait for a step ended."""
@@ -108,6 +116,8 @@ class StepPacer:
             if predicted is None or seconds < OUTLIER_FACTOR * max(predicted, 1e-4):
                 self.cost.observe(running, local, seconds)
         self._iteration_s = now
+        self.burst.iterated()
+        self._to_run = None
         self._launched.append(None)  # (until `launched` says what this iteration runs)
         self._iterations += 1
         if self._iterations % SYNC_STEPS == 0:
@@ -120,6 +130,9 @@ class StepPacer:
             self._launched[-1] = (running, local_tokens)
         if local_tokens > 0:
             self._local_steps += 1
+        planned, self._to_run = self._to_run, None
+        if planned is not None and local_tokens > planned.slo_tokens:
+            self.burst.spent()  # (it admitted more than the SLO alone would have)
 
     def now(self) -> float:
         return self._clock()
@@ -180,9 +193,15 @@ class StepPacer:
 
     def _described_plan(self, running: int) -> str:
         plan = self.plan(running)
+        burst = ""
+        if plan.then is not None:  # (the burst's own size is the cap: say the SLO's)
+            burst = f" (a burst of {plan.tokens} allowed now)"
+            plan = plan.then
         kind = "mixed" if plan.mixed else "unmixed"
         slo = "" if plan.within_slo else " (past the ITL SLO: local requests go out)"
-        return f"; {plan.tokens} local tokens a {kind} step at {running} running requests{slo}"
+        return (
+            f"; {plan.tokens} local tokens a {kind} step at {running} running requests{slo}" + burst
+        )
 
 
 def step_shape(batch: Any) -> tuple[int, int]:

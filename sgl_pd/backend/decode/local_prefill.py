@@ -10,7 +10,9 @@ its own, with limits that keep the running streams flowing - the reason PD exist
 
 - a local step computes at most the local tokens its ITL SLO allows
   (`local_pacing.StepPacer.plan`, from the steps this decoder measured), at least one
-  page and at most `step_tokens`; a longer suffix is chunked over several steps. SGLang's
+  page and at most `step_tokens` - except one step in `burst_every`, which may carry
+  `step_tokens` past the SLO (`core.local_budget.BurstAllowance`: the SLO holds for the
+  streams' p99 gap); a longer suffix is chunked over several steps. SGLang's
   `max_prefill_tokens` and chunk size for the step are that budget plus, in a mixed step,
   the running streams' decode tokens, which SGLang's adder takes out again
   (`core.local_budget.adder_budget`): any number of streams admits local work;
@@ -80,6 +82,7 @@ class LocalPrefills:
         *,
         step_tokens: int | None = None,
         itl_slo: float = 0.0,
+        burst_every: int = 0,
         page_size: int = 1,
         overlap: bool = False,
         prefix_cache: bool = False,
@@ -90,7 +93,11 @@ class LocalPrefills:
         self.max_tokens = max_tokens  # the largest uncached suffix prefilled here
         self.step_tokens = step_tokens or max_tokens  # prompt tokens a step carries, at most
         self.pacer = StepPacer(
-            cap=self.step_tokens, slo_factor=itl_slo, page_size=page_size, overlap=overlap
+            cap=self.step_tokens,
+            slo_factor=itl_slo,
+            page_size=page_size,
+            burst_every=burst_every,
+            overlap=overlap,
         )
         # requests may go to a prefill server after all (`local_fallback`): the decoder
         # samples first tokens, so a prefill server's copy only computes KV
@@ -140,15 +147,19 @@ def _configured(scheduler: Any) -> LocalPrefills | None:
     if limit <= 0:
         return None
     step = config.local_prefill_step_tokens if config.local_prefill_step_tokens > 0 else limit
-    slo = config.local_prefill_itl_slo
+    slo, burst = config.local_prefill_itl_slo, config.local_prefill_burst_every
+    within = f", steps within {slo:g}x a decode step" if slo else ""
+    if slo and burst:
+        within += f" but one in {burst}"
     logger.info(
         "local prefill on: suffixes of at most %d prompt tokens, at most %d per decode step%s",
-        limit, step, f", steps within {slo:g}x a decode step" if slo else "",
+        limit, step, within,
     )  # fmt: skip
     return LocalPrefills(
         limit,
         step_tokens=step,
         itl_slo=slo,
+        burst_every=burst,
         page_size=int(getattr(scheduler, "page_size", 1) or 1),
         overlap=bool(getattr(scheduler, "enable_overlap", False)),
         prefix_cache=bool(getattr(server_args, "disaggregation_decode_enable_radix_cache", False)),
