@@ -78,8 +78,8 @@ class SglPdConfig:
     # decode step its streams would otherwise run (predicted from its measured steps,
     # `core.local_budget`); 0 = no SLO, every step carries the step tokens
     local_prefill_itl_slo: float = 1.25
-    # Decoder: one local step in this many scheduling steps may go past the ITL SLO and
-    # carry the step tokens at once (`core.local_budget.BurstAllowance`); 0 = never
+    # Decoder: once in this many of the streams' gaps a local step may go past the ITL
+    # SLO and carry the step tokens at once (`core.local_budget.BurstAllowance`); 0 = never
     local_prefill_burst_every: int = 200
     # Decoder, direct mode: prefill servers with this many prompt tokens outstanding
     # from it are saturated; when all are, short fresh prompts are prefilled locally too
@@ -373,10 +373,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=SglPdConfig.local_prefill_burst_every,
         metavar="N",
-        help="Decoder: one local step in N scheduling steps may go past "
-        "--pd-local-prefill-itl-slo and carry --pd-local-prefill-step-tokens at once, so "
-        "that a short follow-up gets its first token in one step; at N >= 100 the SLO "
-        "still holds for the streams' p99 inter-token gap. 0: every step within the SLO.",
+        help="Decoder: once in N of the running streams' gaps between tokens a local step "
+        "may go past --pd-local-prefill-itl-slo and carry up to "
+        "--pd-local-prefill-step-tokens at once, so that a short follow-up gets its first "
+        "token in one step; at most one gap in N is then past the SLO, so for N >= 100 it "
+        "holds for the streams' p99 gap. 0: every step within the SLO.",
     )
     group.add_argument(
         "--pd-prefill-saturated-tokens",

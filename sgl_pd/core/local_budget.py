@@ -11,7 +11,7 @@ decode step: SGLang's `torch_native` backend attends over a stream's whole conte
 for its one new token), or is e + c * local tokens when it runs alone (unmixed: the
 streams then wait for it and for their own decode step). Each step takes the kind that
 carries more local tokens within the ITL SLO, a factor over the predicted plain decode
-step (`plan_local_step`), but for one step in a while that may carry the cap at once
+step (`plan_local_step`), but for a step once in a while that may carry the cap at once
 (`BurstAllowance`: the SLO then holds for the streams' p99 gap, not for every gap).
 Where extend tokens are nearly free (a GPU) the fitted c and d are small and the budget
 grows to its cap by itself; where they are dear (a CPU) it shrinks - no per-device
@@ -198,28 +198,41 @@ class LocalStep:
 
 
 class BurstAllowance:
-    """One local step in every `every` scheduling iterations may go past the ITL SLO and
-    carry a whole local prompt (up to the step's cap) at once: the SLO holds for the
-    streams' p99 inter-token latency (`every` >= 100: at most 1% of their gaps is a
-    burst's) instead of for every single gap. A follow-up prefilled in one step gets its
-    first token as a monolithic server would give it, where steps each within the SLO
-    would spread it over many - on a CPU, longer than a remote prefill takes. Counted in
-    iterations, alike on every rank of a TP group; 0: never (every step within the SLO).
-    Ready from the start: a window's first burst has no earlier one to count against."""
+    """One local step in every `every` gaps of the running streams (the steps that
+    decoded them) may go past the ITL SLO and carry a whole local prompt (up to the
+    step's cap) at once. A burst lengthens one gap of the streams - a mixed step's, or
+    after an unmixed one the decode step it delays - so at most one gap in `every` is a
+    burst's and the others are planned within the SLO: with `every` >= 100 the SLO holds
+    for the streams' p99 gap rather than for every gap. A follow-up prefilled in one
+    step gets its first token about as a monolithic server would give it, where steps
+    each within the SLO would spread it over many - on a CPU, longer than a remote
+    prefill takes. Counted from the launched steps' shapes, alike on every rank of a TP
+    group; 0: never (every step within the SLO). Ready from the start."""
 
     def __init__(self, every: int) -> None:
         self.every = every
-        self._since = every  # iterations since the last burst
+        self._since = every  # the streams' gaps since the last burst
 
     @property
     def ready(self) -> bool:
         return self.every > 0 and self._since >= self.every
 
-    def iterated(self) -> None:
+    def gap(self) -> None:
+        """A step decoded the streams."""
         self._since += 1
 
     def spent(self) -> None:
         self._since = 0
+
+    def spends(self, plan: LocalStep, running: int, local_tokens: int) -> bool:
+        """Whether a step launched as `plan` with that shape went past the SLO: a burst
+        plan whose step carried more local tokens than the SLO allows, or ran in the
+        other kind than the SLO's plan (a small step in the burst's kind may cost the
+        streams more than the SLO too)."""
+        within = plan.then
+        if within is None or local_tokens <= 0:
+            return False
+        return local_tokens > plan.slo_tokens or (running > 0) != within.mixed
 
 
 def plan_local_step(
@@ -243,15 +256,16 @@ def plan_local_step(
     an unmixed step might fit and none was measured yet, one page unmixed (a
     measurement too). `probe` (every `PROBE_EVERY` local steps): half the tokens where
     that is still a page or more, so that the fit sees steps of more than one size.
-    `burst` (`BurstAllowance.ready`): `cap` tokens, mixed where SGLang mixes, wherever
-    the SLO allows fewer (not probed: its size differs anyway)."""
+    `burst` (`BurstAllowance.ready`): `cap` tokens, in the kind the streams wait least
+    through, wherever the SLO allows fewer (not probed: its size differs anyway); its
+    `then` is the plan the SLO allows, unprobed."""
     floor = max(1, page_size)
     cap = max(cap - cap % floor, floor)  # whole pages, as SGLang's chunks are
     if model is None or slo_factor <= 0 or running == 0:
         return _probed(LocalStep(cap, mixed=can_mix), probe, floor)
-    within = _within_slo(model, running, slo_factor, cap, floor, can_mix, probe)
+    within = _within_slo(model, running, slo_factor, cap, floor, can_mix)
     if not burst or within.slo_tokens >= cap:
-        return within
+        return _probed(within, probe, floor)
     # the kind the streams wait least through: one forward, or the local one then theirs
     mixed = can_mix and (
         model.unmixed_offset is None
@@ -267,9 +281,8 @@ def _within_slo(
     cap: int,
     floor: int,
     can_mix: bool,
-    probe: bool,
 ) -> LocalStep:
-    """`plan_local_step` where every step keeps within the SLO."""
+    """`plan_local_step` where every step keeps within the SLO (not probed)."""
     decode_s = model.seconds(running, 0)
     slack = (slo_factor - 1.0) * decode_s  # what the streams may wait beyond their step
     # (mixed, what the step costs the streams besides its tokens, a token's cost)
@@ -288,7 +301,7 @@ def _within_slo(
         if tokens >= floor and (best is None or tokens > best.tokens):
             best = LocalStep(tokens, mixed)
     if best is not None:
-        return _probed(best, probe, floor)
+        return best
     if model.unmixed_offset is None:
         return LocalStep(floor, mixed=False)  # not measured yet: a page measures it
     # not even a page fits: the cheaper kind, one page (the request should go out)

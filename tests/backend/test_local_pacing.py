@@ -104,7 +104,7 @@ def test_an_unmixed_step_is_measured_before_one_was_whatever_the_stand_in_predic
     assert math.isclose(fitted.seconds(0, 16), 0.006, rel_tol=0.05)
 
 
-def test_a_burst_is_spent_only_by_a_step_that_carried_more_than_the_slo_allows() -> None:
+def test_a_burst_is_spent_only_by_a_step_past_the_slo_and_comes_back_after_n_gaps() -> None:
     clock = _Clock()
     pacer = StepPacer(cap=64, slo_factor=1.25, page_size=1, burst_every=100, clock=clock)
     pacer.step_model = StepCoefficients(0.010, 0.001, 0.001, unmixed_offset=0.010)
@@ -126,9 +126,28 @@ def test_a_burst_is_spent_only_by_a_step_that_carried_more_than_the_slo_allows()
     pacer.launched(10, 40)
     assert not pacer.burst.ready
     assert pacer.plan(10).tokens == 5  # every step within the SLO again
-    for _ in range(100):
+    for _ in range(99):  # the streams' gaps count; idle iterations do not
         pacer.stepped(_Scheduler(), None)
+        pacer.launched(10, 0)
+        pacer.stepped(_Scheduler(), None)
+    assert not pacer.burst.ready
+    pacer.stepped(_Scheduler(), None)
+    pacer.launched(10, 0)
     assert pacer.plan(10).tokens == 64
+
+
+def test_a_burst_step_is_not_fitted() -> None:
+    """One step many times the usual size would move the fit's slope for every step
+    after it (`LocalBias` learns how far a burst's prediction was off instead)."""
+    clock = _Clock()
+    pacer = StepPacer(cap=512, slo_factor=1.25, page_size=1, burst_every=100, clock=clock)
+    pacer.step_model = StepCoefficients(0.010, 0.001, 0.001, unmixed_offset=0.010)
+    pacer.stepped(_Scheduler(), None)
+    pacer.plan(10, to_run=True)
+    pacer.launched(10, 512)
+    clock.now += 5.0  # (far off the linear model: it would dominate the fit)
+    pacer.stepped(_Scheduler(), None)
+    assert pacer.cost._mixed.samples == 0 and pacer.cost._decode.samples == 0
 
 
 def test_a_negative_burst_interval_is_refused_with_the_flag_named() -> None:

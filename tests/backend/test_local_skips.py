@@ -240,3 +240,62 @@ def test_the_bias_rank_zero_measured_moves_placements() -> None:
     other.origin_input_ids = list(range(40))
     around_add_request_to_queue(_never_queued, scheduler, other)
     assert scheduler.queued == [other] and local.queue == [here]  # sent out: slower here
+
+
+def _past_the_slo(burst_every: int, step_tokens: int = 64) -> tuple[LocalPrefills, _Scheduler]:
+    """A decoder with 64 streams where not even a page of local work fits the ITL SLO,
+    one burst step of `step_tokens` allowed now (`burst_every` > 0)."""
+    from sgl_pd.core.local_budget import StepCoefficients
+
+    local = LocalPrefills(
+        256, step_tokens=step_tokens, prefix_cache=True, itl_slo=1.25, page_size=16,
+        burst_every=burst_every,
+    )  # fmt: skip
+    local.pacer.step_model = StepCoefficients(0.010, 0.0005, 0.001, 0.0005, unmixed_offset=0.02)
+    scheduler = _Scheduler(local)
+    scheduler.running_batch = SimpleNamespace(reqs=[object()] * 64)
+    return local, scheduler
+
+
+def test_a_follow_up_one_burst_step_finishes_stays_here_where_the_slo_fits_no_page() -> None:
+    local, scheduler = _past_the_slo(burst_every=200)
+    req = _router_request(21)  # 40 uncached tokens: one burst step of 64
+    around_add_request_to_queue(_never_queued, scheduler, req)
+    assert local.queue == [req] and scheduler.queued == []
+    local, scheduler = _past_the_slo(burst_every=0)
+    req = _router_request(22)
+    around_add_request_to_queue(_never_queued, scheduler, req)
+    assert scheduler.queued == [req] and local.queue == []  # no burst: it goes out
+
+
+def test_a_request_the_burst_cannot_finish_goes_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """200 uncached tokens: 64 in the burst, the rest in steps each past the SLO."""
+    monkeypatch.setattr(local_prefill, "_cached_tokens", lambda tree, req: 100)
+    local, scheduler = _past_the_slo(burst_every=200)
+    req = _router_request(23)
+    around_add_request_to_queue(_never_queued, scheduler, req)
+    assert scheduler.queued == [req] and local.queue == []
+
+
+def test_the_work_ahead_counts_what_the_request_mid_prefill_has_left() -> None:
+    """A request mid-prefill with 60 tokens left takes the burst step's first 60: a
+    40-token follow-up would finish only in the steps after it, each past the SLO."""
+    local, scheduler = _past_the_slo(burst_every=200)
+    chunked = _router_request(24)
+    chunked.extend_end = 240  # of 300 prompt tokens
+    local.chunked = chunked
+    assert local_prefill._work_ahead(local) == 60
+    req = _router_request(25)
+    around_add_request_to_queue(_never_queued, scheduler, req)
+    assert scheduler.queued == [req] and local.queue == []
+
+
+def test_queued_requests_a_burst_cannot_finish_go_out_before_it_runs() -> None:
+    local, scheduler = _past_the_slo(burst_every=200)
+    first, second = _router_request(26), _router_request(27)
+    around_add_request_to_queue(_never_queued, scheduler, first)
+    around_add_request_to_queue(_never_queued, scheduler, second)  # (placed: 80 > 64 ahead)
+    assert local.queue == [first] and scheduler.queued == [second]
+    local.queue.append(second)  # (as if both had been placed before the costs were known)
+    local.uncached[second.rid] = 40
+    assert local_prefill._past_the_burst(local, 64) == {second.rid}

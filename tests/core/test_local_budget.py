@@ -505,13 +505,36 @@ def test_a_burst_step_carries_the_cap_once_and_then_the_slo_plan() -> None:
     )
 
 
-def test_a_burst_is_allowed_once_in_every_n_iterations() -> None:
+def test_a_burst_is_allowed_once_in_every_n_gaps_of_the_streams() -> None:
     allowance = BurstAllowance(200)
-    assert allowance.ready  # (a window's first)
+    assert allowance.ready  # (from the start)
     allowance.spent()
     for _ in range(199):
-        allowance.iterated()
+        allowance.gap()
         assert not allowance.ready
-    allowance.iterated()
+    allowance.gap()
     assert allowance.ready
     assert not BurstAllowance(0).ready
+
+
+def test_a_step_past_the_slo_spends_the_burst_by_its_tokens_or_its_kind() -> None:
+    allowance = BurstAllowance(200)
+    within = LocalStep(5, mixed=True)
+    burst = LocalStep(64, mixed=False, then=within)
+    assert not allowance.spends(burst, 10, 5)  # the SLO's tokens, the SLO's kind (mixed)
+    assert allowance.spends(burst, 10, 6)  # more tokens than the SLO allows
+    assert allowance.spends(burst, 0, 4)  # the burst's kind (alone), which the SLO did not plan
+    assert not allowance.spends(burst, 10, 0)  # nothing local ran
+    assert not allowance.spends(within, 10, 64)  # not a burst plan
+    # no page fits the SLO: every local token is past it
+    assert allowance.spends(LocalStep(64, True, then=LocalStep(16, True, False)), 10, 16)
+
+
+def test_a_probe_neither_makes_nor_spends_a_burst() -> None:
+    """A probe halves the SLO's plan; the burst compares the cap with the whole plan."""
+    gpu = StepCoefficients(0.010, 0.0001, 1e-7, unmixed_offset=0.010)  # the SLO allows the cap
+    probe = plan_local_step(gpu, 10, slo_factor=1.25, cap=64, page_size=1, probe=True, burst=True)
+    assert probe == LocalStep(32, True)  # a probe, not a burst
+    cpu = StepCoefficients(0.010, 0.001, 0.001, unmixed_offset=0.010)  # the SLO allows 5
+    burst = plan_local_step(cpu, 10, slo_factor=1.25, cap=64, page_size=1, probe=True, burst=True)
+    assert burst.slo_tokens == 5 and not BurstAllowance(200).spends(burst, 10, 4)

@@ -74,9 +74,10 @@ class StepPacer:
         self.remote_model: RemoteCoefficients | None = None
         self.local_bias = 1.0
         self._clock = clock
-        # the shapes (running, local tokens) launched by the last iterations, None for
-        # an iteration that launched nothing; the oldest is what the next gap measures
-        self._launched: deque[tuple[int, int] | None] = deque(maxlen=2 if overlap else 1)
+        # the shapes (running, local tokens, a burst) launched by the last iterations,
+        # None for an iteration that launched nothing; the oldest is what the next gap
+        # measures
+        self._launched: deque[tuple[int, int, bool] | None] = deque(maxlen=2 if overlap else 1)
         self._iteration_s: float | None = None  # when the last iteration began
         self._iterations = 0
         self._local_steps = 0  # launched, counted alike on every rank
@@ -106,8 +107,10 @@ class StepPacer:
         now = self._clock()
         full = len(self._launched) == self._launched.maxlen
         measured = self._launched[0] if full else None
-        if measured is not None and self._iteration_s is not None:
-            running, local = measured
+        # (a burst is not fitted: one step many times the usual size would move the
+        # linear fit's slope for all the steps after it; `LocalBias` learns its error)
+        if measured is not None and not measured[2] and self._iteration_s is not None:
+            running, local, _ = measured
             seconds = now - self._iteration_s
             model = self.step_model
             unmeasured = model is None or (running == 0 < local and model.unmixed_offset is None)
@@ -116,7 +119,6 @@ class StepPacer:
             if predicted is None or seconds < OUTLIER_FACTOR * max(predicted, 1e-4):
                 self.cost.observe(running, local, seconds)
         self._iteration_s = now
-        self.burst.iterated()
         self._to_run = None
         self._launched.append(None)  # (until `launched` says what this iteration runs)
         self._iterations += 1
@@ -126,13 +128,16 @@ class StepPacer:
     def launched(self, running: int, local_tokens: int) -> None:
         """This iteration launches a step decoding `running` streams and prefilling
         `local_tokens` local prompt tokens."""
+        planned, self._to_run = self._to_run, None
+        burst = planned is not None and self.burst.spends(planned, running, local_tokens)
+        if burst:
+            self.burst.spent()
+        elif running > 0:
+            self.burst.gap()
         if self._launched:  # (empty: a pause came in between)
-            self._launched[-1] = (running, local_tokens)
+            self._launched[-1] = (running, local_tokens, burst)
         if local_tokens > 0:
             self._local_steps += 1
-        planned, self._to_run = self._to_run, None
-        if planned is not None and local_tokens > planned.slo_tokens:
-            self.burst.spent()  # (it admitted more than the SLO alone would have)
 
     def now(self) -> float:
         return self._clock()
@@ -195,10 +200,10 @@ class StepPacer:
         plan = self.plan(running)
         burst = ""
         if plan.then is not None:  # (the burst's own size is the cap: say the SLO's)
-            burst = f" (a burst of {plan.tokens} allowed now)"
+            burst = f"; a burst of {plan.tokens} allowed now"
             plan = plan.then
         kind = "mixed" if plan.mixed else "unmixed"
-        slo = "" if plan.within_slo else " (past the ITL SLO: local requests go out)"
+        slo = "" if plan.within_slo else " (past the ITL SLO: local requests go out but to a burst)"
         return (
             f"; {plan.tokens} local tokens a {kind} step at {running} running requests{slo}" + burst
         )

@@ -10,9 +10,10 @@ its own, with limits that keep the running streams flowing - the reason PD exist
 
 - a local step computes at most the local tokens its ITL SLO allows
   (`local_pacing.StepPacer.plan`, from the steps this decoder measured), at least one
-  page and at most `step_tokens` - except one step in `burst_every`, which may carry
-  `step_tokens` past the SLO (`core.local_budget.BurstAllowance`: the SLO holds for the
-  streams' p99 gap); a longer suffix is chunked over several steps. SGLang's
+  page and at most `step_tokens` - except once in `burst_every` of the streams' gaps,
+  when a step may carry `step_tokens` past the SLO (`core.local_budget.BurstAllowance`:
+  the SLO holds for the streams' p99 gap) where that finishes the local work it
+  carries; a longer suffix is chunked over several steps. SGLang's
   `max_prefill_tokens` and chunk size for the step are that budget plus, in a mixed step,
   the running streams' decode tokens, which SGLang's adder takes out again
   (`core.local_budget.adder_budget`): any number of streams admits local work;
@@ -205,8 +206,10 @@ def around_add_request_to_queue(
     # what the request meets here: the streams, the next step's plan, the local tokens
     # queued before it (for the placement and for the prediction it is measured by)
     streams = _streams(scheduler, local)
-    plan = local.pacer.plan(streams, can_mix=_can_mix(scheduler, req))
-    ahead = sum(local.uncached.get(r.rid, 0) for r in local.queue)
+    ahead = _work_ahead(local)
+    plan = _burst_if_it_fits(
+        local.pacer.plan(streams, can_mix=_can_mix(scheduler, req)), ahead + max(1, uncached)
+    )
     if fallback is not None and fallback.may_send:
         why = None
         if not _sooner_here(local, streams, ahead, uncached, plan):
@@ -232,6 +235,29 @@ def around_add_request_to_queue(
         _remember_prediction(local, req, streams, ahead, max(0, uncached), plan)
     req.time_stats.set_wait_queue_entry_time()
     return None
+
+
+def _work_ahead(local: LocalPrefills) -> int:
+    """The local tokens a step computes before those of a request queued now: what the
+    request mid-prefill has left, and each queued request's uncached tokens (a request
+    a pause handed back recomputes its whole prompt and output)."""
+    left = 0 if local.chunked is None else _tokens_left(local.chunked)
+    return left + sum(local.uncached.get(r.rid, _tokens_left(r)) for r in local.queue)
+
+
+def _tokens_left(req: Any) -> int:
+    """The tokens of `req`'s prompt and output no step computed yet (none scheduled: all;
+    a chunked request: from the end of its last chunk on)."""
+    done = getattr(req, "extend_end", None) or getattr(req, "prefix_len", 0) or 0
+    return max(0, len(req.origin_input_ids) + len(req.output_ids or ()) - int(done))
+
+
+def _burst_if_it_fits(plan: LocalStep, work: int) -> LocalStep:
+    """`plan`, unless it is a burst that cannot compute `work` local tokens in its one
+    step: then the plan the SLO allows (its other steps would go past the SLO too)."""
+    if plan.then is None or work <= plan.tokens:
+        return plan
+    return plan.then
 
 
 def _sendable(local: LocalPrefills, req: Any) -> bool:
@@ -471,6 +497,10 @@ def _next_batch(original: Any, scheduler: Any, local: LocalPrefills, running_bat
         if not plan.within_slo:  # (the costs changed since they were placed here)
             _send_out_queued(scheduler, local, {r.rid for r in local.queue}, "itl_slo")
             plan = _plan(scheduler, local, running_batch)
+        elif plan.then is not None and not plan.then.within_slo:
+            # a burst, after which no step fits the SLO: what it cannot finish goes out
+            _send_out_queued(scheduler, local, _past_the_burst(local, plan.tokens), "itl_slo")
+            plan = _plan(scheduler, local, running_batch)
         if local.queue or local.chunked is not None:  # (those that may not go out)
             step = _local_step(scheduler, local, running_batch, plan)
             if step is not None:
@@ -485,6 +515,18 @@ def _plan(scheduler: Any, local: LocalPrefills, running_batch: Any) -> LocalStep
     admits: no request waiting (or mid-prefill) asks for logprobs."""
     can_mix = _can_mix(scheduler, local.chunked, *local.queue)
     return local.pacer.plan(len(running_batch.reqs), can_mix=can_mix, to_run=True)
+
+
+def _past_the_burst(local: LocalPrefills, burst_tokens: int) -> set[str]:
+    """The queued requests a burst step of `burst_tokens` would not finish (the request
+    mid-prefill comes first, then the queue in its order)."""
+    done = 0 if local.chunked is None else _tokens_left(local.chunked)
+    past = set()
+    for req in local.queue:
+        done += max(1, local.uncached.get(req.rid, _tokens_left(req)))
+        if done > burst_tokens:
+            past.add(req.rid)
+    return past
 
 
 def _send_out_unadmitted(scheduler: Any, local: LocalPrefills) -> None:
