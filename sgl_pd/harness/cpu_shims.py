@@ -41,6 +41,9 @@ SGLang's ``HookRegistry`` where a hook fits, and logged once per process:
 11. Sliding-window layers in SGLang's hybrid SWA pool on ``torch_native``: the backend
    reads them through full-pool slots; they read through SWA slots
    (``swa_attention_cpu``), as SGLang's other backends do.
+12. Gated-DeltaNet layers (Qwen3-Next, Qwen3.5): the five GDN kernels missing from the
+   kernel wheel, the gated RMSNorm in torch (SGLang runs it on Triton without its AMX
+   kernels) and a CPU device for the layer's constructor (``gdn_kernels_cpu``).
 """
 
 from __future__ import annotations
@@ -86,7 +89,11 @@ def apply_cpu_shims() -> bool:
         HookType.AROUND,
     )
     _announce("torch_native draft-extend backend for EAGLE/NEXTN (one draft step)")
-    _install_spec_kernels()
+    from sgl_pd.harness import gdn_kernels_cpu, spec_kernels_cpu
+
+    _install_kernels(spec_kernels_cpu.KERNELS)
+    _install_kernels(gdn_kernels_cpu.KERNELS)  # (before SGLang's GDN backend binds two)
+    _register_gated_delta_net(HookRegistry, HookType)
     HookRegistry.register(
         _HOOK + "layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend",
         around_forward_extend,
@@ -192,15 +199,15 @@ def _one_token(self: Any) -> int:
     return 1
 
 
-def _install_spec_kernels() -> None:
+def _install_kernels(kernels: dict[str, Any]) -> None:
+    """Each of `kernels` as ``torch.ops.sgl_kernel.<name>``, where the installed kernel
+    build lacks it."""
     import torch
-
-    from sgl_pd.harness.spec_kernels_cpu import KERNELS
 
     with contextlib.suppress(ImportError):
         import sgl_kernel  # noqa: F401 - loads whatever ops the installed wheel has
     namespace = torch.ops.sgl_kernel
-    for name, fn in KERNELS.items():
+    for name, fn in kernels.items():
         try:
             getattr(namespace, name)
             continue  # a kernel build that has it: keep the native op
@@ -208,6 +215,26 @@ def _install_spec_kernels() -> None:
             pass
         setattr(namespace, name, fn)
         _announce(f"torch.ops.sgl_kernel.{name} (pure torch)")
+
+
+def _register_gated_delta_net(registry: Any, hook_type: Any) -> None:
+    from sglang.srt.utils import cpu_has_amx_support
+
+    from sgl_pd.harness import gdn_kernels_cpu
+
+    registry.register(
+        _HOOK + "models.qwen3_next.Qwen3GatedDeltaNet.__init__",
+        gdn_kernels_cpu.around_gated_delta_net_init,
+        hook_type.AROUND,
+    )
+    _announce("Qwen3GatedDeltaNet built with torch.cpu as its device module")
+    if not cpu_has_amx_support():  # (with SGLang's AMX kernels it has a CPU op of its own)
+        registry.register(
+            "sglang.kernels.ops.attention.fla.fused_norm_gate.FusedRMSNormGated.forward",
+            gdn_kernels_cpu.forward_gated_rms_norm,
+            hook_type.REPLACE,
+        )
+        _announce("FusedRMSNormGated in torch (no Triton on the CPU engine)")
 
 
 # --------------------------------------------------------------------------- hooks

@@ -19,6 +19,8 @@ TINY_QWEN3_MOE_PATH = MODELS_DIR / "tiny_qwen3_moe"
 TINY_MELLUM_PATH = MODELS_DIR / "tiny_mellum"
 # Gemma 3's text model: sliding-window layers SGLang keeps in its one plain pool
 TINY_GEMMA3_PATH = MODELS_DIR / "tiny_gemma3"
+# Qwen3-Next: gated-DeltaNet (linear attention) and full-attention layers (a Mamba pool)
+TINY_QWEN3_NEXT_PATH = MODELS_DIR / "tiny_qwen3_next"
 
 __all__ = [
     "MODELS_DIR",
@@ -27,4 +29,5 @@ __all__ = [
     "TINY_LLAMA_PATH",
     "TINY_MELLUM_PATH",
     "TINY_QWEN3_MOE_PATH",
+    "TINY_QWEN3_NEXT_PATH",
 ]

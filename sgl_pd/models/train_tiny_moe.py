@@ -4,6 +4,7 @@
     python -m sgl_pd.models.train_tiny_moe --arch qwen3_moe     # -> tiny_qwen3_moe/
     python -m sgl_pd.models.train_tiny_moe --arch mellum        # -> tiny_mellum/
     python -m sgl_pd.models.train_tiny_moe --arch gemma3        # -> tiny_gemma3/
+    python -m sgl_pd.models.train_tiny_moe --arch qwen3_next    # -> tiny_qwen3_next/
     python -m sgl_pd.models.train_tiny_moe --arch deepseek_v3 --steps 100 --out /tmp/ds
 
 Same corpus and tokenizer as the tiny Llama (``train_tiny.build_corpus``). DeepSeek-V3 (MLA,
@@ -33,8 +34,10 @@ from sgl_pd.models.train_tiny import (
     write_tokenizer_files,
 )
 
-ARCHS = ("deepseek_v3", "qwen3_moe", "mellum", "gemma3")
-DEFAULT_STEPS = {"deepseek_v3": 3000, "qwen3_moe": 1000, "mellum": 1000, "gemma3": 1000}
+ARCHS = ("deepseek_v3", "qwen3_moe", "mellum", "gemma3", "qwen3_next")
+DEFAULT_STEPS = {
+    "deepseek_v3": 3000, "qwen3_moe": 1000, "mellum": 1000, "gemma3": 1000, "qwen3_next": 1000,
+}  # fmt: skip
 MAX_POSITIONS = 16384
 # the sliding-window layers of Mellum and Gemma 3 see this many tokens (the token itself
 # included): shorter than most test prompts, so that serving them exercises the window
@@ -153,6 +156,38 @@ def model_config(arch: str, vocab_size: int, eos_id: int, end_id: int) -> dict[s
                 "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             },
+        }
+    if arch == "qwen3_next":
+        # Qwen3-Next: three gated-DeltaNet (linear attention) layers, then a gated
+        # full-attention one, every MLP a MoE with a shared expert (as SGLang builds it).
+        # SGLang reads the layer pattern from full_attention_interval (transformers writes
+        # only layer_types) and the RoPE base from a top-level rope_theta
+        return {
+            "architectures": ["Qwen3NextForCausalLM"],
+            "model_type": "qwen3_next",
+            **{k: v for k, v in common.items() if k != "torch_dtype"},
+            "dtype": "float32",
+            "num_hidden_layers": 4,
+            "full_attention_interval": 4,
+            "layer_types": [*(["linear_attention"] * 3), "full_attention"],
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "partial_rotary_factor": 0.25,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+            "linear_conv_kernel_dim": 4,
+            "intermediate_size": 256,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "attention_bias": False,
         }
     return {
         "architectures": ["Qwen3MoeForCausalLM"],

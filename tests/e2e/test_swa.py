@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from sgl_pd.cluster.campaign import Expected
-from sgl_pd.cluster.client import generate_ids
 from sgl_pd.cluster.conversations import Conversation, Reply, replay, script, wrong_turns
 from sgl_pd.cluster.local import (
     HOST,
@@ -49,7 +46,9 @@ from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids
 from sgl_pd.models import TINY_GEMMA3_PATH, TINY_MELLUM_PATH
 from sgl_pd.models.train_tiny_moe import SLIDING_WINDOW
 
+from . import transformers_answers
 from .conftest import DECODE_PREFIX_CACHE
+from .transformers_answers import mismatches, transformers_reference, wrong_answers
 
 pytestmark = pytest.mark.e2e
 
@@ -58,7 +57,7 @@ COMMON_ARGS = ["--log-level", "info", "--dtype", "float32", "--chunked-prefill-s
 # reused soon, in each numbering its own way
 SMALL_POOL = ["--max-total-tokens", "640", "--swa-full-tokens-ratio", "1.0"]
 NO_HYBRID_POOL = ["--disable-hybrid-swa-memory"]
-NEW_TOKENS = 16
+NEW_TOKENS = transformers_answers.NEW_TOKENS
 ROUNDS = 4  # rounds of all prompts at once: the numberings part after a few
 # shorter than the window (a few tokens) to several windows and chunks long
 PROMPTS: list[list[int]] = [
@@ -74,69 +73,7 @@ CONVERSATION_OPENERS = [long_prompt_ids(30 + 40 * i, start=300 * i + 5) for i in
 
 
 def ask_all(url: str, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda ids: generate_ids(url, ids, NEW_TOKENS), prompts))
-
-
-EOS_IDS = (0, 3)  # <|endoftext|>, <|end|>: where greedy answers may stop
-
-
-def until_eos(ids: list[int]) -> list[int]:
-    """`ids` up to their first stop token, included (SGLang stops there)."""
-    for i, token in enumerate(ids):
-        if token in EOS_IDS:
-            return ids[: i + 1]
-    return ids
-
-
-def transformers_reference(model_path: Path, prompts: list[list[int]]) -> list[Expected]:
-    """Greedy continuations of `prompts` by transformers' own model (float32), with each
-    step's lead of the chosen token over the next (nats): a departure where the two were
-    within `NEAR_TIE_NATS` is two implementations' rounding, not a wrong token."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    answers = []
-    for ids in prompts:
-        inputs = torch.tensor([ids])
-        with torch.no_grad():
-            out = model.generate(
-                inputs,
-                attention_mask=torch.ones_like(inputs),  # (bos is also the pad token)
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                output_scores=True,
-                return_dict_in_generate=True,
-            )
-        tokens = until_eos([int(t) for t in out.sequences[0, len(ids) :]])
-        margins = []
-        for scores in out.scores[: len(tokens)]:
-            top = torch.topk(torch.log_softmax(scores[0].float(), dim=-1), 2).values
-            margins.append(float(top[0] - top[1]))
-        answers.append(Expected(tuple(tokens), tuple(margins)))
-    return answers
-
-
-def wrong_answers(
-    reference: list[Expected], got: list[list[int]]
-) -> list[tuple[int, tuple[int, ...], list[int]]]:
-    """The answers that depart from the reference other than at a near tie."""
-    return [
-        (i, want.tokens, answer)
-        for i, (want, answer) in enumerate(zip(reference, got, strict=True))
-        if want.judge(until_eos(answer)) == "wrong_tokens"
-    ]
-
-
-def mismatches(
-    want: list[list[int]], got: list[list[int]]
-) -> list[tuple[int, list[int], list[int]]]:
-    return [
-        (i, a, b)
-        for i, (a, b) in enumerate(zip(want, got, strict=True))
-        if until_eos(a) != until_eos(b)
-    ]
+    return transformers_answers.ask_all(url, prompts, NEW_TOKENS)
 
 
 @dataclass(frozen=True)
