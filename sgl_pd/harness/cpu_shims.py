@@ -228,6 +228,12 @@ def _register_gated_delta_net(registry: Any, hook_type: Any) -> None:
         hook_type.AROUND,
     )
     _announce("Qwen3GatedDeltaNet built with torch.cpu as its device module")
+    registry.register(
+        _HOOK + "models.qwen2_moe.fused_gate_sigmoid_mul_add",
+        gdn_kernels_cpu.fused_gate_sigmoid_mul_add,
+        hook_type.REPLACE,
+    )
+    _announce("the gated shared expert of Qwen2-style MoEs in torch (no Triton)")
     if not cpu_has_amx_support():  # (with SGLang's AMX kernels it has a CPU op of its own)
         registry.register(
             "sglang.kernels.ops.attention.fla.fused_norm_gate.FusedRMSNormGated.forward",

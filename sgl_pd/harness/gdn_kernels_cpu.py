@@ -23,11 +23,12 @@ Conventions (SGLang's, not transformers'):
 Everything is computed in float32, token by token: batches on the CPU engine are small,
 and the loop reads like the recurrence.
 
-Besides the ops, two things SGLang's Qwen3-Next layer does only through a GPU: its gated
+Besides the ops, three things SGLang's Qwen3-Next does only through a GPU: the gated
 RMSNorm runs a Triton kernel unless the CPU has SGLang's AMX kernels
-(``forward_gated_rms_norm`` is its torch form), and its constructor asks
+(``forward_gated_rms_norm`` is its torch form), the layer's constructor asks
 ``torch.get_device_module().current_device()``, which is ``torch.cuda`` with a CUDA torch
-build (``around_gated_delta_net_init`` answers ``torch.cpu`` while it runs).
+build (``around_gated_delta_net_init`` answers ``torch.cpu`` while it runs), and its MoE
+adds the gated shared expert with a Triton kernel (``fused_gate_sigmoid_mul_add``).
 """
 
 from __future__ import annotations
@@ -282,6 +283,18 @@ def forward_gated_rms_norm(
         y = y * self.weight.float()
     gate = torch.sigmoid(g.float()) if self.activation == "sigmoid" else F.silu(g.float())
     return (y * gate).to(x.dtype)
+
+
+def fused_gate_sigmoid_mul_add(
+    hidden_states: torch.Tensor,  # [T, hidden]
+    gate_weight: torch.Tensor,  # [hidden]: the shared expert's gate, one output
+    shared_output: torch.Tensor,  # [T, hidden]
+    final_hidden_states: torch.Tensor,  # [T, hidden], added to
+) -> None:
+    """The MoE's shared expert, gated, added to the routed experts' output in place:
+    ``final += sigmoid(hidden @ gate) * shared`` (SGLang's unfused form, in torch)."""
+    gate = torch.sigmoid(hidden_states.float() @ gate_weight.float()).unsqueeze(-1)
+    final_hidden_states += (gate * shared_output.float()).to(final_hidden_states.dtype)
 
 
 def around_gated_delta_net_init(original: Any, *args: Any, **kwargs: Any) -> Any:

@@ -253,3 +253,12 @@ def test_every_kernel_takes_the_arguments_sglang_passes() -> None:
         "chunk_gated_delta_rule_cpu",
         "fused_sigmoid_gating_delta_rule_update_cpu",
     }  # fmt: skip  (fused_gdn_gating_cpu: called directly, A_log, a, b, dt_bias)
+
+
+def test_the_gated_shared_expert_is_added_as_sglangs_unfused_form_adds_it() -> None:
+    torch.manual_seed(5)
+    hidden, shared, routed = torch.randn(6, 64), torch.randn(6, 64), torch.randn(6, 64)
+    gate = torch.nn.Linear(64, 1, bias=False)
+    expected = routed + torch.sigmoid(gate(hidden)) * shared
+    gdn.fused_gate_sigmoid_mul_add(hidden, gate.weight.squeeze(), shared, routed)
+    torch.testing.assert_close(routed, expected.detach())
