@@ -34,6 +34,7 @@ prefill server after all (`LocalWait`).
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
@@ -309,6 +310,14 @@ def _within_slo(
     return LocalStep(floor, mixed, within_slo=False)
 
 
+def burst_if_it_fits(plan: LocalStep, work: int) -> LocalStep:
+    """`plan`, unless it is a burst that cannot compute `work` local tokens in its one
+    step: then the plan the SLO allows (its other steps would go past the SLO too)."""
+    if plan.then is None or work <= plan.tokens:
+        return plan
+    return plan.then
+
+
 def _probed(plan: LocalStep, probe: bool, floor: int) -> LocalStep:
     """Half the plan's tokens (whole pages) for a probe, where that leaves a page."""
     half = plan.tokens // 2
@@ -470,6 +479,57 @@ def prefill_here_is_sooner(
         return True
     here = local_first_token_s(step, running, tokens_ahead, tokens, plan, local_share)
     return here * local_bias <= remote.seconds(tokens) + step.seconds(running + 1, 0)
+
+
+@dataclass(frozen=True)
+class LocalOffer:
+    """What a decoder's scheduler would offer a local request now: its models, the
+    streams running, the local tokens queued and how it plans steps. Its HTTP process
+    places a direct request by it (`remote_is_sooner`) before the request reaches the
+    scheduler, so that one whose first token is sooner remote is submitted to a prefill
+    server at once instead of crossing the scheduler first (which would then send it out
+    anyway, a scheduling step and a hand-off later). The scheduler still decides for
+    every request placed with it."""
+
+    written_s: float  # wall clock (time.time()) when the scheduler wrote it
+    models: Models
+    running: int
+    tokens_ahead: int
+    local_share: float
+    burst_ready: bool
+    slo_factor: float
+    cap: int
+    page_size: int
+
+    def to_json(self) -> str:
+        fields = {k: v for k, v in self.__dict__.items() if k != "models"}
+        return json.dumps({**fields, "models": pack_models(self.models)})
+
+    @classmethod
+    def from_json(cls, text: str) -> LocalOffer:
+        fields = json.loads(text)
+        return cls(**{**fields, "models": unpack_models(fields["models"])})
+
+
+def remote_is_sooner(offer: LocalOffer, tokens: int) -> bool:
+    """Whether the scheduler behind `offer` would send a local request of `tokens`
+    uncached tokens to a prefill server (its first token predicted sooner there, or no
+    step carrying it within the ITL SLO): the check it makes when the request arrives."""
+    step = offer.models.step
+    plan = plan_local_step(
+        step, offer.running, slo_factor=offer.slo_factor, cap=offer.cap,
+        page_size=offer.page_size, burst=offer.burst_ready,
+    )  # fmt: skip
+    plan = burst_if_it_fits(plan, offer.tokens_ahead + max(1, tokens))
+    if step is None or offer.models.remote is None:
+        return False  # (the placement rules chose here; the steps teach the models)
+    if not plan.within_slo:
+        return True
+    return not prefill_here_is_sooner(
+        step, offer.models.remote, running=offer.running, tokens_ahead=offer.tokens_ahead,
+        tokens=tokens, plan=plan, local_share=offer.local_share,
+        local_bias=offer.models.local_bias,
+    )  # fmt: skip
 
 
 class LocalWait:

@@ -35,10 +35,12 @@ from typing import Any
 
 from sgl_pd.backend import request_checks
 from sgl_pd.backend.decode.local_fallback import direct_sender, local_host
+from sgl_pd.backend.decode.local_offer import OfferReader, offer_path
 from sgl_pd.backend.metrics import PlacementMetrics, TableEntries
 from sgl_pd.backend.streams import Stopped, until_stopped
 from sgl_pd.config import SglPdConfig, sgl_pd_role
 from sgl_pd.core.dispatch import PrefillerLoad, parse_bootstrap_addresses
+from sgl_pd.core.local_budget import remote_is_sooner
 from sgl_pd.core.placement import (
     Prediction,
     PromptKey,
@@ -101,8 +103,11 @@ class DirectDispatcher:
         saturated_tokens: int = 8192,
         prefix_cache: bool = False,
         tracing: bool = False,
+        offers: OfferReader | None = None,
     ) -> None:
         self._spec = spec
+        # what the decode scheduler would offer a local request now (`local_offer`)
+        self._offers = offers
         # local prefill (`local_prefill`): the largest uncached suffix this decoder
         # prefills itself, and what it is predicted to hold (with its prefix cache on)
         self._local_max_tokens = local_max_tokens
@@ -168,11 +173,21 @@ class DirectDispatcher:
             )
         if reason is not None:
             self._metrics.local(reason)
+            if reason == "cached_prefix" and self._sooner_remote(prompt.tokens - cached):
+                # (the scheduler would send it out: it goes at once, as it would have)
+                self._metrics.sent_out("slower")
+                return None
             logger.debug(
                 "prefilled here (%s): %d of %d prompt tokens cached",
                 reason, cached, prompt.tokens,
             )  # fmt: skip
         return reason
+
+    def _sooner_remote(self, uncached: int) -> bool:
+        """Whether the decode scheduler's latest offer has a request of `uncached` local
+        tokens sent to a prefill server (no fresh offer: no)."""
+        offer = None if self._offers is None else self._offers.current()
+        return offer is not None and remote_is_sooner(offer, uncached)
 
     def served(self, conversation: PromptKey) -> None:
         """This decoder served a request: its prefix cache holds the prompt and output
@@ -365,6 +380,7 @@ def _dispatcher_for(manager: Any) -> DirectDispatcher | None:
                     getattr(server_args, "disaggregation_decode_enable_radix_cache", False)
                 ),
                 tracing=bool(getattr(server_args, "enable_trace", False)),
+                offers=OfferReader(offer_path(int(server_args.port))),
             )
         return _dispatcher
 

@@ -13,7 +13,9 @@ bootstrap address, and whether that server has the request already.
 - Direct mode: the decoder's HTTP process chose the prefill server it would have used
   (the bootstrap host `LOCAL_HOST/<host>`, its port), without submitting. Sending out
   submits it there (one rank, as a retracted request's recompute is submitted), then
-  queues it for the transfer like any direct request.
+  queues it for the transfer like any direct request. (A request the scheduler's latest
+  offer predicts sooner remote never comes here: the HTTP process submits it at once,
+  `local_offer`.)
 
 A request with no fallback (a retracted one recomputing its output, one whose answer
 needs something only a whole-prompt prefill gives, or no prefill server was there to

@@ -80,6 +80,7 @@ class StepPacer:
         self._launched: deque[tuple[int, int, bool] | None] = deque(maxlen=2 if overlap else 1)
         self._iteration_s: float | None = None  # when the last iteration began
         self._iterations = 0
+        self.synced_now = False  # this iteration synced the models (every SYNC_STEPS)
         self._local_steps = 0  # launched, counted alike on every rank
         self._reported_s = -REPORT_INTERVAL_S
 
@@ -122,7 +123,8 @@ class StepPacer:
         self._to_run = None
         self._launched.append(None)  # (until `launched` says what this iteration runs)
         self._iterations += 1
-        if self._iterations % SYNC_STEPS == 0:
+        self.synced_now = self._iterations % SYNC_STEPS == 0
+        if self.synced_now:
             self._sync(scheduler, remote)
 
     def launched(self, running: int, local_tokens: int) -> None:

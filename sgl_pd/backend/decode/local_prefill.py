@@ -46,6 +46,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 from sgl_pd.backend.decode.local_fallback import (
@@ -56,14 +58,18 @@ from sgl_pd.backend.decode.local_fallback import (
     send_out,
     skip_pending,
 )
+from sgl_pd.backend.decode.local_offer import offer_path, write_offer
 from sgl_pd.backend.decode.local_pacing import StepPacer, step_shape
 from sgl_pd.backend.first_token import queued_request_flags, whole_prompt_reason
 from sgl_pd.backend.metrics import PlacementMetrics
 from sgl_pd.core.dispatch import PrefillerLoad
 from sgl_pd.core.local_budget import (
+    LocalOffer,
     LocalStep,
     LocalWait,
+    Models,
     adder_budget,
+    burst_if_it_fits,
     local_first_token_s,
     prefill_here_is_sooner,
 )
@@ -90,6 +96,7 @@ class LocalPrefills:
         metrics: bool = False,
         tracing: bool = False,
         may_send_out: bool = True,
+        offer_path: Path | None = None,
     ) -> None:
         self.max_tokens = max_tokens  # the largest uncached suffix prefilled here
         self.step_tokens = step_tokens or max_tokens  # prompt tokens a step carries, at most
@@ -103,6 +110,9 @@ class LocalPrefills:
         # requests may go to a prefill server after all (`local_fallback`): the decoder
         # samples first tokens, so a prefill server's copy only computes KV
         self.may_send_out = may_send_out
+        # direct mode, rank 0: where the HTTP process reads what a local request would
+        # meet here (`local_offer`), to send one sooner remote at once
+        self.offer_path = offer_path
         self.fallbacks: dict[str, Fallback] = {}  # rid -> where it goes if not admitted
         self.uncached: dict[str, int] = {}  # rid -> its tokens to prefill here (queued)
         # (when queued, predicted seconds) of local requests whose last chunk ran in the
@@ -167,6 +177,11 @@ def _configured(scheduler: Any) -> LocalPrefills | None:
         metrics=bool(getattr(server_args, "enable_metrics", False)),
         tracing=bool(getattr(server_args, "enable_trace", False)),
         may_send_out=config.first_token == "decode",
+        offer_path=(
+            offer_path(int(server_args.port))
+            if config.prefill_bootstrap and getattr(scheduler, "tp_rank", 0) == 0
+            else None
+        ),
     )
 
 
@@ -207,7 +222,7 @@ def around_add_request_to_queue(
     # queued before it (for the placement and for the prediction it is measured by)
     streams = _streams(scheduler, local)
     ahead = _work_ahead(local)
-    plan = _burst_if_it_fits(
+    plan = burst_if_it_fits(
         local.pacer.plan(streams, can_mix=_can_mix(scheduler, req)), ahead + max(1, uncached)
     )
     if fallback is not None and fallback.may_send:
@@ -250,14 +265,6 @@ def _tokens_left(req: Any) -> int:
     a chunked request: from the end of its last chunk on)."""
     done = getattr(req, "extend_end", None) or getattr(req, "prefix_len", 0) or 0
     return max(0, len(req.origin_input_ids) + len(req.output_ids or ()) - int(done))
-
-
-def _burst_if_it_fits(plan: LocalStep, work: int) -> LocalStep:
-    """`plan`, unless it is a burst that cannot compute `work` local tokens in its one
-    step: then the plan the SLO allows (its other steps would go past the SLO too)."""
-    if plan.then is None or work <= plan.tokens:
-        return plan
-    return plan.then
 
 
 def _sendable(local: LocalPrefills, req: Any) -> bool:
@@ -463,6 +470,8 @@ def around_get_next_batch(original: Any, scheduler: Any, running_batch: Any) -> 
         return original(scheduler, running_batch)
     manager = scheduler.disagg_decode_prealloc_queue.kv_manager
     local.pacer.stepped(scheduler, manager.decode.remote_cost)
+    if local.offer_path is not None and local.pacer.synced_now:
+        _offer(scheduler, local, local.offer_path)
     waiting = bool(local.queue) or local.chunked is not None
     plan = _next_batch(original, scheduler, local, running_batch)
     ran_local = local.launched is not None  # (set by a local step only)
@@ -472,6 +481,23 @@ def around_get_next_batch(original: Any, scheduler: Any, running_batch: Any) -> 
     if plan.batch_to_run is not None:
         local.pacer.launched(*step_shape(plan.batch_to_run))
     return plan
+
+
+def _offer(scheduler: Any, local: LocalPrefills, path: Path) -> None:
+    """What a local request would meet here now, for the HTTP process (`local_offer`)."""
+    pacer = local.pacer
+    offer = LocalOffer(
+        written_s=time.time(),
+        models=Models(pacer.step_model, pacer.remote_model, pacer.local_bias),
+        running=_streams(scheduler, local),
+        tokens_ahead=_work_ahead(local),
+        local_share=pacer.share.value,
+        burst_ready=pacer.burst.ready,
+        slo_factor=pacer.slo_factor,
+        cap=pacer.cap,
+        page_size=pacer.page_size,
+    )
+    write_offer(path, offer)
 
 
 def _next_batch(original: Any, scheduler: Any, local: LocalPrefills, running_batch: Any) -> Any:

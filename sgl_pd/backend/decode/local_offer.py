@@ -1,0 +1,74 @@
+"""Decoder, direct mode: the scheduler's local offer (`core.local_budget.LocalOffer`),
+handed to its HTTP process through a small file.
+
+Rank 0 of the decode scheduler writes it every `local_pacing.SYNC_STEPS` scheduling
+steps (when its models are synced), replacing the file atomically; the HTTP process reads
+it when a direct request could be prefilled here, at most once per `REREAD_S`, and uses
+it only while it is fresh (`MAX_AGE_S`): a scheduler that stopped stepping - idle, paused,
+gone - offers nothing, and the request is placed as without it (the scheduler decides).
+The file is named by the server's port (one server per port and host) and removed when
+the HTTP process exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from sgl_pd.core.local_budget import LocalOffer
+
+logger = logging.getLogger("sgl_pd.local_prefill")
+
+MAX_AGE_S = 2.0  # an older offer says nothing of the scheduler now
+REREAD_S = 0.05  # the HTTP process reads the file at most this often
+
+
+def offer_path(port: int) -> Path:
+    """Where the decode server listening on `port` keeps its scheduler's offer."""
+    return Path(tempfile.gettempdir()) / f"sgl_pd_local_offer_{os.getuid()}_{port}.json"
+
+
+def write_offer(path: Path, offer: LocalOffer) -> None:
+    """Replaces the offer at `path` (never a half-written file: a rename)."""
+    part = path.with_name(f"{path.name}.{os.getpid()}")
+    try:
+        part.write_text(offer.to_json())
+        part.replace(path)
+    except OSError as e:  # (a full or read-only temp dir: placement goes on without it)
+        logger.debug("local offer not written to %s: %s", path, e)
+
+
+class OfferReader:
+    """The HTTP process's view of its scheduler's latest offer."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._lock = threading.Lock()
+        self._read_s = -REREAD_S
+        self._offer: LocalOffer | None = None
+        atexit.register(self._remove)
+
+    def current(self, now_s: float | None = None) -> LocalOffer | None:
+        """The latest offer while it is fresh, else None."""
+        now = time.time() if now_s is None else now_s
+        with self._lock:
+            if now - self._read_s >= REREAD_S:
+                self._read_s = now
+                try:
+                    self._offer = LocalOffer.from_json(self._path.read_text())
+                except (OSError, ValueError, TypeError, KeyError):
+                    self._offer = None  # (none yet, or a file of another version)
+            offer = self._offer
+        if offer is None or not 0 <= now - offer.written_s <= MAX_AGE_S:
+            return None
+        return offer
+
+    def _remove(self) -> None:
+        with contextlib.suppress(OSError):
+            self._path.unlink()
