@@ -500,6 +500,8 @@ class LocalOffer:
     slo_factor: float
     cap: int
     page_size: int
+    can_mix: bool = True  # no running stream asks for logprobs (SGLang would mix)
+    may_send_out: bool = True  # the scheduler sends local requests out at all
 
     def to_json(self) -> str:
         fields = {k: v for k, v in self.__dict__.items() if k != "models"}
@@ -507,18 +509,32 @@ class LocalOffer:
 
     @classmethod
     def from_json(cls, text: str) -> LocalOffer:
-        fields = json.loads(text)
-        return cls(**{**fields, "models": unpack_models(fields["models"])})
+        """The offer `text` holds; ValueError for anything else (another version's)."""
+        try:
+            fields = json.loads(text)
+            offer = cls(**{**fields, "models": unpack_models(fields["models"])})
+            numbers = (offer.written_s, offer.local_share, offer.slo_factor)
+            counts = (offer.running, offer.tokens_ahead, offer.cap, offer.page_size)
+        except (TypeError, KeyError, IndexError, AttributeError) as e:
+            raise ValueError(f"not a local offer: {e}") from None
+        if not all(isinstance(v, (int, float)) for v in numbers) or not all(
+            isinstance(v, int) and v >= 0 for v in counts
+        ):
+            raise ValueError("not a local offer: a field of the wrong type")
+        return offer
 
 
 def remote_is_sooner(offer: LocalOffer, tokens: int) -> bool:
-    """Whether the scheduler behind `offer` would send a local request of `tokens`
-    uncached tokens to a prefill server (its first token predicted sooner there, or no
-    step carrying it within the ITL SLO): the check it makes when the request arrives."""
+    """Whether the scheduler behind `offer` would send a plain local request (no
+    logprobs, adapter or whole-prompt feature: those it never sends out) of `tokens`
+    uncached tokens to a prefill server - its first token predicted sooner there, or no
+    step carrying it within the ITL SLO - as it decides when such a request arrives."""
     step = offer.models.step
+    if not offer.may_send_out:
+        return False
     plan = plan_local_step(
         step, offer.running, slo_factor=offer.slo_factor, cap=offer.cap,
-        page_size=offer.page_size, burst=offer.burst_ready,
+        page_size=offer.page_size, can_mix=offer.can_mix, burst=offer.burst_ready,
     )  # fmt: skip
     plan = burst_if_it_fits(plan, offer.tokens_ahead + max(1, tokens))
     if step is None or offer.models.remote is None:

@@ -5,6 +5,7 @@ nothing differently."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -58,13 +59,13 @@ def test_the_offer_decides_as_the_scheduler_would() -> None:
 
 def test_an_offer_survives_the_file(tmp_path: Path) -> None:
     offer = _offer(burst_ready=True, models=Models(STEP, None, 1.3))
-    write_offer(tmp_path / "offer.json", offer)
-    assert LocalOffer.from_json((tmp_path / "offer.json").read_text()) == offer
+    write_offer(tmp_path / "offers" / "offer.json", offer)
+    assert LocalOffer.from_json((tmp_path / "offers" / "offer.json").read_text()) == offer
     assert LocalStep(5, True) == plan_local_step(STEP, 10, slo_factor=1.25, cap=64, page_size=1)
 
 
 def test_a_stale_missing_or_unreadable_offer_is_no_offer(tmp_path: Path) -> None:
-    path = tmp_path / "offer.json"
+    path = tmp_path / "offers" / "offer.json"
     reader = OfferReader(path)
     assert reader.current() is None  # (no file yet)
     now = time.time()
@@ -79,7 +80,7 @@ def test_a_stale_missing_or_unreadable_offer_is_no_offer(tmp_path: Path) -> None
 
 
 def test_the_reader_rereads_at_most_every_so_often(tmp_path: Path) -> None:
-    path = tmp_path / "offer.json"
+    path = tmp_path / "offers" / "offer.json"
     now = time.time()
     write_offer(path, _offer(written_s=now, running=3))
     reader = OfferReader(path)
@@ -90,32 +91,80 @@ def test_the_reader_rereads_at_most_every_so_often(tmp_path: Path) -> None:
 
 
 def test_a_follow_up_sooner_remote_is_submitted_at_once(tmp_path: Path) -> None:
-    """The dispatcher counts it placed here and sent out (as the scheduler would have)
-    and answers that a prefill server should prefill it; with no fresh offer it stays."""
-    from prometheus_client import CollectorRegistry
-
+    """Judged at the least the scheduler could find uncached: the prefix is known here in
+    whole blocks, the scheduler matches tokens (up to a block more)."""
     from sgl_pd.backend.decode.direct import DirectDispatcher
-    from sgl_pd.backend.metrics import PlacementMetrics
-    from sgl_pd.core.placement import PromptKey
+    from sgl_pd.core.placement import BLOCK_TOKENS, PromptKey
 
-    path = tmp_path / "offer.json"
-    registry = CollectorRegistry()
+    path = tmp_path / "offers" / "offer.json"
     dispatcher = DirectDispatcher(
-        "127.0.0.1:9", auth=None, probe_interval_s=0.05, local_max_tokens=128,
-        prefix_cache=True, metrics=PlacementMetrics(True, registry), offers=OfferReader(path),
+        "127.0.0.1:9", auth=None, probe_interval_s=0.05, local_max_tokens=256,
+        prefix_cache=True, offers=OfferReader(path),
     )  # fmt: skip
     try:
-        held = PromptKey.of_ids(list(range(400)))
-        dispatcher.served(held)
-        follow_up = PromptKey.of_ids([*range(400), *range(1000, 1040)])
-        assert dispatcher.prefill_here(follow_up) == "cached_prefix"  # (no offer yet)
+        dispatcher.served(PromptKey.of_ids(list(range(400))))  # (6 whole blocks known)
+        follow_up = PromptKey.of_ids([*range(400), *range(1000, 1100)])
+        assert dispatcher.prefill_here(follow_up) == "cached_prefix"
+        assert not dispatcher.sooner_remote(follow_up)  # (no offer yet)
         write_offer(path, _offer())
         time.sleep(REREAD_S)
-        assert dispatcher.prefill_here(follow_up) is None
-        sent = registry.get_sample_value("sgl_pd_local_prefills_sent_out_total", {"why": "slower"})
-        assert sent == 1.0
+        assert dispatcher.sooner_remote(follow_up)  # at least 100 - 16 uncached: remote
+        # 129 tokens, the first 127 held: 65 uncached by blocks, 2 by the scheduler's match
+        dispatcher.served(PromptKey.of_ids(list(range(2000, 2127))))
+        short = PromptKey.of_ids([*range(2000, 2127), 7, 8])
+        assert short.cached_tokens(dispatcher._held, "") == BLOCK_TOKENS
+        assert not dispatcher.sooner_remote(short)
     finally:
         dispatcher.close()
+
+
+def test_the_scheduler_s_own_limits_come_with_the_offer() -> None:
+    # it never sends out (--pd-first-token prefill)
+    assert not remote_is_sooner(_offer(may_send_out=False), 40)
+    # a running stream wants logprobs: steps run unmixed, as the scheduler plans them.
+    # Mixed: 10 tokens a 25 ms step, 100 ms for 40 (remote: 85 ms); alone: 5 tokens a 5 ms
+    # step, 40 ms
+    cheap_alone = StepCoefficients(0.010, 0.001, 0.0005, 0.0, unmixed_offset=0.004,
+                                   unmixed_per_token=0.0002)  # fmt: skip
+    offer = _offer(models=Models(cheap_alone, REMOTE, 1.0))
+    assert remote_is_sooner(offer, 40)
+    assert not remote_is_sooner(dataclasses.replace(offer, can_mix=False), 40)
+
+
+def test_requests_the_scheduler_never_sends_out_are_never_judged() -> None:
+    from types import SimpleNamespace
+
+    from sgl_pd.backend.decode.direct import _plain
+
+    assert _plain(SimpleNamespace(return_logprob=False, lora_path=None))
+    for flag in ("return_logprob", "lora_path", "session_params", "return_hidden_states"):
+        assert not _plain(SimpleNamespace(**{flag: True})), flag
+
+
+def test_an_offer_file_of_another_kind_is_no_offer(tmp_path: Path) -> None:
+    path = tmp_path / "offers" / "offer.json"
+    write_offer(path, _offer())
+    reader = OfferReader(path)
+    assert reader.current() is not None
+    for text in (
+        '{"written_s": 1.0}',
+        _offer().to_json().replace('"running": 10', '"running": null'),
+        _offer().to_json().replace('"models": [', '"models": [1.0], "x": ['),
+    ):
+        with pytest.raises(ValueError):
+            LocalOffer.from_json(text)
+    path.write_text(_offer().to_json().replace('"running": 10', '"running": "10"'))
+    assert reader.current(time.time() + REREAD_S) is None
+
+
+def test_an_offer_in_a_directory_others_may_write_is_no_offer(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    (shared / "offer.json").write_text(_offer().to_json())
+    assert OfferReader(shared / "offer.json").current() is None
+    write_offer(shared / "offer2.json", _offer())
+    assert not (shared / "offer2.json").exists()
 
 
 @pytest.fixture(autouse=True)

@@ -42,6 +42,7 @@ from sgl_pd.config import SglPdConfig, sgl_pd_role
 from sgl_pd.core.dispatch import PrefillerLoad, parse_bootstrap_addresses
 from sgl_pd.core.local_budget import remote_is_sooner
 from sgl_pd.core.placement import (
+    BLOCK_TOKENS,
     Prediction,
     PromptKey,
     RateEstimate,
@@ -161,7 +162,7 @@ class DirectDispatcher:
     def prefill_here(self, prompt: PromptKey, *, none_took: bool = False) -> str | None:
         """Why this decoder should prefill `prompt` itself (`core.placement.
         prefill_locally`), or None: a prefill server should. `none_took`: every
-        available prefill server was tried and none took it."""
+        available prefill server was tried and none took it. Not counted (`placed`)."""
         with self._lock:
             cached = prompt.cached_tokens(self._held, _HERE)
             reason = prefill_locally(
@@ -172,22 +173,32 @@ class DirectDispatcher:
                 saturated_tokens=self._saturated_tokens,
             )
         if reason is not None:
-            self._metrics.local(reason)
-            if reason == "cached_prefix" and self._sooner_remote(prompt.tokens - cached):
-                # (the scheduler would send it out: it goes at once, as it would have)
-                self._metrics.sent_out("slower")
-                return None
             logger.debug(
                 "prefilled here (%s): %d of %d prompt tokens cached",
                 reason, cached, prompt.tokens,
             )  # fmt: skip
         return reason
 
-    def _sooner_remote(self, uncached: int) -> bool:
-        """Whether the decode scheduler's latest offer has a request of `uncached` local
-        tokens sent to a prefill server (no fresh offer: no)."""
+    def placed_here(self, reason: str) -> None:
+        """A request goes to this decoder's scheduler to be prefilled here (`reason`)."""
+        self._metrics.local(reason)
+
+    def sooner_remote(self, prompt: PromptKey) -> bool:
+        """Whether the decode scheduler's latest offer would send a plain request of
+        `prompt`, placed here for its cached prefix, to a prefill server (no fresh offer:
+        no). The prefix this decoder holds is known here in whole blocks only; the
+        scheduler matches tokens, up to a block more: the least it could find uncached
+        is what is judged, so a request the scheduler would keep is never sent out."""
         offer = None if self._offers is None else self._offers.current()
-        return offer is not None and remote_is_sooner(offer, uncached)
+        if offer is None:
+            return False
+        with self._lock:
+            cached = prompt.cached_tokens(self._held, _HERE)
+        least = max(1, prompt.tokens - cached - (BLOCK_TOKENS - 1))
+        try:
+            return remote_is_sooner(offer, least)
+        except (ArithmeticError, TypeError, ValueError):  # (an offer no model can use)
+            return False
 
     def served(self, conversation: PromptKey) -> None:
         """This decoder served a request: its prefix cache holds the prompt and output
@@ -385,6 +396,19 @@ def _dispatcher_for(manager: Any) -> DirectDispatcher | None:
         return _dispatcher
 
 
+def _plain(obj: Any) -> bool:
+    """A request the decode scheduler may send to a prefill server after all, as far as
+    the HTTP process can tell: no logprobs (they decide whether a step mixes, and input
+    logprobs need the whole prompt's prefill), adapter, session or hidden states."""
+    return not any(
+        getattr(obj, name, None)
+        for name in (
+            "return_logprob", "lora_path", "lora_id", "session_params",
+            "return_hidden_states", "return_routed_experts",
+        )
+    )  # fmt: skip
+
+
 def _direct(obj: Any) -> bool:
     """A request that came to the decoder itself rather than through a router."""
     return (
@@ -480,7 +504,11 @@ async def around_generate_request(
     tried: list[str] = []
     refusals: list[str] = []
     chosen = None
-    while (local_reason := dispatcher.prefill_here(prompt)) is None:
+    local_reason = dispatcher.prefill_here(prompt)
+    if local_reason == "cached_prefix" and _plain(obj) and dispatcher.sooner_remote(prompt):
+        # the scheduler would send it out as slower: it goes at once, sparing the trip
+        local_reason = None
+    while local_reason is None:
         chosen = dispatcher.choose(prompt, tried)
         if chosen is None:
             local_reason = dispatcher.prefill_here(prompt, none_took=True)
@@ -508,7 +536,10 @@ async def around_generate_request(
         tried.append(addr)
         refusals.append(why)
         chosen = None
+        local_reason = dispatcher.prefill_here(prompt)
     if chosen is None:  # prefilled here (`local_prefill`): no prefill server involved
+        assert local_reason is not None
+        dispatcher.placed_here(local_reason)
         # ... unless its scheduler sends it out after all: then to this one
         fallback = None if refusals else dispatcher.fallback(prompt)
         host, port = _host_and_port(fallback) if fallback else (None, 0)

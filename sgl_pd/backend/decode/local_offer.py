@@ -3,11 +3,12 @@ handed to its HTTP process through a small file.
 
 Rank 0 of the decode scheduler writes it every `local_pacing.SYNC_STEPS` scheduling
 steps (when its models are synced), replacing the file atomically; the HTTP process reads
-it when a direct request could be prefilled here, at most once per `REREAD_S`, and uses
-it only while it is fresh (`MAX_AGE_S`): a scheduler that stopped stepping - idle, paused,
-gone - offers nothing, and the request is placed as without it (the scheduler decides).
-The file is named by the server's port (one server per port and host) and removed when
-the HTTP process exits.
+it when a plain direct request could be prefilled here, at most once per `REREAD_S`, and
+uses it only while it is fresh (`MAX_AGE_S`): a scheduler that stopped stepping - paused,
+stuck, gone - offers nothing, and the request is placed as without it (the scheduler
+decides). The file is named by the server's port, in a directory of the user's alone in
+the temp dir, and removed when the HTTP process exits cleanly (a file left behind is
+stale within `MAX_AGE_S`).
 """
 
 from __future__ import annotations
@@ -30,12 +31,26 @@ REREAD_S = 0.05  # the HTTP process reads the file at most this often
 
 
 def offer_path(port: int) -> Path:
-    """Where the decode server listening on `port` keeps its scheduler's offer."""
-    return Path(tempfile.gettempdir()) / f"sgl_pd_local_offer_{os.getuid()}_{port}.json"
+    """Where the decode server listening on `port` keeps its scheduler's offer: in a
+    directory of this user's alone (another user cannot plant an offer there)."""
+    return Path(tempfile.gettempdir()) / f"sgl_pd_{os.getuid()}" / f"local_offer_{port}.json"
+
+
+def _private(directory: Path) -> bool:
+    """`directory` exists (made if need be), belongs to this user and only they may
+    write in it."""
+    try:
+        directory.mkdir(mode=0o700, exist_ok=True)
+        status = directory.stat()
+    except OSError:
+        return False
+    return status.st_uid == os.getuid() and not status.st_mode & 0o022
 
 
 def write_offer(path: Path, offer: LocalOffer) -> None:
     """Replaces the offer at `path` (never a half-written file: a rename)."""
+    if not _private(path.parent):
+        return
     part = path.with_name(f"{path.name}.{os.getpid()}")
     try:
         part.write_text(offer.to_json())
@@ -61,8 +76,10 @@ class OfferReader:
             if now - self._read_s >= REREAD_S:
                 self._read_s = now
                 try:
+                    if not _private(self._path.parent):
+                        raise ValueError(f"{self._path.parent} is not this user's alone")
                     self._offer = LocalOffer.from_json(self._path.read_text())
-                except (OSError, ValueError, TypeError, KeyError):
+                except (OSError, ValueError):
                     self._offer = None  # (none yet, or a file of another version)
             offer = self._offer
         if offer is None or not 0 <= now - offer.written_s <= MAX_AGE_S:

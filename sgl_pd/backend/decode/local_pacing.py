@@ -166,7 +166,7 @@ class StepPacer:
         self.step_model, self.remote_model = models.step, models.remote
         self.local_bias = models.local_bias
         now = self._clock()
-        if getattr(scheduler, "tp_rank", 0) == 0 and now - self._reported_s >= REPORT_INTERVAL_S:
+        if tp_rank(scheduler) == 0 and now - self._reported_s >= REPORT_INTERVAL_S:
             self._reported_s = now
             logger.info(
                 "local prefill pacing: %s", self.describe(len(scheduler.running_batch.reqs))
@@ -209,6 +209,13 @@ class StepPacer:
         return (
             f"; {plan.tokens} local tokens a {kind} step at {running} running requests{slo}" + burst
         )
+
+
+def tp_rank(scheduler: Any) -> int:
+    """The scheduler's rank in its TP group, as its sgl_pd manager has it (SGLang's
+    scheduler keeps no attribute of its own for it)."""
+    queue = getattr(scheduler, "disagg_decode_prealloc_queue", None)
+    return int(getattr(getattr(queue, "kv_manager", None), "rank", 0))
 
 
 def step_shape(batch: Any) -> tuple[int, int]:

@@ -59,7 +59,7 @@ from sgl_pd.backend.decode.local_fallback import (
     skip_pending,
 )
 from sgl_pd.backend.decode.local_offer import offer_path, write_offer
-from sgl_pd.backend.decode.local_pacing import StepPacer, step_shape
+from sgl_pd.backend.decode.local_pacing import StepPacer, step_shape, tp_rank
 from sgl_pd.backend.first_token import queued_request_flags, whole_prompt_reason
 from sgl_pd.backend.metrics import PlacementMetrics
 from sgl_pd.core.dispatch import PrefillerLoad
@@ -179,7 +179,7 @@ def _configured(scheduler: Any) -> LocalPrefills | None:
         may_send_out=config.first_token == "decode",
         offer_path=(
             offer_path(int(server_args.port))
-            if config.prefill_bootstrap and getattr(scheduler, "tp_rank", 0) == 0
+            if config.prefill_bootstrap and tp_rank(scheduler) == 0
             else None
         ),
     )
@@ -496,6 +496,8 @@ def _offer(scheduler: Any, local: LocalPrefills, path: Path) -> None:
         slo_factor=pacer.slo_factor,
         cap=pacer.cap,
         page_size=pacer.page_size,
+        can_mix=_can_mix(scheduler),
+        may_send_out=local.may_send_out,
     )
     write_offer(path, offer)
 
