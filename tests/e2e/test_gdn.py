@@ -17,18 +17,22 @@ one line that says so.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from sgl_pd.cluster.conversations import Conversation, script
-from sgl_pd.cluster.local import HOST, Patience, monolithic_server, pd_process, place_servers
-from sgl_pd.cluster.processes import ServerStartError, free_ports, managed
+from sgl_pd.cluster.local import Patience
 from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids
 from sgl_pd.models import TINY_QWEN3_NEXT_PATH
 
-from .transformers_answers import ask_all, transformers_reference, until_eos, wrong_answers
+from .transformers_answers import (
+    MonoRun,
+    monolithic_answers,
+    refused_decoder_log,
+    transformers_reference,
+    until_eos,
+    wrong_answers,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -46,27 +50,19 @@ PROMPTS: list[list[int]] = [
 CONVERSATION_OPENERS = [long_prompt_ids(30 + 40 * i, start=300 * i + 5) for i in range(2)]
 
 
-@dataclass(frozen=True)
-class MonoRun:
-    rounds: list[list[list[int]]]  # per round, per prompt: the greedy tokens
-    conversations: list[Conversation]
-    log: str
-
-
 @pytest.fixture(scope="module")
 def mono(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterator[MonoRun]:
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("SGLANG_MAMBA_CONV_DTYPE", "float32")
-        with monolithic_server(
-            tmp_path_factory.mktemp("qwen3-next-mono"),
-            model=TINY_QWEN3_NEXT_PATH,
-            extra=COMMON_ARGS,
-            patience=patience,
-        ) as server:
-            rounds = [ask_all(server.url, PROMPTS) for _ in range(ROUNDS)]
-            conversations = script(server.url, CONVERSATION_OPENERS, 3, max_new_tokens=16)
-            log = server.process.log_path.read_text(errors="replace")
-    yield MonoRun(rounds, conversations, log)
+    with monolithic_answers(
+        tmp_path_factory.mktemp("qwen3-next-mono"),
+        TINY_QWEN3_NEXT_PATH,
+        COMMON_ARGS,
+        {"SGLANG_MAMBA_CONV_DTYPE": "float32"},
+        patience,
+        prompts=PROMPTS,
+        rounds=ROUNDS,
+        openers=CONVERSATION_OPENERS,
+    ) as run:
+        yield run
 
 
 def test_a_gated_deltanet_model_on_cpu_gives_transformers_tokens(mono: MonoRun) -> None:
@@ -102,13 +98,5 @@ def test_a_server_of_the_model_refuses_to_start_and_says_why(
     tmp_path: Path, patience: Patience, mono: MonoRun
 ) -> None:
     """(After the monolithic server: one server at a time on two cores.)"""
-    (placement,) = place_servers(1)
-    (port,) = free_ports(1)
-    extra = [*COMMON_ARGS, "--pd-no-auth"]  # (it refuses before it meets a peer)
-    process = pd_process("decode", "decode", TINY_QWEN3_NEXT_PATH, port, extra, tmp_path, placement)
-    with managed([process]):
-        process.start()
-        with pytest.raises(ServerStartError, match="exited"):
-            process.wait_http_ready(f"http://{HOST}:{port}/health", patience.seconds(240))
-    log = process.log_path.read_text(errors="replace")
+    log = refused_decoder_log(TINY_QWEN3_NEXT_PATH, COMMON_ARGS, tmp_path, patience)
     assert "keeps state besides the paged KV cache (mamba" in log, log[-3000:]

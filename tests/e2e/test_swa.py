@@ -30,25 +30,27 @@ from pathlib import Path
 
 import pytest
 
-from sgl_pd.cluster.conversations import Conversation, Reply, replay, script, wrong_turns
+from sgl_pd.cluster.conversations import Reply, replay, wrong_turns
 from sgl_pd.cluster.local import (
-    HOST,
     Patience,
     PdCluster,
-    monolithic_server,
     pd_cluster,
-    pd_process,
-    place_servers,
 )
 from sgl_pd.cluster.logs import PoolStates, pools_idle, wait_pools_idle
-from sgl_pd.cluster.processes import ServerStartError, free_ports, managed
 from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids
 from sgl_pd.models import TINY_GEMMA3_PATH, TINY_MELLUM_PATH
 from sgl_pd.models.train_tiny_moe import SLIDING_WINDOW
 
 from . import transformers_answers
 from .conftest import DECODE_PREFIX_CACHE
-from .transformers_answers import mismatches, transformers_reference, wrong_answers
+from .transformers_answers import (
+    MonoRun,
+    mismatches,
+    monolithic_answers,
+    refused_decoder_log,
+    transformers_reference,
+    wrong_answers,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -76,28 +78,20 @@ def ask_all(url: str, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     return transformers_answers.ask_all(url, prompts, NEW_TOKENS)
 
 
-@dataclass(frozen=True)
-class MonoRun:
-    rounds: list[list[list[int]]]  # per round, per prompt: the greedy tokens
-    conversations: list[Conversation]
-    log: str
-
-
 @pytest.fixture(scope="module")
 def mono(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterator[MonoRun]:
-    with pytest.MonkeyPatch.context() as env:
+    with monolithic_answers(
+        tmp_path_factory.mktemp("mellum-mono"),
+        TINY_MELLUM_PATH,
+        [*COMMON_ARGS, *SMALL_POOL],
         # out-of-window slots go back to the sliding pool every step, not every 128 tokens
-        env.setenv("SGLANG_SWA_EVICTION_INTERVAL", "1")
-        with monolithic_server(
-            tmp_path_factory.mktemp("mellum-mono"),
-            model=TINY_MELLUM_PATH,
-            extra=[*COMMON_ARGS, *SMALL_POOL],
-            patience=patience,
-        ) as server:
-            rounds = [ask_all(server.url) for _ in range(ROUNDS)]
-            conversations = script(server.url, CONVERSATION_OPENERS, 3, max_new_tokens=NEW_TOKENS)
-            log = server.process.log_path.read_text(errors="replace")
-    yield MonoRun(rounds, conversations, log)
+        {"SGLANG_SWA_EVICTION_INTERVAL": "1"},
+        patience,
+        prompts=PROMPTS,
+        rounds=ROUNDS,
+        openers=CONVERSATION_OPENERS,
+    ) as run:
+        yield run
 
 
 def test_the_hybrid_pool_on_cpu_reads_the_sliding_layers_right(mono: MonoRun) -> None:
@@ -173,15 +167,7 @@ def test_with_the_hybrid_pool_a_server_refuses_to_start_and_names_the_flag(
     tmp_path: Path, patience: Patience, pd: PdRun
 ) -> None:
     """(After the cluster above: one server at a time on two cores.)"""
-    (placement,) = place_servers(1)
-    (port,) = free_ports(1)
-    extra = [*COMMON_ARGS, "--pd-no-auth"]  # (it refuses before it meets a peer)
-    process = pd_process("decode", "decode", TINY_MELLUM_PATH, port, extra, tmp_path, placement)
-    with managed([process]):
-        process.start()
-        with pytest.raises(ServerStartError, match="exited"):
-            process.wait_http_ready(f"http://{HOST}:{port}/health", patience.seconds(240))
-    log = process.log_path.read_text(errors="replace")
+    log = refused_decoder_log(TINY_MELLUM_PATH, COMMON_ARGS, tmp_path, patience)
     assert "--disable-hybrid-swa-memory" in log, log[-3000:]
 
 

@@ -1,15 +1,25 @@
 """Greedy answers of a bundled model by transformers' own forward, as the e2e tests of
 models SGLang serves through the CPU harness judge a server's answers: a departure at a
 near tie of the reference's top two tokens is two implementations' rounding, not a wrong
-token (`sgl_pd.cluster.campaign.Expected`)."""
+token (`sgl_pd.cluster.campaign.Expected`). Also what those tests run alike: a monolithic
+server answering rounds of prompts and conversations, and a decode server that refuses
+to start."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from sgl_pd.cluster.campaign import Expected
 from sgl_pd.cluster.client import generate_ids
+from sgl_pd.cluster.conversations import Conversation, script
+from sgl_pd.cluster.local import HOST, Patience, monolithic_server, pd_process, place_servers
+from sgl_pd.cluster.processes import ServerStartError, free_ports, managed
 
 NEW_TOKENS = 16
 EOS_IDS = (0, 3)  # <|endoftext|>, <|end|>: where greedy answers may stop
@@ -79,3 +89,50 @@ def mismatches(
         for i, (a, b) in enumerate(zip(want, got, strict=True))
         if until_eos(a) != until_eos(b)
     ]
+
+
+@dataclass(frozen=True)
+class MonoRun:
+    rounds: list[list[list[int]]]  # per round, per prompt: the greedy tokens
+    conversations: list[Conversation]
+    log: str
+
+
+@contextlib.contextmanager
+def monolithic_answers(
+    workdir: Path,
+    model: Path,
+    extra: list[str],
+    env: dict[str, str],
+    patience: Patience,
+    *,
+    prompts: list[list[int]],
+    rounds: int,
+    openers: list[list[int]],
+) -> Iterator[MonoRun]:
+    """A monolithic server of `model` (with `env` set) answering `rounds` rounds of all
+    `prompts` at once, then three-turn conversations from `openers`; stopped before
+    the run is yielded."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        with monolithic_server(workdir, model=model, extra=extra, patience=patience) as server:
+            answers = [ask_all(server.url, prompts) for _ in range(rounds)]
+            conversations = script(server.url, openers, 3, max_new_tokens=NEW_TOKENS)
+            log = server.process.log_path.read_text(errors="replace")
+    yield MonoRun(answers, conversations, log)
+
+
+def refused_decoder_log(model: Path, extra: list[str], workdir: Path, patience: Patience) -> str:
+    """The log of a decode server of `model` that exits before it serves (the test
+    fails if it serves); it needs no peer (`--pd-no-auth`: it refuses before meeting
+    one)."""
+    (placement,) = place_servers(1)
+    (port,) = free_ports(1)
+    args = [*extra, "--pd-no-auth"]
+    process = pd_process("decode", "decode", model, port, args, workdir, placement)
+    with managed([process]):
+        process.start()
+        with pytest.raises(ServerStartError, match="exited"):
+            process.wait_http_ready(f"http://{HOST}:{port}/health", patience.seconds(240))
+    return process.log_path.read_text(errors="replace")
