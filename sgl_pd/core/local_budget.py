@@ -481,6 +481,29 @@ def prefill_here_is_sooner(
     return here * local_bias <= remote.seconds(tokens) + step.seconds(running + 1, 0)
 
 
+def why_sent_out(
+    step: StepCoefficients | None,
+    remote: RemoteCoefficients | None,
+    *,
+    running: int,
+    tokens_ahead: int,
+    tokens: int,
+    plan: LocalStep,
+    local_share: float = 1.0,
+    local_bias: float = 1.0,
+) -> str | None:
+    """Why a local request of `tokens` uncached tokens, whose steps run as `plan` (a burst
+    only where it finishes the work: `burst_if_it_fits`), goes to a prefill server instead:
+    "slower" (its first token is predicted sooner remote, `prefill_here_is_sooner`),
+    "itl_slo" (no step carries it within the ITL SLO), or None: it stays here."""
+    if not prefill_here_is_sooner(
+        step, remote, running=running, tokens_ahead=tokens_ahead, tokens=tokens, plan=plan,
+        local_share=local_share, local_bias=local_bias,
+    ):  # fmt: skip
+        return "slower"
+    return None if plan.within_slo else "itl_slo"
+
+
 @dataclass(frozen=True)
 class LocalOffer:
     """What a decoder's scheduler would offer a local request now: its models, the
@@ -527,25 +550,21 @@ class LocalOffer:
 def remote_is_sooner(offer: LocalOffer, tokens: int) -> bool:
     """Whether the scheduler behind `offer` would send a plain local request (no
     logprobs, adapter or whole-prompt feature: those it never sends out) of `tokens`
-    uncached tokens to a prefill server - its first token predicted sooner there, or no
-    step carrying it within the ITL SLO - as it decides when such a request arrives."""
-    step = offer.models.step
+    uncached tokens to a prefill server: its own check when such a request arrives
+    (`why_sent_out`), made with what the offer says of it."""
     if not offer.may_send_out:
         return False
     plan = plan_local_step(
-        step, offer.running, slo_factor=offer.slo_factor, cap=offer.cap,
+        offer.models.step, offer.running, slo_factor=offer.slo_factor, cap=offer.cap,
         page_size=offer.page_size, can_mix=offer.can_mix, burst=offer.burst_ready,
     )  # fmt: skip
-    plan = burst_if_it_fits(plan, offer.tokens_ahead + max(1, tokens))
-    if step is None or offer.models.remote is None:
-        return False  # (the placement rules chose here; the steps teach the models)
-    if not plan.within_slo:
-        return True
-    return not prefill_here_is_sooner(
-        step, offer.models.remote, running=offer.running, tokens_ahead=offer.tokens_ahead,
-        tokens=tokens, plan=plan, local_share=offer.local_share,
-        local_bias=offer.models.local_bias,
+    why = why_sent_out(
+        offer.models.step, offer.models.remote, running=offer.running,
+        tokens_ahead=offer.tokens_ahead, tokens=tokens,
+        plan=burst_if_it_fits(plan, offer.tokens_ahead + max(1, tokens)),
+        local_share=offer.local_share, local_bias=offer.models.local_bias,
     )  # fmt: skip
+    return why is not None
 
 
 class LocalWait:

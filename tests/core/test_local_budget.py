@@ -33,6 +33,7 @@ from sgl_pd.core.local_budget import (
     plan_local_step,
     prefill_here_is_sooner,
     unpack_models,
+    why_sent_out,
 )
 
 
@@ -538,3 +539,15 @@ def test_a_probe_neither_makes_nor_spends_a_burst() -> None:
     cpu = StepCoefficients(0.010, 0.001, 0.001, unmixed_offset=0.010)  # the SLO allows 5
     burst = plan_local_step(cpu, 10, slo_factor=1.25, cap=64, page_size=1, probe=True, burst=True)
     assert burst.slo_tokens == 5 and not BurstAllowance(200).spends(burst, 10, 4)
+
+
+def test_why_a_local_request_goes_out() -> None:
+    """One check for the scheduler and for its offer to the HTTP process."""
+    step = StepCoefficients(offset=0.010, per_request=0.0, per_local_token=0.0005)
+    remote = RemoteCoefficients(offset=0.060, per_token=0.0001)
+    at = {"running": 4, "tokens_ahead": 0}
+    assert why_sent_out(step, remote, tokens=40, plan=LocalStep(64, True), **at) is None
+    assert why_sent_out(step, remote, tokens=40, plan=LocalStep(4, True), **at) == "slower"
+    past = LocalStep(16, True, within_slo=False)
+    assert why_sent_out(step, remote, tokens=8, plan=past, **at) == "itl_slo"
+    assert why_sent_out(step, None, tokens=8, plan=past, **at) == "itl_slo"

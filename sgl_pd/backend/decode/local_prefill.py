@@ -24,7 +24,7 @@ its own, with limits that keep the running streams flowing - the reason PD exist
   admitted. Local requests that no step could carry within the SLO go to a prefill
   server (`itl_slo`);
 - a request goes local only while its first token is predicted sooner here than remote
-  (`core.local_budget.prefill_here_is_sooner`), and one that no step admitted within
+  (`core.local_budget.why_sent_out`), and one that no step admitted within
   `ADMISSION_STEPS` steps, or that finds the local queue full (SGLang's
   --max-queued-requests), goes to a prefill server after all (`local_fallback`).
 
@@ -71,7 +71,7 @@ from sgl_pd.core.local_budget import (
     adder_budget,
     burst_if_it_fits,
     local_first_token_s,
-    prefill_here_is_sooner,
+    why_sent_out,
 )
 from sgl_pd.core.placement import is_direct_room, prefill_locally
 
@@ -226,12 +226,13 @@ def around_add_request_to_queue(
         local.pacer.plan(streams, can_mix=_can_mix(scheduler, req)), ahead + max(1, uncached)
     )
     if fallback is not None and fallback.may_send:
-        why = None
-        if not _sooner_here(local, streams, ahead, uncached, plan):
-            why = "slower"
-        elif not plan.within_slo:
-            why = "itl_slo"
-        elif _queue_full(scheduler, local):
+        pacer = local.pacer
+        why = why_sent_out(
+            pacer.step_model, pacer.remote_model, running=streams, tokens_ahead=ahead,
+            tokens=uncached, plan=plan, local_share=pacer.share.value,
+            local_bias=pacer.local_bias,
+        )  # fmt: skip
+        if why is None and _queue_full(scheduler, local):
             why = "queue_full"
         if why is not None:
             _sent_out(scheduler, local, req, fallback, why)
@@ -257,7 +258,13 @@ def _work_ahead(local: LocalPrefills) -> int:
     request mid-prefill has left, and each queued request's uncached tokens (a request
     a pause handed back recomputes its whole prompt and output)."""
     left = 0 if local.chunked is None else _tokens_left(local.chunked)
-    return left + sum(local.uncached.get(r.rid, _tokens_left(r)) for r in local.queue)
+    return left + sum(_queued_work(local, r) for r in local.queue)
+
+
+def _queued_work(local: LocalPrefills, req: Any) -> int:
+    """The local tokens a queued request needs: its uncached tokens as placed (a request
+    a pause handed back was never placed: its whole prompt and output)."""
+    return local.uncached.get(req.rid, _tokens_left(req))
 
 
 def _tokens_left(req: Any) -> int:
@@ -285,22 +292,6 @@ def _streams(scheduler: Any, local: LocalPrefills) -> int:
     if local.launched is not None and local.last_mixed:
         running += len(getattr(local.launched, "decoding_reqs", None) or ())
     return running
-
-
-def _sooner_here(
-    local: LocalPrefills, streams: int, ahead: int, uncached: int, plan: LocalStep
-) -> bool:
-    pacer = local.pacer
-    return prefill_here_is_sooner(
-        pacer.step_model,
-        pacer.remote_model,
-        running=streams,
-        tokens_ahead=ahead,
-        tokens=uncached,
-        plan=plan,
-        local_share=pacer.share.value,
-        local_bias=pacer.local_bias,
-    )
 
 
 _PREDICTION = "_sgl_pd_first_token_predicted"  # Req attribute: (pauses, queued at, seconds)
@@ -551,7 +542,7 @@ def _past_the_burst(local: LocalPrefills, burst_tokens: int) -> set[str]:
     done = 0 if local.chunked is None else _tokens_left(local.chunked)
     past = set()
     for req in local.queue:
-        done += max(1, local.uncached.get(req.rid, _tokens_left(req)))
+        done += max(1, _queued_work(local, req))
         if done > burst_tokens:
             past.add(req.rid)
     return past
