@@ -108,6 +108,20 @@ CPU_THREADS_BIND = Variable(
     "local clusters",
     "Local clusters of the tests, demo and benchmarks: each rank's cores (with `OMP_NUM_THREADS`).",
 )
+PYSPY_BEFORE_CRASH = Variable(
+    "SGLANG_PYSPY_DUMP_BEFORE_CRASH",
+    "SGLang",
+    "local clusters",
+    "Set to 0 for local clusters: stopped by a SIGTERM, a server would otherwise sleep 5 s"
+    " before a py-spy dump of its schedulers (with `SGLANG_CUDA_COREDUMP_BEFORE_CRASH`).",
+)
+COREDUMP_BEFORE_CRASH = Variable(
+    "SGLANG_CUDA_COREDUMP_BEFORE_CRASH",
+    "SGLang",
+    "local clusters",
+    "Set to 0 for local clusters, with `SGLANG_PYSPY_DUMP_BEFORE_CRASH`: no CUDA coredump"
+    " of a stopped CPU server.",
+)
 
 VARIABLES = (
     AUTH_SECRET,
@@ -121,6 +135,8 @@ VARIABLES = (
     ENGINE_TIMEOUT,
     CPU_ENGINE,
     CPU_THREADS_BIND,
+    PYSPY_BEFORE_CRASH,
+    COREDUMP_BEFORE_CRASH,
 )
 
 _warned_old_names: set[str] = set()

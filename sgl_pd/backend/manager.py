@@ -250,7 +250,8 @@ class SglPdKVManager(BaseKVManager):
         if faults.active:
             logger.warning("fault injection on KV writes: %s", faults)
             self.engine = FaultInjectingEngine(self.engine, faults)
-        for region in (*self.pool.kv.regions, *self.pool.aux):
+        state = self.pool.state.regions if self.pool.state is not None else ()
+        for region in (*self.pool.kv.regions, *self.pool.aux, *state):
             self.engine.register(region.base, region.length)
         self.staging = self._staging(server_args)
         self.codec = FrameCodec(self.layout.compat_hash())
@@ -389,6 +390,7 @@ class SglPdKVManager(BaseKVManager):
             instance=self.instance,
             decoder_samples_first=self.config.first_token == "decode",
             writes_end_within_ms=round(1000 * self.bounds.required_deferred_release_s),
+            state=self.pool.state,
             staging=(
                 Region(self.staging.area.base, self.staging.area.capacity)
                 if self.staging is not None and self.role is Role.DECODE

@@ -9,6 +9,11 @@ With speculative decoding, the draft model's pool follows in the same shape (its
 ``num_draft_entries`` buffers). Its pages are the target's pages (the two pools share
 SGLang's req_to_token table), so its layers are simply layers after the target's: a
 NEXTN/MTP layer's KV travels like any other layer, under the same plan and counting.
+
+State besides the KV pages comes in SGLang's ``state_*`` lists, one component per state
+type. sgl_pd moves the Mamba / linear-attention component (``StateType.MAMBA``: each
+layer's conv and recurrent state, one slot per request); the start-up check refuses
+models with any other (`server_options`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 
 from sgl_pd.core.layout import KvLayout, PageLayout
 from sgl_pd.core.regions import Region, RegionTable
+from sgl_pd.core.wire import StateSlots
 from sgl_pd.errors import ConfigError
 
 
@@ -31,6 +37,7 @@ class PoolDescription:
     aux: tuple[Region, ...]  # metadata buffers (D9), one row per request slot
     aux_item_bytes: tuple[int, ...]  # bytes of one row of each metadata buffer
     aux_rows: int  # request slots in the metadata buffers
+    state: StateSlots | None = None  # per-request state besides the KV pages (Mamba)
 
 
 def describe_pool(
@@ -103,6 +110,27 @@ def describe_pool(
         aux=tuple(Region(p, n) for p, n in zip(aux_ptrs, aux_lens, strict=True)),
         aux_item_bytes=aux_items,
         aux_rows=aux_rows,
+        state=state_slots(kv_args),
+    )
+
+
+def state_slots(kv_args: Any) -> StateSlots | None:
+    """The Mamba component of SGLang's state lists (each layer's conv and recurrent
+    state tensors, ``[slots, ...]`` each, a slot per request), or None without one."""
+    kinds = [str(getattr(t, "name", t)).lower() for t in getattr(kv_args, "state_types", ())]
+    if "mamba" not in kinds:
+        return None
+    i = kinds.index("mamba")
+    ptrs = [int(p) for p in kv_args.state_data_ptrs[i]]
+    lens = [int(n) for n in kv_args.state_data_lens[i]]
+    items = [int(n) for n in kv_args.state_item_lens[i]]
+    if not ptrs or not len(ptrs) == len(lens) == len(items):
+        raise ConfigError(f"the Mamba state lists {len(ptrs)} buffers and {len(items)} sizes")
+    return StateSlots(
+        kind="mamba",
+        regions=tuple(Region(p, n) for p, n in zip(ptrs, lens, strict=True)),
+        slot_bytes=tuple(items),
+        slots=min(n // item for n, item in zip(lens, items, strict=True)),
     )
 
 

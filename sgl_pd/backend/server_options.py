@@ -37,9 +37,16 @@ PREFILL_COMPLETE_POLICY = (
     " optimistic prefill): keep the default, early"
 )
 HYBRID_STATE = (
-    "this model keeps state besides the paged KV cache ({kinds}: Mamba / linear attention,"
-    " sliding-window or sparse-attention pools), which sgl_pd does not transfer yet"
+    "this model keeps state besides the paged KV cache ({kinds}: sliding-window or"
+    " sparse-attention pools), which sgl_pd does not transfer yet"
 )
+# The state components sgl_pd moves beside the KV pages (SGLang's StateType names):
+# the allow-list; every other kind is refused at start-up.
+MOVED_STATE_KINDS = ("mamba",)
+# A local prefill on the decoder extends a request whose Mamba state came over the
+# wire: SGLang's extend starts linear-attention layers from the prompt's cached state,
+# which a decoder's prefix cache of full-attention pages does not hold.
+MAMBA_STATE = "a model with Mamba / linear-attention state"
 # With the hybrid pool off, SGLang keeps every layer's KV in one pool and applies the
 # window in attention only: sgl_pd moves the sliding layers' KV as any other layer's.
 SLIDING_WINDOW_POOL = (
@@ -93,12 +100,13 @@ def _local_prefill_blocker(options: Any) -> str | None:
     return None
 
 
-def local_prefill_limit(options: Any, configured: int) -> int:
+def local_prefill_limit(options: Any, configured: int, model_config: Any = None) -> int:
     """The largest uncached suffix a decoder with `options` prefills itself: `configured`
     (--pd-local-prefill-max-tokens) when given, else an eighth of its chunked prefill
     size - a step that costs a fraction of a chunk - at most 512 tokens; 0 where a local
-    step cannot run (see `LOCAL_PREFILL_UNSERVED`, which `unsupported_option` refuses)."""
-    if _local_prefill_blocker(options) is not None:
+    step cannot run (see `LOCAL_PREFILL_UNSERVED`, which `unsupported_option` refuses):
+    also for a model with Mamba state (SGLang's `model_config`, when given)."""
+    if _local_prefill_blocker(options) is not None or keeps_mamba_state(model_config):
         return 0
     if configured >= 0:
         return configured
@@ -106,6 +114,16 @@ def local_prefill_limit(options: Any, configured: int) -> int:
     if chunk <= 0:
         chunk = DEFAULT_CHUNKED_PREFILL_SIZE
     return min(LOCAL_PREFILL_MAX_DERIVED, chunk // 8)
+
+
+def keeps_mamba_state(model_config: Any) -> bool:
+    """SGLang's `ModelConfig` is of a model with Mamba / linear-attention layers (gated
+    DeltaNet, Mamba2, KDA, ...): its pools keep a state slot per request (False for None)."""
+    if model_config is None:
+        return False
+    from sglang.srt.configs.hybrid_arch import mambaish_config
+
+    return mambaish_config(model_config) is not None
 
 
 def _int(options: Any, name: str, default: int = 0) -> int:
@@ -151,8 +169,11 @@ def unsupported_option(
     if first_token == "decode" and getattr(options, "enable_multi_layer_eagle", False):
         return MULTI_LAYER_EAGLE
     kinds = sorted({str(getattr(k, "value", k)).lower() for k in state_kinds})
-    if kinds == ["swa"]:
+    if not prefill and local_prefill_max_tokens > 0 and "mamba" in kinds:
+        return LOCAL_PREFILL_UNSERVED.format(tokens=local_prefill_max_tokens, what=MAMBA_STATE)
+    unmoved = [k for k in kinds if k not in MOVED_STATE_KINDS]
+    if unmoved == ["swa"]:
         return SLIDING_WINDOW_POOL
-    if kinds:
-        return HYBRID_STATE.format(kinds=", ".join(kinds))
+    if unmoved:
+        return HYBRID_STATE.format(kinds=", ".join(unmoved))
     return None

@@ -17,11 +17,19 @@ import math
 import os
 import secrets
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sgl_pd.cluster.processes import ManagedProcess, free_ports, managed, python_module_argv
-from sgl_pd.environment import LOCAL_PATIENCE, WARNINGS_LOG, env_value
+from sgl_pd.environment import (
+    COREDUMP_BEFORE_CRASH,
+    LOCAL_PATIENCE,
+    PYSPY_BEFORE_CRASH,
+    WARNINGS_LOG,
+    env_value,
+)
 from sgl_pd.errors import ConfigError
 from sgl_pd.harness.cpu import flag_value, uses_dp_attention
 from sgl_pd.models import TINY_LLAMA_PATH
@@ -193,6 +201,29 @@ def monolithic_server(
         yield Server(url, process)
 
 
+def start_side_by_side(
+    stack: contextlib.ExitStack[Any], *servers: contextlib.AbstractContextManager[Any]
+) -> list[Any]:
+    """Enters the context managers of `servers` (a monolithic server, a PD cluster, ...)
+    at once, each from its own thread, and returns what each yields; `stack` stops them
+    all, also those that started when another failed to. A server's start is mostly
+    single-threaded imports, so starts overlap well on two cores (answering requests
+    side by side would not: start them here, then use them one at a time)."""
+    with ThreadPoolExecutor(len(servers)) as pool:
+        entered = [pool.submit(server.__enter__) for server in servers]
+    values, failure = [], None
+    for server, future in zip(servers, entered, strict=True):
+        try:
+            values.append(future.result())
+        except BaseException as e:  # (the first failure is raised below)
+            failure = failure or e
+            continue
+        stack.push(server)
+    if failure is not None:
+        raise failure
+    return values
+
+
 @dataclass(frozen=True)
 class PdCluster:
     router_url: str
@@ -330,10 +361,7 @@ def scheduler_ranks(argv: Sequence[str]) -> int:
 # its scheduler's exit as a crash and sleeps 5 s before crash diagnostics (a py-spy
 # dump, a CUDA coredump) that a CPU run has no use for: 5 s more per stop, and the test
 # suite stops dozens of servers.
-NO_CRASH_DIAGNOSTICS = {
-    "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
-    "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0",
-}
+NO_CRASH_DIAGNOSTICS = {PYSPY_BEFORE_CRASH.name: "0", COREDUMP_BEFORE_CRASH.name: "0"}
 
 
 def placed_process(

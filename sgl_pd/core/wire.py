@@ -47,7 +47,10 @@ from sgl_pd.errors import SglPdError
 # 8: control messages whose loss matters travel in `Sequenced` envelopes until `Delivered`
 # 9: decoders say how many prompt tokens' KV they expect (kv_tokens); a submission
 #    names its attempt (a recompute of a retracted request under its room)
-PROTOCOL_VERSION = 10
+# 10: decoders tell a prefill server's registry to skip a request they prefill (SkipPrefill)
+# 11: state slots besides the KV pages (Mamba): ShardRegistration.state and
+#     TransferRequest.state_slot
+PROTOCOL_VERSION = 11
 MAGIC = b"SGPD"
 MAX_BODY_BYTES = 64 << 20  # a 1M-token prompt with its page table stays far below this
 _HEADER = struct.Struct("<4sHHQII")
@@ -139,6 +142,30 @@ class MetadataBuffers(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise InvalidMessage("metadata rows do not fit their regions")
 
 
+class StateSlots(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Per-request model state besides the paged KV (SGLang's Mamba / linear-attention
+    pool: each layer's conv and recurrent state), one slot per request in each of several
+    registered regions: a request's state in region i is `slot_bytes[i]` bytes at
+    `regions[i].base + slot * slot_bytes[i]`. Prefill and decode ranks of one TP size
+    hold the same slice of every layer's state, so a slot moves as one write per region."""
+
+    kind: Annotated[str, msgspec.Meta(max_length=16)]  # SGLang's state type, e.g. "mamba"
+    regions: tuple[Region, ...]
+    slot_bytes: tuple[Positive, ...]  # bytes of one slot of each region
+    slots: Positive  # slots every region holds
+
+    def __post_init__(self) -> None:
+        if not self.regions or len(self.regions) != len(self.slot_bytes):
+            raise InvalidMessage("state slots need one slot size per region")
+        sizes = zip(self.regions, self.slot_bytes, strict=True)
+        if any(r.length < self.slots * n for r, n in sizes):
+            raise InvalidMessage("state slots do not fit their regions")
+
+    def same_shape(self, other: StateSlots) -> bool:
+        """Both hold the same state per request (a slot moves between them as is)."""
+        return (self.kind, self.slot_bytes) == (other.kind, other.slot_bytes)
+
+
 class ShardRegistration(_Message, tag="register", frozen=True):
     """One shard's memory, sent once per shard when a peer connects."""
 
@@ -163,6 +190,7 @@ class ShardRegistration(_Message, tag="register", frozen=True):
     # will never start) within this many ms: its hang timeout plus its transfer engine's
     # (`core.bounds`); a decoder must hold an ended request's pages at least this long
     writes_end_within_ms: U32 = 0
+    state: StateSlots | None = None  # per-request state besides the KV pages (Mamba)
 
     def __post_init__(self) -> None:
         if self.rank >= self.scheme.tp_size:
@@ -392,6 +420,9 @@ class TransferRequest(_Message, tag="transfer", frozen=True):
     # must compute exactly these (`backend.first_token`), or the request fails at once
     # rather than decode from the wrong token; None: the decoder did not say
     kv_tokens: U32 | None = None
+    # the decoder's slot for the request's state besides the KV (`StateSlots`): the
+    # prefill writes its final state there with the metadata; None: the model has none
+    state_slot: U32 | None = None
 
     def __post_init__(self) -> None:
         decoder = self.decoder
@@ -428,6 +459,11 @@ class TransferRequest(_Message, tag="transfer", frozen=True):
             raise InvalidMessage(
                 f"metadata slot {self.metadata_slot} outside the decoder's {decoder.metadata.rows}"
             )
+        if (self.state_slot is None) != (decoder.state is None):
+            raise InvalidMessage("a state slot goes with state slots the decoder registered")
+        state, slot = decoder.state, self.state_slot
+        if state is not None and slot is not None and slot >= state.slots:
+            raise InvalidMessage(f"state slot {slot} outside the decoder's {state.slots}")
 
     @property
     def decoder_inbox(self) -> str:

@@ -33,6 +33,7 @@ from sgl_pd.core.wire import (
     MetadataBuffers,
     Role,
     ShardRegistration,
+    StateSlots,
     TransferRequest,
 )
 from sgl_pd.transfer.engine import Writes
@@ -47,6 +48,10 @@ NUM_PAGES = 64
 AUX_ROWS = 8
 AUX_ITEM = 16  # bytes per metadata row
 CHECKSUM_KEY = 0x5EC2E7  # both sides' key (the cluster secret's, in a served cluster)
+# a Mamba-like state: per request one slot in each of three regions (conv and recurrent
+# tensors of two layers, say), bytes per slot
+STATE_SLOT_BYTES = (24, 40, 8)
+STATE_SLOTS = 8
 
 
 @dataclass
@@ -55,9 +60,10 @@ class Memory:
 
     kv: list[np.ndarray]  # one (pages * page_bytes,) uint8 buffer per (layer, part)
     aux: np.ndarray  # (AUX_ROWS * AUX_ITEM,) uint8
+    state: list[np.ndarray]  # (STATE_SLOTS * slot bytes,) uint8 per region; [] for none
 
     @classmethod
-    def make(cls, engine: FakeTransferEngine, fill: int | None) -> Memory:
+    def make(cls, engine: FakeTransferEngine, fill: int | None, state: bool = False) -> Memory:
         page_bytes = LAYOUT.page_bytes(LAYOUT.num_kv_heads)
         rng = np.random.default_rng(fill)
         kv = [
@@ -67,9 +73,32 @@ class Memory:
             for _ in range(LAYOUT.num_regions)
         ]
         aux = np.zeros(AUX_ROWS * AUX_ITEM, dtype=np.uint8)
-        for buf in (*kv, aux):
+        slots = [
+            rng.integers(0, 255, STATE_SLOTS * n, dtype=np.uint8)
+            if fill is not None
+            else np.zeros(STATE_SLOTS * n, dtype=np.uint8)
+            for n in (STATE_SLOT_BYTES if state else ())
+        ]
+        for buf in (*kv, aux, *slots):
             engine.register(int(buf.ctypes.data), buf.nbytes)
-        return cls(kv, aux)
+        return cls(kv, aux, slots)
+
+    def state_slots(self) -> StateSlots | None:
+        if not self.state:
+            return None
+        return StateSlots(
+            kind="mamba",
+            regions=tuple(Region(int(b.ctypes.data), b.nbytes) for b in self.state),
+            slot_bytes=STATE_SLOT_BYTES,
+            slots=STATE_SLOTS,
+        )
+
+    def slot(self, slot: int) -> bytes:
+        """The bytes of state slot `slot`, every region's in turn."""
+        return b"".join(
+            bytes(b[slot * n : (slot + 1) * n])
+            for b, n in zip(self.state, STATE_SLOT_BYTES, strict=True)
+        )
 
     def pool(self, draft_layers: int = 0) -> PoolDescription:
         regions = tuple(Region(int(b.ctypes.data), b.nbytes) for b in self.kv)
@@ -82,6 +111,7 @@ class Memory:
             aux=(Region(int(self.aux.ctypes.data), self.aux.nbytes),),
             aux_item_bytes=(AUX_ITEM,),
             aux_rows=AUX_ROWS,
+            state=self.state_slots(),
         )
 
     def page(self, page: int) -> bytes:
@@ -148,6 +178,7 @@ class Rig:
     checksum: bool = False  # --pd-kv-checksum on both sides
     decoder_checksum: bool | None = None  # ... on the decoders, when it differs
     corruption_rate: float = 0.0  # of the prefill rank's data batches
+    state: bool = False  # the model keeps a state slot per request (Mamba) on every rank
 
     def _metrics(self, role: str) -> TransferMetrics:
         if not self.metered:
@@ -159,7 +190,7 @@ class Rig:
 
     def __post_init__(self) -> None:
         self.prefill_engine = self.engine_type(self.fabric)
-        self.prefill_memory = Memory.make(self.prefill_engine, fill=1)
+        self.prefill_memory = Memory.make(self.prefill_engine, fill=1, state=self.state)
         pool = self.prefill_memory.pool(self.draft_layers)
         self.gather_area = None
         if self.gather_bytes:
@@ -194,15 +225,17 @@ class Rig:
             layout=LAYOUT, num_pages=NUM_PAGES, kv_regions=pool.kv.regions,
             layer_group_size=self.prefill.layer_group_size,
             metadata=MetadataBuffers(regions=pool.aux, row_bytes=(AUX_ITEM,), rows=AUX_ROWS),
+            state=pool.state,
         )  # fmt: skip
 
     @property
     def _decoder_checksum(self) -> bool:
         return self.checksum if self.decoder_checksum is None else self.decoder_checksum
 
-    def add_decoder(self, inbox: str) -> Decoder:
+    def add_decoder(self, inbox: str, state: bool | None = None) -> Decoder:
+        """`state`: whether its model keeps a state slot per request (None: as the rig)."""
         engine = FakeTransferEngine(self.fabric)
-        memory = Memory.make(engine, fill=None)
+        memory = Memory.make(engine, fill=None, state=self.state if state is None else state)
         pool = memory.pool(self.draft_layers)
         instance = len(self.decoders) + 7
         messenger = DecodeMessenger(
@@ -224,6 +257,7 @@ class Rig:
             kv_regions=pool.kv.regions, layer_group_size=1,
             metadata=MetadataBuffers(regions=pool.aux, row_bytes=(AUX_ITEM,), rows=AUX_ROWS),
             completion=messenger.completion_area,
+            state=pool.state,
         )  # fmt: skip
         decoder = Decoder(messenger, memory, registration, engine)
         self.decoders[inbox] = decoder
@@ -237,11 +271,13 @@ class Rig:
         slot: int,
         held_tokens: int = 0,
         kv_tokens: int | None = None,
+        state_slot: int | None = None,
     ) -> None:
         """The decode rank's side: its receiver made and the prefiller found (the
         bootstrap, stamped as the receiver does), then its pages asked for. `held_tokens`:
         the prefix its cache holds (`dst_pages` are the pages after it); `kv_tokens`: the
-        prompt tokens whose KV the request needs (None: unchecked)."""
+        prompt tokens whose KV the request needs (None: unchecked); `state_slot`: its
+        state slot (a decoder with state slots)."""
         seen_s = self.clock.monotonic()
         bootstrap = (seen_s, self.clock.monotonic())
         decoder.messenger.request(
@@ -253,22 +289,31 @@ class Rig:
             bootstrap=bootstrap,
             held_tokens=held_tokens,
             kv_tokens=kv_tokens,
+            state_slot=state_slot,
         )
 
     def prefill_all(
-        self, room: int, src_pages: list[int], chunk: int = 4, held_pages: int = 0
+        self,
+        room: int,
+        src_pages: list[int],
+        chunk: int = 4,
+        held_pages: int = 0,
+        state_slot: int | None = None,
     ) -> None:
         """SGLang's side of a request on the prefill rank, after-forward mode: it chunks
         the prompt from its start, and sends only the pages after the decoder's held
         prefix (`held_pages`, what `pop_decode_prefix_len` said); a last send without
-        pages when the decoder holds them all."""
+        pages when the decoder holds them all. `state_slot`: its state slot, named in the
+        last send."""
         self.prefill.track(room)
         self.prefill.expect(room, len(src_pages) - held_pages, aux_index=room % AUX_ROWS)
         for start in range(0, len(src_pages), chunk):
             end = min(start + chunk, len(src_pages))
             part = np.asarray(src_pages[max(start, held_pages) : end], dtype=np.int64)
-            if len(part) or end == len(src_pages):
-                self.prefill.submit_chunk(room, part, len(part))
+            last = end == len(src_pages)
+            if len(part) or last:
+                slot = state_slot if last else None
+                self.prefill.submit_chunk(room, part, len(part), state_slot=slot)
 
     def prefill_layerwise(
         self,
@@ -277,6 +322,7 @@ class Rig:
         chunk: int = 4,
         streamer_lags: bool = False,
         held_pages: int = 0,
+        state_slot: int | None = None,
     ) -> None:
         """SGLang's side of a request on the prefill rank, layer-wise mode: per chunk, its
         notice, the target's layers as the streamer reports them, SGLang's send after the
@@ -296,8 +342,10 @@ class Rig:
             self.prefill.write_layers(chunks, target_layers)
             if not streamer_lags:
                 self.prefill.forward_done(chunks)
-            if len(part) or end == len(src_pages):
-                self.prefill.submit_chunk(room, part, len(part))
+            last = end == len(src_pages)
+            if len(part) or last:
+                slot = state_slot if last else None
+                self.prefill.submit_chunk(room, part, len(part), state_slot=slot)
             if streamer_lags:
                 self.prefill.forward_done(chunks)
 

@@ -65,12 +65,25 @@ def test_served_variants_of_the_same_options_pass() -> None:
     assert unsupported_option(eagle, "decode", kv_send="layerwise", first_token="prefill") is None
 
 
-def test_a_model_with_state_besides_the_kv_pages_is_refused_at_start() -> None:
+def test_a_model_with_state_sgl_pd_does_not_move_is_refused_at_start() -> None:
+    """Only the kinds it does not move are named (Mamba state moves)."""
     why = unsupported_option(
         SimpleNamespace(), "prefill", kv_send="layerwise", first_token="decode",
-        state_kinds=["MAMBA", "SWA"],
+        state_kinds=["MAMBA", "DSA", "SWA"],
     )  # fmt: skip
-    assert why is not None and "mamba, swa" in why
+    assert why is not None and "dsa, swa" in why and "mamba" not in why, why
+
+
+def test_a_model_with_mamba_state_is_served_but_not_prefilled_on_its_decoder() -> None:
+    def refusal(role: str, local_prefill_max_tokens: int = -1) -> str | None:
+        return unsupported_option(
+            SimpleNamespace(), role, kv_send="layerwise", first_token="decode",
+            state_kinds=["MAMBA"], local_prefill_max_tokens=local_prefill_max_tokens,
+        )  # fmt: skip
+
+    assert refusal("prefill") is None and refusal("decode") is None
+    why = refusal("decode", local_prefill_max_tokens=64)
+    assert why is not None and "Mamba / linear-attention state" in why, why
 
 
 def test_a_sliding_window_pool_is_refused_with_the_option_that_serves_the_model() -> None:

@@ -465,7 +465,7 @@ def test_peer_text_fields_are_bounded() -> None:
 # sgl_pd version" instead of dropping each frame as malformed): bump PROTOCOL_VERSION,
 # then update this table.
 FIELDS_AT_VERSION = (
-    10,
+    11,
     {
         "abort": ("request_id", "reason", "decoder_instance", "detail", "reply_to"),
         "abort_ack": ("request_id", "prefill_rank", "prefill_instance"),
@@ -480,7 +480,7 @@ FIELDS_AT_VERSION = (
                     "decoder_sessions", "metadata_slot", "completion_slot"),
         "register": ("role", "rank", "scheme", "session", "inbox", "instance", "layout",
                      "num_pages", "kv_regions", "layer_group_size", "metadata", "completion",
-                     "decoder_samples_first", "staging", "writes_end_within_ms"),
+                     "decoder_samples_first", "staging", "writes_end_within_ms", "state"),
         "register_ack": ("rank",),
         "register_shard": ("rank", "tp_size", "instance", "registration"),
         "registry_query": ("sender",),
@@ -489,7 +489,7 @@ FIELDS_AT_VERSION = (
         "submit_ack": ("request_id",),
         "submit_prefill": ("request_id", "sender", "request", "attempt"),
         "transfer": ("request_id", "decoder", "dst_pages", "metadata_slot", "completion_slot",
-                     "staging_base", "held_tokens", "stage_all", "kv_tokens"),
+                     "staging_base", "held_tokens", "stage_all", "kv_tokens", "state_slot"),
     },
 )  # fmt: skip
 

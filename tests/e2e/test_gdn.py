@@ -10,23 +10,37 @@ in one batch round after round (slots reused), and in conversations whose later 
 meet their earlier ones in the prefix cache. The conv pool is kept in float32 (SGLang's
 default is bfloat16) so that the comparison is exact.
 
-sgl_pd does not transfer that state yet: a server of the model refuses to start with
-one line that says so.
+Through PD, the prefill server writes each request's final state - its Mamba slot, one
+write per layer and tensor - into the decoder's slot with the request's metadata row
+(`sgl_pd.backend.state_slots`). Two prefill servers behind the router, one streaming
+the full-attention layer's KV layer by layer and one sending after the forward, answer
+every prompt with the monolithic server's tokens, all at once and round after round;
+so do conversations whose later turns the decoder's prefix cache holds part of (its
+pages; the state still moves whole). Local prefill on the decoder, on by default with
+its prefix cache, is off for such a model (an extend there would start the linear-
+attention layers from a state the decoder's cache does not keep); asked for by flag,
+the decoder refuses to start with one line that says so. Pools are idle after.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from sgl_pd.cluster.local import Patience
+from sgl_pd.cluster.conversations import Reply, replay, wrong_turns
+from sgl_pd.cluster.local import Patience, pd_cluster
+from sgl_pd.cluster.logs import PoolStates, pools_idle, timing_lines, wait_pools_idle
 from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids
 from sgl_pd.models import TINY_QWEN3_NEXT_PATH
 
+from .conftest import DECODE_LOCAL_PREFILL
 from .transformers_answers import (
     MonoRun,
+    ask_all,
+    mismatches,
     monolithic_answers,
     refused_decoder_log,
     transformers_reference,
@@ -48,6 +62,7 @@ PROMPTS: list[list[int]] = [
     *(long_prompt_ids(n, start=7 * n) for n in (3, 40, 150, 300)),  # 300: five chunks
 ]
 CONVERSATION_OPENERS = [long_prompt_ids(30 + 40 * i, start=300 * i + 5) for i in range(2)]
+ENV = {"SGLANG_MAMBA_CONV_DTYPE": "float32"}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +71,7 @@ def mono(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterat
         tmp_path_factory.mktemp("qwen3-next-mono"),
         TINY_QWEN3_NEXT_PATH,
         COMMON_ARGS,
-        {"SGLANG_MAMBA_CONV_DTYPE": "float32"},
+        ENV,
         patience,
         prompts=PROMPTS,
         rounds=ROUNDS,
@@ -94,9 +109,73 @@ def test_the_model_counts(mono: MonoRun) -> None:
     assert text.startswith(" 44 45 46"), text
 
 
-def test_a_server_of_the_model_refuses_to_start_and_says_why(
-    tmp_path: Path, patience: Patience, mono: MonoRun
+@dataclass(frozen=True)
+class PdRun:
+    rounds: list[list[list[int]]]  # per round, every prompt's answer (all sent at once)
+    replies: list[list[Reply]]
+    held: list[tuple[int, int]]  # (tokens, held) of each request the prefill servers sent
+    modes: set[str]  # the send modes the prefill servers used
+    decode_log: str
+    pools: PoolStates | None  # None: every pool idle with no leak
+
+
+@pytest.fixture(scope="module")
+def pd(
+    tmp_path_factory: pytest.TempPathFactory, patience: Patience, mono: MonoRun
+) -> Iterator[PdRun]:
+    """(After the monolithic server: one set of servers at a time on two cores.)"""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in ENV.items():
+            patch.setenv(name, value)
+        with pd_cluster(
+            tmp_path_factory.mktemp("qwen3-next-pd"),
+            model=TINY_QWEN3_NEXT_PATH,
+            prefill_extra=[*COMMON_ARGS, "--pd-kv-send", "layerwise"],
+            more_prefills=[[*COMMON_ARGS, "--pd-kv-send", "after-forward"]],
+            decode_extra=[*COMMON_ARGS, *DECODE_LOCAL_PREFILL],
+            patience=patience,
+        ) as cluster:
+            rounds = [ask_all(cluster.router_url, PROMPTS) for _ in range(2)]
+            replies = replay(cluster.router_url, mono.conversations, concurrency=2)
+            servers = {"prefill": cluster.prefill, "decode": cluster.decode}
+            states = wait_pools_idle(servers, patience.seconds(60))
+            lines = [
+                line
+                for server in (cluster.prefill, *cluster.more_prefills)
+                for line in timing_lines(server.process.log_path)
+            ]
+            yield PdRun(
+                rounds,
+                replies,
+                [(int(line["tokens"]), int(line["held"])) for line in lines],
+                {str(line["mode"]) for line in lines},
+                cluster.decode.process.log_path.read_text(errors="replace"),
+                None if pools_idle(servers, states) else states,
+            )
+
+
+def test_through_pd_the_state_moves_and_tokens_are_monolithic(mono: MonoRun, pd: PdRun) -> None:
+    for i, answers in enumerate(pd.rounds):
+        assert not mismatches(mono.rounds[0], answers), (
+            f"round {i}",
+            mismatches(mono.rounds[0], answers),
+        )
+    assert pd.modes == {"layerwise", "after_forward"}, pd.modes
+    assert "local prefill on" not in pd.decode_log
+    assert pd.pools is None, pd.pools
+
+
+def test_through_pd_conversations_hold_prefixes_and_match(pd: PdRun) -> None:
+    """Later turns: the decoder holds their earlier turns' pages, the rest of the KV and
+    the whole state move, and every turn has the monolithic server's tokens."""
+    assert not wrong_turns(pd.replies), pd.replies
+    assert any(held > 0 for _tokens, held in pd.held), pd.held
+
+
+def test_a_decoder_asked_for_local_prefill_refuses_to_start_and_says_why(
+    tmp_path: Path, patience: Patience, pd: PdRun
 ) -> None:
-    """(After the monolithic server: one server at a time on two cores.)"""
-    log = refused_decoder_log(TINY_QWEN3_NEXT_PATH, COMMON_ARGS, tmp_path, patience)
-    assert "keeps state besides the paged KV cache (mamba" in log, log[-3000:]
+    """(After the cluster above: one server at a time on two cores.)"""
+    args = [*COMMON_ARGS, *DECODE_LOCAL_PREFILL, "--pd-local-prefill-max-tokens", "64"]
+    log = refused_decoder_log(TINY_QWEN3_NEXT_PATH, args, tmp_path, patience)
+    assert "is not served with a model with Mamba / linear-attention state" in log, log[-3000:]

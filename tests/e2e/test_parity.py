@@ -20,7 +20,14 @@ import pytest
 import requests
 
 from sgl_pd.cluster import parity
-from sgl_pd.cluster.local import Patience, PdCluster, Server, monolithic_server, pd_cluster
+from sgl_pd.cluster.local import (
+    Patience,
+    PdCluster,
+    Server,
+    monolithic_server,
+    pd_cluster,
+    start_side_by_side,
+)
 from sgl_pd.cluster.logs import pools_idle, wait_pools_idle
 from sgl_pd.models.tiny_lora import write_tiny_lora
 
@@ -36,18 +43,17 @@ def servers(
     lora = write_tiny_lora(tmp_path_factory.mktemp("lora"))
     flags = [*COMMON_ARGS, *parity.server_flags(str(lora))]
     with contextlib.ExitStack() as stack:
-        mono = stack.enter_context(
+        mono, pd = start_side_by_side(
+            stack,
             monolithic_server(
                 tmp_path_factory.mktemp("parity-mono"), extra=flags, patience=patience
-            )
-        )
-        pd = stack.enter_context(
+            ),
             pd_cluster(
                 tmp_path_factory.mktemp("parity-pd"),
                 prefill_extra=[*flags, "--pd-kv-send", "layerwise"],
                 decode_extra=flags,
                 patience=patience,
-            )
+            ),
         )
         yield mono, pd
 

@@ -280,3 +280,57 @@ def test_two_stacks_that_cannot_be_told_apart_are_refused() -> None:
 
     with pytest.raises(RuntimeError, match=r"2 layer stacks .*--pd-kv-send after-forward"):
         glue.install_progress_hooks(TwoStacks(), HostProgress)
+
+
+def _hybrid(attention_layers: set[int], num_layers: int) -> Any:
+    """Qwen3-Next's shape: linear-attention layers (``linear_attn.out_proj``), and
+    full-attention layers holding their ``o_proj`` directly."""
+    import torch
+
+    class LinearAttention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.out_proj = torch.nn.Linear(2, 2)
+
+        def forward(self, x: Any) -> Any:
+            return self.out_proj(x)
+
+    class Layer(torch.nn.Module):
+        def __init__(self, attention: bool) -> None:
+            super().__init__()
+            if attention:
+                self.o_proj = torch.nn.Linear(2, 2)
+            else:
+                self.linear_attn = LinearAttention()
+
+        def forward(self, x: Any) -> Any:
+            return self.o_proj(x) if hasattr(self, "o_proj") else self.linear_attn(x)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(
+                Layer(i in attention_layers) for i in range(num_layers)
+            )
+
+        def forward(self, x: Any) -> Any:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    return Model()
+
+
+def test_a_hybrid_models_attention_layers_count_as_the_pools_layers_in_order(
+    process: glue._Process,
+) -> None:
+    """SGLang's pool of a hybrid model holds the attention layers' KV only, the i-th
+    attention layer as KV layer i: the hooks number them so."""
+    model = _hybrid({3, 7}, 8)
+    counter = glue.install_progress_hooks(model, HostProgress)
+    assert counter.num_layers == 2
+    assert [m for _, (m, _h) in sorted(process.hooks.items())] == [
+        model.layers[3].o_proj,
+        model.layers[7].o_proj,
+    ]
+    assert _one_forward(model, counter, 1) == 2

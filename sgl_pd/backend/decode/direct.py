@@ -385,7 +385,11 @@ def _dispatcher_for(manager: Any) -> DirectDispatcher | None:
                 name=name,
                 metrics=PlacementMetrics(metrics_on),
                 tables=TableEntries(metrics_on, "decode"),
-                local_max_tokens=local_prefill_limit(server_args, config.local_prefill_max_tokens),
+                local_max_tokens=local_prefill_limit(
+                    server_args,
+                    config.local_prefill_max_tokens,
+                    getattr(manager, "model_config", None),
+                ),
                 saturated_tokens=config.prefill_saturated_tokens,
                 prefix_cache=bool(
                     getattr(server_args, "disaggregation_decode_enable_radix_cache", False)

@@ -154,7 +154,9 @@ def _configured(scheduler: Any) -> LocalPrefills | None:
     if sgl_pd_role(server_args) != "decode":
         return None
     config = SglPdConfig.from_environment()
-    limit = local_prefill_limit(server_args, config.local_prefill_max_tokens)
+    limit = local_prefill_limit(
+        server_args, config.local_prefill_max_tokens, getattr(scheduler, "model_config", None)
+    )
     if limit <= 0:
         return None
     step = config.local_prefill_step_tokens if config.local_prefill_step_tokens > 0 else limit

@@ -10,6 +10,7 @@ import numpy as np
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll
 
 from sgl_pd.backend.failure_cause import cause_of, cause_of_abort
+from sgl_pd.backend.state_slots import state_mismatch, state_slot_of
 from sgl_pd.core.errors import DuplicateRequest
 from sgl_pd.core.failures import FailureCause
 from sgl_pd.core.states import DECODE_TABLE, DecodeState
@@ -87,8 +88,9 @@ class SglPdKVReceiver(BaseKVReceiver):
         state_indices: list[Any] | None = None,
         decode_prefix_len: int | None = None,
     ) -> None:
-        if state_indices and any(s is not None for s in state_indices):
-            self._fail("sgl_pd does not transfer extra model state (Mamba, SWA)")
+        state_slot, why = state_slot_of(self.kv_mgr.registration.state, state_indices)
+        if why is not None:
+            self._fail(why)
             return
         held = int(decode_prefix_len or 0)
         page_size = self.kv_mgr.layout.page_size
@@ -107,6 +109,12 @@ class SglPdKVReceiver(BaseKVReceiver):
                 f" {who[theirs]}, this decoder --pd-first-token"
                 f" {who[not theirs]}: start both with the same"
             )
+            return
+        why = next(
+            (w for s in table.shards if (w := state_mismatch(self.kv_mgr.registration, s))), None
+        )
+        if why is not None:
+            self._fail(f"{why} (prefill server {self.bootstrap_addr})")
             return
         needed_s = max(s.writes_end_within_ms for s in table.shards) / 1000
         holds_s = self.kv_mgr.bounds.deferred_release_s or 0.0
@@ -130,6 +138,7 @@ class SglPdKVReceiver(BaseKVReceiver):
                 held_tokens=held,
                 owner=self,
                 kv_tokens=self._kv_tokens,
+                state_slot=state_slot,
             )
         except DuplicateRequest as e:
             # the room belongs to an earlier request still here: an Abort naming it

@@ -7,21 +7,32 @@ Functions on one `Room`, called by `PrefillRooms` with its lock held; no I/O.
 from __future__ import annotations
 
 from sgl_pd.backend.prefill.room_types import Destination, Room
+from sgl_pd.backend.state_slots import slot_mismatch
 from sgl_pd.core.counting import links_into
 from sgl_pd.core.layout import KvLayout
 from sgl_pd.core.sharding import ShardingScheme, link_shards
-from sgl_pd.core.wire import TransferRequest
+from sgl_pd.core.wire import StateSlots, TransferRequest
 
 
 def join(
-    room: Room, request: TransferRequest, *, rank: int, layout: KvLayout, scheme: ShardingScheme
+    room: Room,
+    request: TransferRequest,
+    *,
+    rank: int,
+    layout: KvLayout,
+    scheme: ShardingScheme,
+    state: StateSlots | None = None,
 ) -> str | None:
     """Adds a decode rank's request to the room, and the destination this rank writes
-    into (`rank`: this prefill rank). Returns why it is refused (the room unchanged), or
-    None (also for a copy of what that decode rank asked: nothing changes)."""
+    into (`rank`: this prefill rank; `state`: its state slots besides the KV). Returns
+    why it is refused (the room unchanged), or None (also for a copy of what that decode
+    rank asked: nothing changes)."""
     decoder = request.decoder
     if room.error is not None:
         return room.error
+    why = slot_mismatch(decoder.state, decoder.scheme, state, scheme)
+    if why is not None:
+        return why
     if decoder.instance in room.aborted_early:
         return f"decode rank {decoder.rank} aborted request {room.room} before it asked"
     held = room.requests.get(decoder.rank)

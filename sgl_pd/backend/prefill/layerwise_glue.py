@@ -31,8 +31,9 @@ from sgl_pd.layerwise.streamer import ForwardJob, LayerStreamer
 logger = logging.getLogger("sgl_pd.layerwise")
 
 # "model.layers.12.self_attn.o_proj" -> 12 (Llama, Qwen, DeepSeek: the attention output
-# projection, after which the layer's KV entries are written and TP ranks are in step)
-_O_PROJ = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|attn|attention)\.o_proj$")
+# projection, after which the layer's KV entries are written and TP ranks are in step);
+# Qwen3-Next's full-attention layers hold theirs directly ("model.layers.3.o_proj")
+_O_PROJ = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:(?:self_attn|attn|attention)\.)?o_proj$")
 
 
 class _Process:
@@ -66,11 +67,16 @@ _TOWERS = ("vision", "visual", "audio", "image", "encoder", "mm_projector")
 
 
 def _o_proj_modules(model: Any) -> dict[int, Any]:
-    """Layer -> the module now at its attention output projection's path (after a swap,
-    e.g. SGLang's LoRA wrapper, the wrapper: the base module inside it is named
+    """KV-cache layer -> the module now at its attention output projection's path (after
+    a swap, e.g. SGLang's LoRA wrapper, the wrapper: the base module inside it is named
     ``...o_proj.base_layer`` and may not run through its own forward). Layers are
     numbered within their stack (``<stack>.layers.<i>``): a multimodal model's vision or
-    audio tower numbers its own from 0, and is not the language model whose KV is sent."""
+    audio tower numbers its own from 0, and is not the language model whose KV is sent.
+
+    A hybrid model (gated DeltaNet, Mamba) has attention in some layers only, and SGLang's
+    pool holds their KV in model order, the i-th attention layer as KV layer i
+    (``full_attention_layer_id_mapping``): the found layers are numbered so, and
+    `check_layer_counts` holds them to the pool's count."""
     stacks: dict[str, dict[int, Any]] = {}
     for name, module in model.named_modules():
         match = _O_PROJ.search(name)
@@ -85,12 +91,7 @@ def _o_proj_modules(model: Any) -> dict[int, Any]:
             " serve this model with --pd-kv-send after-forward"
         )
     (found,) = stacks.values()
-    if sorted(found) != list(range(len(found))):
-        raise RuntimeError(
-            f"layer-wise streaming found attention output projections for layers "
-            f"{sorted(found)}; serve with --pd-kv-send after-forward for this model"
-        )
-    return found
+    return {kv_layer: found[layer] for kv_layer, layer in enumerate(sorted(found))}
 
 
 def attach_progress_hooks(model: Any, counter: ProgressCounter) -> None:

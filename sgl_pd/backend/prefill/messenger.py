@@ -112,6 +112,7 @@ class PrefillMessenger:
             draft_layers=pool.draft_layers,
             freeze=freeze,
             quarantine_s=quarantine_s,
+            state=pool.state,
         )
         self.writers = DestinationWriters(
             self.rooms,
@@ -193,11 +194,17 @@ class PrefillMessenger:
         return self.rooms.notice_chunk(room_id, src_pages, end_token, is_last)
 
     def submit_chunk(
-        self, room_id: int, pages: np.ndarray, num_tokens: int, ready: Any = None
+        self,
+        room_id: int,
+        pages: np.ndarray,
+        num_tokens: int,
+        ready: Any = None,
+        state_slot: int | None = None,
     ) -> None:
         """`ready`: an event (``synchronize()``) the KV of this send is complete after;
-        the writer waits on it, never the scheduler."""
-        writes = self.rooms.submit_chunk(room_id, pages, num_tokens)
+        the writer waits on it, never the scheduler. `state_slot`: the request's state
+        slot (Mamba), named in the last send."""
+        writes = self.rooms.submit_chunk(room_id, pages, num_tokens, state_slot)
         for chunk, layers in writes:
             for dest in self._destinations(room_id):
                 self.writers.put(LayersJob(dest, chunk, layers, ready))

@@ -35,7 +35,7 @@ from sgl_pd.core.page_ids import PageIds
 from sgl_pd.core.pins import PagePins
 from sgl_pd.core.sharding import ShardingScheme
 from sgl_pd.core.states import PrefillState
-from sgl_pd.core.wire import ErrorCode, TransferRequest
+from sgl_pd.core.wire import ErrorCode, StateSlots, TransferRequest
 
 _P = PrefillState
 
@@ -54,10 +54,12 @@ class PrefillRooms:
         freeze: FreezeWatch | None = None,
         pins: PagePins | None = None,
         quarantine_s: float = FAILED_BATCH_QUARANTINE_S,
+        state: StateSlots | None = None,
     ) -> None:
         self.rank = rank
         self.scheme = scheme
         self.layout = layout
+        self.state_slots = state  # this rank's state slots besides the KV (Mamba), if any
         self.layerwise = layerwise
         self.timeout_s = timeout_s
         self._clock = clock
@@ -99,7 +101,12 @@ class PrefillRooms:
                 return retention.unowned_full_message()
             room = self._table.room(request.request_id)
             why = destinations.join(
-                room, request, rank=self.rank, layout=self.layout, scheme=self.scheme
+                room,
+                request,
+                rank=self.rank,
+                layout=self.layout,
+                scheme=self.scheme,
+                state=self.state_slots,
             )
             if why is not None:
                 return why
@@ -172,13 +179,19 @@ class PrefillRooms:
             self._table.sending(room)
             return chunk
 
-    def submit_chunk(self, room_id: int, pages: np.ndarray, num_tokens: int) -> Writes:
+    def submit_chunk(
+        self, room_id: int, pages: np.ndarray, num_tokens: int, state_slot: int | None = None
+    ) -> Writes:
         """SGLang's `send` after a forward: the (chunk, layers) writes due now
-        (`WritesDue.sent`), to be queued before `writes_queued` is called with them."""
+        (`WritesDue.sent`), to be queued before `writes_queued` is called with them.
+        `state_slot`: the request's state slot besides the KV, which SGLang names in its
+        last send (the state is final then)."""
         with self._lock:
             room = self._rooms.get(room_id)  # gone: SGLang concluded it, nothing to send
             if room is None or room.error is not None:
                 return []
+            if state_slot is not None:
+                room.state_slot = state_slot
             self.pins.pin(room_id, pages)
             if self._table.live(room):
                 self._table.states.progressed(room_id)

@@ -9,6 +9,8 @@ import numpy as np
 import numpy.typing as npt
 from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll, KVTransferMetric
 
+from sgl_pd.backend.state_slots import state_slot_of
+from sgl_pd.core.failures import FailureCause
 from sgl_pd.core.states import PREFILL_TABLE, PrefillState
 from sgl_pd.errors import SglPdError
 
@@ -69,13 +71,21 @@ class SglPdKVSender(BaseKVSender):
         state_indices: list[Any] | None = None,
         num_kv_tokens: int | None = None,
     ) -> None:
-        if state_indices and any(s is not None for s in state_indices):
-            raise KvTransferFailed("sgl_pd does not transfer extra model state (Mamba, SWA)")
+        """`state_indices`: SGLang names the request's state slot (Mamba) in its last
+        send, once the last chunk's forward ended."""
+        state_slot = None
+        if state_indices is not None:
+            state_slot, why = state_slot_of(self.kv_mgr.pool.state, state_indices)
+            if why is not None:  # (SGLang's poll reads it failed, with the reason)
+                self._messenger.fail(self.bootstrap_room, why, FailureCause.REFUSED)
+                return
         pages = np.asarray(kv_indices, dtype=np.int64)
         page_size = self.kv_mgr.layout.page_size
         tokens = int(num_kv_tokens) if num_kv_tokens is not None else len(pages) * page_size
         ready, self._early_send_wait_event = self._early_send_wait_event, None
-        self._messenger.submit_chunk(self.bootstrap_room, pages, tokens, ready=ready)
+        self._messenger.submit_chunk(
+            self.bootstrap_room, pages, tokens, ready=ready, state_slot=state_slot
+        )
 
     def poll(self) -> int:
         """A failed request reads as Failed at once, writes in flight or not: SGLang then

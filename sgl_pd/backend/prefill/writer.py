@@ -33,7 +33,7 @@ from sgl_pd.core.failures import FailureCause
 from sgl_pd.core.plan import AddressedPlan, TransferPlan, plan_transfer
 from sgl_pd.core.regions import RegionTable
 from sgl_pd.core.relayout import ReceivePlacement, Relayout, fragmented, receive_placement
-from sgl_pd.core.wire import ChunkNotice, Guarded
+from sgl_pd.core.wire import ChunkNotice, Guarded, TransferRequest
 from sgl_pd.errors import SglPdError
 from sgl_pd.messenger.keyed_workers import KeyedWorkers
 from sgl_pd.transfer.completion import CompletionWordWriter
@@ -271,13 +271,15 @@ class KvWriter:
         return placement, request.staging_base
 
     def write_metadata(self, dest: Destination, aux_index: int | None, room: Room) -> Sent:
-        """D9: the metadata row if this rank writes it, then the last chunk's notice."""
+        """D9: the metadata row if this rank writes it - with the request's state slot
+        (Mamba) when the model keeps one: the same count word covers both
+        (`backend.state_slots`) - then the last chunk's notice."""
         request, decoder = dest.request, dest.request.decoder
         sent = Sent()
         if dest.writes_metadata:
             if aux_index is None or decoder.metadata is None:
                 raise SglPdError(f"request {request.request_id}: no metadata row on one side")
-            src, dst, lengths = [], [], []
+            src, dst, lengths = self._state_writes(request, room)
             for mine, theirs, item in zip(
                 self.pool.aux, decoder.metadata.regions, self.pool.aux_item_bytes, strict=True
             ):
@@ -304,6 +306,26 @@ class KvWriter:
             ),
         )
         return sent
+
+    def _state_writes(
+        self, request: TransferRequest, room: Room
+    ) -> tuple[list[int], list[int], list[int]]:
+        """(sources, destinations, lengths) of the request's state slot, one write per
+        region: this rank's slot into the decode rank's (same TP size and slot shape:
+        `destinations.join` refused any other); nothing for a model without state."""
+        mine, theirs = self.pool.state, request.decoder.state
+        if mine is None and theirs is None:
+            return [], [], []
+        if mine is None or theirs is None or request.state_slot is None:
+            raise SglPdError(f"request {request.request_id}: no state slot on one side")
+        if room.state_slot is None:
+            raise SglPdError(f"request {request.request_id}: SGLang named no state slot")
+        src, dst, lengths = [], [], []
+        for source, target, item in zip(mine.regions, theirs.regions, mine.slot_bytes, strict=True):
+            src.append(source.base + room.state_slot * item)
+            dst.append(target.base + request.state_slot * item)
+            lengths.append(item)
+        return src, dst, lengths
 
     def _sum_layers(self, dest: Destination, chunk: Chunk, layers: range) -> None:
         """Adds `layers` of `chunk`, on every link this rank writes into `dest`, to the

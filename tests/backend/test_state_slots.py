@@ -1,0 +1,123 @@
+"""A request's state slot besides the KV pages (a Mamba / linear-attention model's), moved
+by the messengers over the in-memory engine: the prefill's slot lands in the decoder's,
+byte for byte, with the metadata and under its count word, in both send modes; pairs
+that cannot move it refuse the request with the reason."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sgl_pd.backend.state_slots import slot_mismatch, state_slot_of
+from sgl_pd.core.errors import InvalidMessage
+from sgl_pd.core.regions import Region
+from sgl_pd.core.sharding import ShardingScheme
+from sgl_pd.core.states import DecodeState
+from sgl_pd.core.wire import StateSlots, TransferRequest
+
+from .pd_fakes import STATE_SLOTS, Rig, wait_state
+
+PAGES = [5, 6, 7, 8, 9, 10]
+DST = [20, 21, 22, 23, 24, 25]
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["after-forward", "layerwise"])
+def test_the_prefills_slot_lands_in_the_decoders_slot(layerwise: bool) -> None:
+    rig = Rig(layerwise=layerwise, state=True)
+    decoder = rig.add_decoder("decode-0")
+    src_slot, dst_slot = 3, 5
+    rig.request(decoder, 41, DST, slot=1, state_slot=dst_slot)
+    if layerwise:
+        rig.prefill_layerwise(41, PAGES, state_slot=src_slot)
+    else:
+        rig.prefill_all(41, PAGES, state_slot=src_slot)
+    wait_state(decoder, 41, DecodeState.COMPLETE)
+    assert decoder.memory.slot(dst_slot) == rig.prefill_memory.slot(src_slot)
+    # nothing else of the decoder's state changed, and the KV came as ever
+    untouched = [s for s in range(STATE_SLOTS) if s != dst_slot]
+    assert all(not any(decoder.memory.slot(s)) for s in untouched)
+    assert [decoder.memory.page(p) for p in DST] == [rig.prefill_memory.page(p) for p in PAGES]
+
+
+def test_the_request_is_not_complete_while_its_state_is_in_flight() -> None:
+    """The state rides in the metadata batch: held at the engine, the decoder's count
+    stays short of complete, and the slot is still empty."""
+    rig = Rig(state=True)
+    decoder = rig.add_decoder("decode-0")
+    rig.request(decoder, 42, DST[:2], slot=2, state_slot=4)
+    rig.prefill_engine.gate.clear()
+    rig.prefill_all(42, PAGES[:2], chunk=2, state_slot=6)
+    assert rig.prefill_engine.waiting.wait(5)
+    assert decoder.messenger.poll(42)[0] is not DecodeState.COMPLETE
+    assert not any(decoder.memory.slot(4))
+    rig.prefill_engine.gate.set()
+    wait_state(decoder, 42, DecodeState.COMPLETE)
+    assert decoder.memory.slot(4) == rig.prefill_memory.slot(6)
+
+
+def test_a_decoder_without_the_state_is_refused_with_the_reason() -> None:
+    rig = Rig(state=True)
+    decoder = rig.add_decoder("decode-0", state=False)
+    rig.request(decoder, 43, DST, slot=1)
+    state, error = decoder.messenger.poll(43)
+    assert state is DecodeState.FAILED, (state, error)
+    assert error is not None and "serve one model on both" in error, error
+
+
+def test_a_last_send_that_names_no_slot_fails_the_request() -> None:
+    rig = Rig(state=True)
+    decoder = rig.add_decoder("decode-0")
+    rig.request(decoder, 44, DST, slot=1, state_slot=2)
+    rig.prefill_all(44, PAGES)  # SGLang named no state slot
+    wait_state(decoder, 44, DecodeState.FAILED)
+    assert "named no state slot" in (decoder.messenger.poll(44)[1] or "")
+    assert not any(decoder.memory.slot(2))
+
+
+def _slots(slot_bytes: tuple[int, ...] = (8, 16), slots: int = 4) -> StateSlots:
+    regions = tuple(Region(0x1000 * (i + 1), slots * n) for i, n in enumerate(slot_bytes))
+    return StateSlots(kind="mamba", regions=regions, slot_bytes=slot_bytes, slots=slots)
+
+
+def test_sglang_names_one_slot_per_request() -> None:
+    mine = _slots()
+    assert state_slot_of(mine, [np.array([2])]) == (2, None)
+    assert state_slot_of(None, None) == (None, None)
+    assert state_slot_of(None, [None]) == (None, None)
+    for wrong in ([], [np.array([1, 2])], [np.array([9])]):
+        slot, why = state_slot_of(mine, wrong)
+        assert slot is None and why, wrong
+    slot, why = state_slot_of(None, [np.array([1])])
+    assert slot is None and why is not None and "does not transfer" in why
+
+
+def test_pairs_that_cannot_move_the_state_say_why() -> None:
+    one, two = ShardingScheme(1), ShardingScheme(2)
+    assert slot_mismatch(None, one, None, two) is None  # no state: TP is free
+    assert slot_mismatch(_slots(), one, _slots(), one) is None
+    why = slot_mismatch(_slots(), one, _slots(), two)
+    assert why is not None and "one TP size" in why
+    why = slot_mismatch(_slots(), one, _slots((8, 32)), one)
+    assert why is not None and "another shape" in why
+    why = slot_mismatch(None, one, _slots(), one)
+    assert why is not None and "keeps mamba state" in why
+
+
+def test_a_transfer_request_names_a_slot_exactly_when_its_decoder_has_slots() -> None:
+    rig = Rig(state=True)
+    decoder = rig.add_decoder("decode-0")
+    base = dict(request_id=1, dst_pages=(1,), metadata_slot=0, completion_slot=0)
+    TransferRequest(decoder=decoder.registration, state_slot=1, **base)  # type: ignore[arg-type]
+    for slot in (None, STATE_SLOTS):
+        with pytest.raises(InvalidMessage):
+            TransferRequest(decoder=decoder.registration, state_slot=slot, **base)  # type: ignore[arg-type]
+    plain = rig.add_decoder("decode-1", state=False)
+    with pytest.raises(InvalidMessage):
+        TransferRequest(decoder=plain.registration, state_slot=0, **base)  # type: ignore[arg-type]
+
+
+def test_state_slots_fit_their_regions() -> None:
+    with pytest.raises(InvalidMessage):
+        StateSlots(kind="mamba", regions=(Region(0, 10),), slot_bytes=(8,), slots=2)
+    with pytest.raises(InvalidMessage):
+        StateSlots(kind="mamba", regions=(Region(0, 16),), slot_bytes=(8, 8), slots=2)
