@@ -47,6 +47,12 @@ MOVED_STATE_KINDS = ("mamba",)
 # wire: SGLang's extend starts linear-attention layers from the prompt's cached state,
 # which a decoder's prefix cache of full-attention pages does not hold.
 MAMBA_STATE = "a model with Mamba / linear-attention state"
+# sgl_pd moves a request's main state slot only: not the replay ring SGLang's ReplaySSM
+# keeps beside it, nor a draft model's states (neither was run through PD here).
+MAMBA_UNSERVED = (
+    "{what} is not served yet with a model whose Mamba / linear-attention state sgl_pd"
+    " moves between servers (only each request's main state slot moves): drop it"
+)
 # With the hybrid pool off, SGLang keeps every layer's KV in one pool and applies the
 # window in attention only: sgl_pd moves the sliding layers' KV as any other layer's.
 SLIDING_WINDOW_POOL = (
@@ -169,8 +175,15 @@ def unsupported_option(
     if first_token == "decode" and getattr(options, "enable_multi_layer_eagle", False):
         return MULTI_LAYER_EAGLE
     kinds = sorted({str(getattr(k, "value", k)).lower() for k in state_kinds})
-    if not prefill and local_prefill_max_tokens > 0 and "mamba" in kinds:
-        return LOCAL_PREFILL_UNSERVED.format(tokens=local_prefill_max_tokens, what=MAMBA_STATE)
+    if "mamba" in kinds:
+        if not prefill and local_prefill_max_tokens > 0:
+            return LOCAL_PREFILL_UNSERVED.format(tokens=local_prefill_max_tokens, what=MAMBA_STATE)
+        for flag in ("enable_linear_replayssm", "enable_linear_replayssm_spec"):
+            if getattr(options, flag, False):
+                return MAMBA_UNSERVED.format(what="--" + flag.replace("_", "-"))
+        spec = getattr(options, "speculative_algorithm", None)
+        if spec not in (None, "", "None", "NONE"):
+            return MAMBA_UNSERVED.format(what=f"speculative decoding ({spec})")
     unmoved = [k for k in kinds if k not in MOVED_STATE_KINDS]
     if unmoved == ["swa"]:
         return SLIDING_WINDOW_POOL

@@ -11,11 +11,14 @@ to the last send, after the last chunk's forward (the prompt's first n - 1 token
 the decoder-sampled first token, whose decode step then reads token n - 1: the state it
 needs).
 
-The prefill's slot is not pinned: SGLang keeps a request's slot until its sender polls
-done, which it does only once every write landed. A request that failed polls failed at
-once and SGLang may hand its slot to another request while a state write still reads
-it; the bytes then land in the failed request's decoder slot, which the decoder holds
-until nothing can land (the release rule, `decode.release`), and is never read.
+The prefill's slot is not pinned (as its pages are): SGLang keeps a request's slot until
+its sender polls done (only once every write landed) or failed (at once, once the request
+failed), and may then hand the slot to another request while a state write still reads
+it. So the state's batch is written first and the count
+word only if the request had not failed by the time that batch landed: a request that
+never failed before then read an intact slot, and one that failed sends no count (its
+decoder hears the failure; the bytes that landed sit in its slot, held until nothing
+can land - the release rule, `decode.release` - and never read).
 
 Ranks of different TP sizes hold different slices of every layer's state (heads split
 by TP); moving slices between them is not served yet, so such a pair fails the request

@@ -17,12 +17,19 @@ import math
 import os
 import secrets
 from collections.abc import Iterator, Sequence
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sgl_pd.cluster.processes import ManagedProcess, free_ports, managed, python_module_argv
+from sgl_pd.cluster.processes import (
+    ManagedProcess,
+    exit_on_sigterm,
+    free_ports,
+    managed,
+    python_module_argv,
+)
 from sgl_pd.environment import (
     COREDUMP_BEFORE_CRASH,
     LOCAL_PATIENCE,
@@ -206,22 +213,25 @@ def start_side_by_side(
 ) -> list[Any]:
     """Enters the context managers of `servers` (a monolithic server, a PD cluster, ...)
     at once, each from its own thread, and returns what each yields; `stack` stops them
-    all, also those that started when another failed to. A server's start is mostly
-    single-threaded imports, so starts overlap well on two cores (answering requests
-    side by side would not: start them here, then use them one at a time)."""
-    with ThreadPoolExecutor(len(servers)) as pool:
-        entered = [pool.submit(server.__enter__) for server in servers]
-    values, failure = [], None
-    for server, future in zip(servers, entered, strict=True):
-        try:
-            values.append(future.result())
-        except BaseException as e:  # (the first failure is raised below)
-            failure = failure or e
-            continue
-        stack.push(server)
+    all, also those that started when another failed to (or the wait was interrupted).
+    A server's start is mostly single-threaded imports, so starts overlap well on two
+    cores (answering requests side by side would not: start them here, then use them one
+    at a time). A SIGTERM to this process stops them too, as it does a server started
+    from the main thread (`processes.managed`)."""
+    stack.callback(exit_on_sigterm())
+    pool = ThreadPoolExecutor(len(servers))
+    entered = [pool.submit(server.__enter__) for server in servers]
+    try:
+        futures.wait(entered)
+    finally:  # (interrupted too: each start still ends within its readiness wait)
+        pool.shutdown(wait=True)
+        for server, future in zip(servers, entered, strict=True):
+            if future.exception() is None:
+                stack.push(server)
+    failure = next((f.exception() for f in entered if f.exception() is not None), None)
     if failure is not None:
         raise failure
-    return values
+    return [future.result() for future in entered]
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ the scheduler and detokenizer processes SGLang forks.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import random
@@ -54,14 +55,25 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
+# Ports this process handed out lately: a port is free when chosen but taken only once
+# its server binds it, so a later call - another thread's, starting servers side by
+# side - must not choose it again meanwhile.
+_handed_out: collections.OrderedDict[int, None] = collections.OrderedDict()
+_handed_out_lock = threading.Lock()
+_HANDED_OUT_KEPT = 4096
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """Distinct free ports outside the ephemeral range (the kernel's own choice when
-    that range leaves none), all held open until chosen so no two are the same."""
-    with contextlib.ExitStack() as stack:
+    that range leaves none), all held open until chosen so no two are the same, and
+    none that this process handed out lately."""
+    with _handed_out_lock, contextlib.ExitStack() as stack:
         ports: list[int] = []
         for port in _server_port_candidates():
             if len(ports) == count:
                 break
+            if port in _handed_out:
+                continue
             s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
             try:
                 s.bind((host, port))
@@ -72,6 +84,10 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
             s.bind((host, 0))
             ports.append(int(s.getsockname()[1]))
+        for port in ports:
+            _handed_out[port] = None
+        while len(_handed_out) > _HANDED_OUT_KEPT:
+            _handed_out.popitem(last=False)
         return ports
 
 
@@ -212,7 +228,7 @@ def managed(processes: Sequence[ManagedProcess]) -> Iterator[Sequence[ManagedPro
     """Stops every process on exit, all at once, whatever happened inside -
     a SIGTERM to this process included (Python's default would end it at once, leaving
     the servers running)."""
-    restore = _exit_on_sigterm()
+    restore = exit_on_sigterm()
     try:
         yield processes
     finally:
@@ -222,7 +238,7 @@ def managed(processes: Sequence[ManagedProcess]) -> Iterator[Sequence[ManagedPro
             restore()
 
 
-def _exit_on_sigterm() -> Callable[[], None]:
+def exit_on_sigterm() -> Callable[[], None]:
     """Makes SIGTERM raise SystemExit (so `finally` blocks run) while the returned
     function is not called; only from the main thread and if nobody handles it yet."""
     if threading.current_thread() is not threading.main_thread():

@@ -127,7 +127,8 @@ class Memory:
 
 class GatedEngine(FakeTransferEngine):
     """Data batches wait for `gate` (set = open), so a test can hold writes in flight;
-    with `hold_peer` set, only those to that peer."""
+    with `hold_peer` set, only those to that peer; with `hold_into` set, only those
+    writing into one of those address ranges."""
 
     def __init__(self, fabric: FakeFabric) -> None:
         super().__init__(fabric)
@@ -137,12 +138,16 @@ class GatedEngine(FakeTransferEngine):
         self.data_batches = 0
         self.data_writes = 0  # one-sided writes in those batches
         self.hold_peer: str | None = None
+        self.hold_into: list[range] | None = None
 
     def write(self, peer: str, writes: Writes) -> None:
         if writes.total_bytes > 8 * len(writes):
             self.data_batches += 1
             self.data_writes += len(writes)
-            if not self.gate.is_set() and self.hold_peer in (None, peer):
+            into = self.hold_into is None or any(
+                int(d) in r for d in writes.dst for r in self.hold_into
+            )
+            if not self.gate.is_set() and self.hold_peer in (None, peer) and into:
                 self.waiting.set()
                 self.gate.wait(10)
         super().write(peer, writes)
@@ -179,6 +184,7 @@ class Rig:
     decoder_checksum: bool | None = None  # ... on the decoders, when it differs
     corruption_rate: float = 0.0  # of the prefill rank's data batches
     state: bool = False  # the model keeps a state slot per request (Mamba) on every rank
+    lose_errors: bool = False  # ErrorMsgs to decoders are lost (their resends still due)
 
     def _metrics(self, role: str) -> TransferMetrics:
         if not self.metered:
@@ -368,7 +374,7 @@ class Rig:
             decoder.messenger.on_chunk_notice(message)
         elif isinstance(message, AbortAck):
             decoder.messenger.on_abort_ack(message)
-        elif isinstance(message, ErrorMsg):
+        elif isinstance(message, ErrorMsg) and not self.lose_errors:
             decoder.messenger.on_error(message)
         return True
 

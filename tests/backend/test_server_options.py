@@ -86,6 +86,23 @@ def test_a_model_with_mamba_state_is_served_but_not_prefilled_on_its_decoder() -
     assert why is not None and "Mamba / linear-attention state" in why, why
 
 
+def test_what_moves_beside_a_mamba_state_untested_is_refused() -> None:
+    """Only each request's main state slot moves: ReplaySSM's ring and a draft model's
+    states are refused with the flag to drop."""
+    for options, named in (
+        (SimpleNamespace(enable_linear_replayssm=True), "--enable-linear-replayssm"),
+        (SimpleNamespace(enable_linear_replayssm_spec=True), "--enable-linear-replayssm-spec"),
+        (SimpleNamespace(speculative_algorithm="NEXTN"), "speculative decoding (NEXTN)"),
+    ):
+        for role in ("prefill", "decode"):
+            why = unsupported_option(
+                options, role, kv_send="layerwise", first_token="decode", state_kinds=["MAMBA"]
+            )
+            assert why is not None and why.startswith(named) and "drop it" in why, why
+        plain = unsupported_option(options, "decode", kv_send="layerwise", first_token="decode")
+        assert plain is None or named not in plain
+
+
 def test_a_sliding_window_pool_is_refused_with_the_option_that_serves_the_model() -> None:
     """SGLang's hybrid SWA pool alone: the line names the flag under which SGLang keeps
     every layer in one pool, which sgl_pd moves as any KV (either spelling of the kind)."""

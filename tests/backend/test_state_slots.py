@@ -5,6 +5,8 @@ that cannot move it refuse the request with the reason."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -15,7 +17,7 @@ from sgl_pd.core.sharding import ShardingScheme
 from sgl_pd.core.states import DecodeState
 from sgl_pd.core.wire import StateSlots, TransferRequest
 
-from .pd_fakes import STATE_SLOTS, Rig, wait_state
+from .pd_fakes import STATE_SLOTS, Decoder, Rig, wait_state
 
 PAGES = [5, 6, 7, 8, 9, 10]
 DST = [20, 21, 22, 23, 24, 25]
@@ -39,20 +41,49 @@ def test_the_prefills_slot_lands_in_the_decoders_slot(layerwise: bool) -> None:
     assert [decoder.memory.page(p) for p in DST] == [rig.prefill_memory.page(p) for p in PAGES]
 
 
+def _hold_state_writes(rig: Rig, decoder: Decoder) -> None:
+    """Holds, at the prefill's engine, only batches that write into the decoder's state."""
+    state = decoder.registration.state
+    assert state is not None
+    rig.prefill_engine.hold_into = [range(r.base, r.base + r.length) for r in state.regions]
+    rig.prefill_engine.gate.clear()
+
+
 def test_the_request_is_not_complete_while_its_state_is_in_flight() -> None:
-    """The state rides in the metadata batch: held at the engine, the decoder's count
-    stays short of complete, and the slot is still empty."""
+    """Every KV batch landed and the state's is held: the decoder's count stays short of
+    complete, and the slot is still empty; once it lands, the request completes."""
     rig = Rig(state=True)
     decoder = rig.add_decoder("decode-0")
-    rig.request(decoder, 42, DST[:2], slot=2, state_slot=4)
-    rig.prefill_engine.gate.clear()
-    rig.prefill_all(42, PAGES[:2], chunk=2, state_slot=6)
+    rig.request(decoder, 42, DST, slot=2, state_slot=4)
+    _hold_state_writes(rig, decoder)
+    rig.prefill_all(42, PAGES, state_slot=6)
     assert rig.prefill_engine.waiting.wait(5)
+    assert [decoder.memory.page(p) for p in DST] == [rig.prefill_memory.page(p) for p in PAGES]
     assert decoder.messenger.poll(42)[0] is not DecodeState.COMPLETE
     assert not any(decoder.memory.slot(4))
     rig.prefill_engine.gate.set()
     wait_state(decoder, 42, DecodeState.COMPLETE)
     assert decoder.memory.slot(4) == rig.prefill_memory.slot(6)
+
+
+def test_a_request_that_fails_while_its_state_is_written_never_completes() -> None:
+    """SGLang may reuse the slot of a failed request while the write still reads it: no
+    count and no last notice follow such a write - also when the decoder has not heard
+    of the failure yet (the error's first copy lost)."""
+    rig = Rig(state=True)
+    decoder = rig.add_decoder("decode-0")
+    rig.request(decoder, 45, DST, slot=3, state_slot=1)
+    _hold_state_writes(rig, decoder)
+    rig.prefill_all(45, PAGES, state_slot=2)
+    assert rig.prefill_engine.waiting.wait(5)
+    rig.lose_errors = True
+    rig.prefill.abort(45, "aborted by the prefill scheduler")
+    rig.prefill_engine.gate.set()
+    deadline = time.monotonic() + 5
+    while not (seen := rig.prefill.state(45)) or not seen[1]:  # until drained
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.01)
+    assert decoder.messenger.poll(45)[0] is not DecodeState.COMPLETE
 
 
 def test_a_decoder_without_the_state_is_refused_with_the_reason() -> None:

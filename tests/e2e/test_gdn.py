@@ -24,6 +24,7 @@ the decoder refuses to start with one line that says so. Pools are idle after.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from sgl_pd.cluster.conversations import Reply, replay, wrong_turns
-from sgl_pd.cluster.local import Patience, pd_cluster
+from sgl_pd.cluster.local import Patience, monolithic_server, pd_cluster, start_side_by_side
 from sgl_pd.cluster.logs import PoolStates, pools_idle, timing_lines, wait_pools_idle
 from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids
 from sgl_pd.models import TINY_QWEN3_NEXT_PATH
@@ -39,9 +40,9 @@ from sgl_pd.models import TINY_QWEN3_NEXT_PATH
 from .conftest import DECODE_LOCAL_PREFILL
 from .transformers_answers import (
     MonoRun,
+    answer_monolithic,
     ask_all,
     mismatches,
-    monolithic_answers,
     refused_decoder_log,
     transformers_reference,
     until_eos,
@@ -65,19 +66,76 @@ CONVERSATION_OPENERS = [long_prompt_ids(30 + 40 * i, start=300 * i + 5) for i in
 ENV = {"SGLANG_MAMBA_CONV_DTYPE": "float32"}
 
 
+@dataclass(frozen=True)
+class PdRun:
+    rounds: list[list[list[int]]]  # per round, every prompt's answer (all sent at once)
+    replies: list[list[Reply]]
+    held: list[tuple[int, int]]  # (tokens, held) of each request the prefill servers sent
+    modes: set[str]  # the send modes the prefill servers used
+    decode_log: str
+    pools: PoolStates | None  # None: every pool idle with no leak
+
+
 @pytest.fixture(scope="module")
-def mono(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterator[MonoRun]:
-    with monolithic_answers(
-        tmp_path_factory.mktemp("qwen3-next-mono"),
-        TINY_QWEN3_NEXT_PATH,
-        COMMON_ARGS,
-        ENV,
-        patience,
-        prompts=PROMPTS,
-        rounds=ROUNDS,
-        openers=CONVERSATION_OPENERS,
-    ) as run:
-        yield run
+def runs(
+    tmp_path_factory: pytest.TempPathFactory, patience: Patience
+) -> Iterator[tuple[MonoRun, PdRun]]:
+    """A monolithic server and a PD cluster (a decoder with its prefix cache, and two
+    prefill servers: layer-wise and after the forward) start side by side, then answer
+    one after the other."""
+    with pytest.MonkeyPatch.context() as patch, contextlib.ExitStack() as stack:
+        for name, value in ENV.items():
+            patch.setenv(name, value)
+        server, cluster = start_side_by_side(
+            stack,
+            monolithic_server(
+                tmp_path_factory.mktemp("qwen3-next-mono"),
+                model=TINY_QWEN3_NEXT_PATH,
+                extra=COMMON_ARGS,
+                patience=patience,
+            ),
+            pd_cluster(
+                tmp_path_factory.mktemp("qwen3-next-pd"),
+                model=TINY_QWEN3_NEXT_PATH,
+                prefill_extra=[*COMMON_ARGS, "--pd-kv-send", "layerwise"],
+                more_prefills=[[*COMMON_ARGS, "--pd-kv-send", "after-forward"]],
+                decode_extra=[*COMMON_ARGS, *DECODE_LOCAL_PREFILL],
+                patience=patience,
+            ),
+        )
+        mono = answer_monolithic(
+            server, prompts=PROMPTS, rounds=ROUNDS, openers=CONVERSATION_OPENERS
+        )
+        rounds = [ask_all(cluster.router_url, PROMPTS) for _ in range(2)]
+        replies = replay(cluster.router_url, mono.conversations, concurrency=2)
+        servers = {"prefill": cluster.prefill, "decode": cluster.decode}
+        states = wait_pools_idle(servers, patience.seconds(60))
+        lines = [
+            line
+            for prefill in (cluster.prefill, *cluster.more_prefills)
+            for line in timing_lines(prefill.process.log_path)
+        ]
+        yield (
+            mono,
+            PdRun(
+                rounds,
+                replies,
+                [(int(line["tokens"]), int(line["held"])) for line in lines],
+                {str(line["mode"]) for line in lines},
+                cluster.decode.process.log_path.read_text(errors="replace"),
+                None if pools_idle(servers, states) else states,
+            ),
+        )
+
+
+@pytest.fixture(scope="module")
+def mono(runs: tuple[MonoRun, PdRun]) -> MonoRun:
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def pd(runs: tuple[MonoRun, PdRun]) -> PdRun:
+    return runs[1]
 
 
 def test_a_gated_deltanet_model_on_cpu_gives_transformers_tokens(mono: MonoRun) -> None:
@@ -109,51 +167,6 @@ def test_the_model_counts(mono: MonoRun) -> None:
     assert text.startswith(" 44 45 46"), text
 
 
-@dataclass(frozen=True)
-class PdRun:
-    rounds: list[list[list[int]]]  # per round, every prompt's answer (all sent at once)
-    replies: list[list[Reply]]
-    held: list[tuple[int, int]]  # (tokens, held) of each request the prefill servers sent
-    modes: set[str]  # the send modes the prefill servers used
-    decode_log: str
-    pools: PoolStates | None  # None: every pool idle with no leak
-
-
-@pytest.fixture(scope="module")
-def pd(
-    tmp_path_factory: pytest.TempPathFactory, patience: Patience, mono: MonoRun
-) -> Iterator[PdRun]:
-    """(After the monolithic server: one set of servers at a time on two cores.)"""
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in ENV.items():
-            patch.setenv(name, value)
-        with pd_cluster(
-            tmp_path_factory.mktemp("qwen3-next-pd"),
-            model=TINY_QWEN3_NEXT_PATH,
-            prefill_extra=[*COMMON_ARGS, "--pd-kv-send", "layerwise"],
-            more_prefills=[[*COMMON_ARGS, "--pd-kv-send", "after-forward"]],
-            decode_extra=[*COMMON_ARGS, *DECODE_LOCAL_PREFILL],
-            patience=patience,
-        ) as cluster:
-            rounds = [ask_all(cluster.router_url, PROMPTS) for _ in range(2)]
-            replies = replay(cluster.router_url, mono.conversations, concurrency=2)
-            servers = {"prefill": cluster.prefill, "decode": cluster.decode}
-            states = wait_pools_idle(servers, patience.seconds(60))
-            lines = [
-                line
-                for server in (cluster.prefill, *cluster.more_prefills)
-                for line in timing_lines(server.process.log_path)
-            ]
-            yield PdRun(
-                rounds,
-                replies,
-                [(int(line["tokens"]), int(line["held"])) for line in lines],
-                {str(line["mode"]) for line in lines},
-                cluster.decode.process.log_path.read_text(errors="replace"),
-                None if pools_idle(servers, states) else states,
-            )
-
-
 def test_through_pd_the_state_moves_and_tokens_are_monolithic(mono: MonoRun, pd: PdRun) -> None:
     for i, answers in enumerate(pd.rounds):
         assert not mismatches(mono.rounds[0], answers), (
@@ -175,7 +188,7 @@ def test_through_pd_conversations_hold_prefixes_and_match(pd: PdRun) -> None:
 def test_a_decoder_asked_for_local_prefill_refuses_to_start_and_says_why(
     tmp_path: Path, patience: Patience, pd: PdRun
 ) -> None:
-    """(After the cluster above: one server at a time on two cores.)"""
+    """(Once the servers above answered: a start takes a core.)"""
     args = [*COMMON_ARGS, *DECODE_LOCAL_PREFILL, "--pd-local-prefill-max-tokens", "64"]
     log = refused_decoder_log(TINY_QWEN3_NEXT_PATH, args, tmp_path, patience)
     assert "is not served with a model with Mamba / linear-attention state" in log, log[-3000:]

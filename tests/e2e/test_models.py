@@ -2,15 +2,16 @@
 (MLA, MoE, a trained NextN/MTP layer) without and with NEXTN speculative decoding, and tiny
 Qwen3-MoE, first on ordinary SGLang servers, then through SGLang's router in PD mode.
 
-Each monolithic fixture starts its server, collects every answer the tests look at
-(the greedy reference for the PD runs included), and stops it before the next starts
-(2 cores). Each PD cluster has two prefill servers, one streaming layer by layer and one
-sending after the forward, which the router takes in turn: one cluster covers both send
-modes at one page size.
+The monolithic servers start side by side; each in turn then collects every answer the
+tests look at (the greedy reference for the PD runs included); they stop together. Each
+PD cluster has two prefill servers, one streaming layer by layer and one sending after
+the forward, which the router takes in turn: one cluster covers both send modes at one
+page size.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from sgl_pd.cluster.local import (
     monolithic_server,
     pd_cluster,
     scheduler_ranks,
+    start_side_by_side,
 )
 from sgl_pd.cluster.logs import TimingLine, last_pool_state, timing_lines, wait_pools_idle
 from sgl_pd.cluster.mesh import MeshServer, pd_mesh
@@ -122,48 +124,60 @@ def generate(server: Server, prompts: list[str]) -> tuple[list[str], list[dict[s
     return [a["text"] for a in answers], [a["meta_info"] for a in answers]
 
 
-def serve_and_ask(log_dir: Path, model: Path, extra: list[str], patience: Patience) -> Run:
-    with monolithic_server(log_dir, model=model, extra=extra, patience=patience) as server:
-        texts, meta = generate(server, PROMPTS)
-        # once more, one prompt at a time: batching must not change greedy text
-        singles = [generate(server, [p])[0][0] for p in PROMPTS]
-        assert singles == texts, (singles, texts)
-        answers = ask_all(server.url)
-        conversations = script(
-            server.url, CONVERSATION_OPENERS, CONVERSATION_TURNS, max_new_tokens=PD_NEW_TOKENS
-        )
-        log = server.process.log_path.read_text(errors="replace")
+def ask_monolithic(server: Server) -> Run:
+    """Every answer the tests look at, from one monolithic server."""
+    texts, meta = generate(server, PROMPTS)
+    # once more, one prompt at a time: batching must not change greedy text
+    singles = [generate(server, [p])[0][0] for p in PROMPTS]
+    assert singles == texts, (singles, texts)
+    answers = ask_all(server.url)
+    conversations = script(
+        server.url, CONVERSATION_OPENERS, CONVERSATION_TURNS, max_new_tokens=PD_NEW_TOKENS
+    )
+    log = server.process.log_path.read_text(errors="replace")
     return Run(texts, meta, log, answers, conversations)
 
 
-@pytest.fixture(scope="module")
-def deepseek(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterator[Run]:
-    yield serve_and_ask(
-        tmp_path_factory.mktemp("deepseek"),
-        TINY_DEEPSEEK_V3_PATH,
-        [*COMMON_ARGS, *CHUNK_ARGS],
-        patience,
-    )
+MONOLITHIC = {  # name -> (model, flags)
+    "deepseek": (TINY_DEEPSEEK_V3_PATH, [*COMMON_ARGS, *CHUNK_ARGS]),
+    "deepseek-nextn": (TINY_DEEPSEEK_V3_PATH, [*COMMON_ARGS, *CHUNK_ARGS, *NEXTN_ARGS]),
+    "qwen3-moe": (TINY_QWEN3_MOE_PATH, [*COMMON_ARGS, *CHUNK_ARGS]),
+}
 
 
 @pytest.fixture(scope="module")
-def deepseek_nextn(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterator[Run]:
-    yield serve_and_ask(
-        tmp_path_factory.mktemp("deepseek-nextn"),
-        TINY_DEEPSEEK_V3_PATH,
-        [*COMMON_ARGS, *CHUNK_ARGS, *NEXTN_ARGS],
-        patience,
-    )
+def monolithic(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> dict[str, Run]:
+    """The monolithic servers start side by side (a start is mostly single-threaded
+    imports), then answer one at a time (answering side by side, their threads would
+    spin against each other on two cores), and stop."""
+    with contextlib.ExitStack() as stack:
+        servers = start_side_by_side(
+            stack,
+            *(
+                monolithic_server(
+                    tmp_path_factory.mktemp(name), model=model, extra=extra, patience=patience
+                )
+                for name, (model, extra) in MONOLITHIC.items()
+            ),
+        )
+        return {
+            name: ask_monolithic(server) for name, server in zip(MONOLITHIC, servers, strict=True)
+        }
 
 
 @pytest.fixture(scope="module")
-def qwen3_moe(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterator[Run]:
-    yield serve_and_ask(
-        tmp_path_factory.mktemp("qwen3-moe"),
-        TINY_QWEN3_MOE_PATH,
-        [*COMMON_ARGS, *CHUNK_ARGS],
-        patience,
-    )
+def deepseek(monolithic: dict[str, Run]) -> Run:
+    return monolithic["deepseek"]
+
+
+@pytest.fixture(scope="module")
+def deepseek_nextn(monolithic: dict[str, Run]) -> Run:
+    return monolithic["deepseek-nextn"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(monolithic: dict[str, Run]) -> Run:
+    return monolithic["qwen3-moe"]
 
 
 def test_deepseek_greedy_text_is_readable(deepseek: Run) -> None:

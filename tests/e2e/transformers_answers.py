@@ -18,7 +18,14 @@ import pytest
 from sgl_pd.cluster.campaign import Expected
 from sgl_pd.cluster.client import generate_ids
 from sgl_pd.cluster.conversations import Conversation, script
-from sgl_pd.cluster.local import HOST, Patience, monolithic_server, pd_process, place_servers
+from sgl_pd.cluster.local import (
+    HOST,
+    Patience,
+    Server,
+    monolithic_server,
+    pd_process,
+    place_servers,
+)
 from sgl_pd.cluster.processes import ServerStartError, free_ports, managed
 
 NEW_TOKENS = 16
@@ -117,10 +124,18 @@ def monolithic_answers(
         for name, value in env.items():
             patch.setenv(name, value)
         with monolithic_server(workdir, model=model, extra=extra, patience=patience) as server:
-            answers = [ask_all(server.url, prompts) for _ in range(rounds)]
-            conversations = script(server.url, openers, 3, max_new_tokens=NEW_TOKENS)
-            log = server.process.log_path.read_text(errors="replace")
-    yield MonoRun(answers, conversations, log)
+            run = answer_monolithic(server, prompts=prompts, rounds=rounds, openers=openers)
+    yield run
+
+
+def answer_monolithic(
+    server: Server, *, prompts: list[list[int]], rounds: int, openers: list[list[int]]
+) -> MonoRun:
+    """`server`'s answers to `rounds` rounds of all `prompts` at once, then to three-turn
+    conversations from `openers`."""
+    answers = [ask_all(server.url, prompts) for _ in range(rounds)]
+    conversations = script(server.url, openers, 3, max_new_tokens=NEW_TOKENS)
+    return MonoRun(answers, conversations, server.process.log_path.read_text(errors="replace"))
 
 
 def refused_decoder_log(model: Path, extra: list[str], workdir: Path, patience: Patience) -> str:

@@ -287,8 +287,24 @@ class KvWriter:
                 dst.append(theirs.base + request.metadata_slot * item)
                 lengths.append(item)
             writes = MetadataWrites.of(src, dst, lengths)
+            if self.pool.state is not None:
+                # SGLang frees the state slot once the request polls failed (its slot
+                # is not pinned, as its pages are): only a request still live once the
+                # batch landed read an intact state, and only then does its count go
+                self._engine.write(decoder.session, writes)
+                if room.error is not None:
+                    raise SglPdError(
+                        f"request {request.request_id} failed while its state was being"
+                        f" written ({room.error}): its count is not sent"
+                    )
+                writes_done: Writes = MetadataWrites.empty()
+            else:
+                writes_done = writes
             self._words.send(
-                decoder.session, writes, self._slot_base(dest), metadata_word(request.request_id)
+                decoder.session,
+                writes_done,
+                self._slot_base(dest),
+                metadata_word(request.request_id),
             )
             sent = Sent(writes.total_bytes, len(writes))
         self._send(
