@@ -41,23 +41,25 @@ def test_the_prefills_slot_lands_in_the_decoders_slot(layerwise: bool) -> None:
     assert [decoder.memory.page(p) for p in DST] == [rig.prefill_memory.page(p) for p in PAGES]
 
 
-def _hold_state_writes(rig: Rig, decoder: Decoder) -> None:
-    """Holds, at the prefill's engine, only batches that write into the decoder's state."""
+def _state_held(room: int, dst_slot: int, src_slot: int) -> tuple[Rig, Decoder]:
+    """A request whose every KV batch landed while the batch writing its state is held
+    at the prefill's engine (only batches into the decoder's state regions are)."""
+    rig = Rig(state=True)
+    decoder = rig.add_decoder("decode-0")
+    rig.request(decoder, room, DST, slot=2, state_slot=dst_slot)
     state = decoder.registration.state
     assert state is not None
     rig.prefill_engine.hold_into = [range(r.base, r.base + r.length) for r in state.regions]
     rig.prefill_engine.gate.clear()
+    rig.prefill_all(room, PAGES, state_slot=src_slot)
+    assert rig.prefill_engine.waiting.wait(5)
+    return rig, decoder
 
 
 def test_the_request_is_not_complete_while_its_state_is_in_flight() -> None:
     """Every KV batch landed and the state's is held: the decoder's count stays short of
     complete, and the slot is still empty; once it lands, the request completes."""
-    rig = Rig(state=True)
-    decoder = rig.add_decoder("decode-0")
-    rig.request(decoder, 42, DST, slot=2, state_slot=4)
-    _hold_state_writes(rig, decoder)
-    rig.prefill_all(42, PAGES, state_slot=6)
-    assert rig.prefill_engine.waiting.wait(5)
+    rig, decoder = _state_held(42, dst_slot=4, src_slot=6)
     assert [decoder.memory.page(p) for p in DST] == [rig.prefill_memory.page(p) for p in PAGES]
     assert decoder.messenger.poll(42)[0] is not DecodeState.COMPLETE
     assert not any(decoder.memory.slot(4))
@@ -70,12 +72,7 @@ def test_a_request_that_fails_while_its_state_is_written_never_completes() -> No
     """SGLang may reuse the slot of a failed request while the write still reads it: no
     count and no last notice follow such a write - also when the decoder has not heard
     of the failure yet (the error's first copy lost)."""
-    rig = Rig(state=True)
-    decoder = rig.add_decoder("decode-0")
-    rig.request(decoder, 45, DST, slot=3, state_slot=1)
-    _hold_state_writes(rig, decoder)
-    rig.prefill_all(45, PAGES, state_slot=2)
-    assert rig.prefill_engine.waiting.wait(5)
+    rig, decoder = _state_held(45, dst_slot=1, src_slot=2)
     rig.lose_errors = True
     rig.prefill.abort(45, "aborted by the prefill scheduler")
     rig.prefill_engine.gate.set()
