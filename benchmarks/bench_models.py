@@ -12,14 +12,23 @@ and goodput under an ITL target, as a table, a PNG and a JSON file:
 Presets (override any figure with its flag):
   deepseek-r1   long prompts, moderate outputs: 4096 -> 1024 tokens, 1 to 8 req/s
   qwen3-coder   long code contexts: 16384 -> 512 tokens, 0.5 to 4 req/s
+  qwen3-next    a gated-DeltaNet hybrid: 16384 -> 512 tokens, 0.5 to 4 req/s
+
+For a hybrid model (Qwen3-Next: linear-attention layers beside full-attention ones) the
+PD setup also reports the bytes its prefill server moved per request - the full-
+attention layers' KV and each linear-attention layer's final state - against what the
+same model with every layer full attention would move (its KV per token times the
+prompt, computed from the model's config).
 
 With `--local` it starts both setups on this machine (two mixed servers vs one prefill +
 one decode server, each pinned to its own core) with the bundled tiny model of the same
-architecture (DeepSeek-V3 for deepseek-r1, Qwen3-MoE for qwen3-coder) and runs the same
+architecture (DeepSeek-V3 for deepseek-r1, Qwen3-MoE for qwen3-coder, Qwen3-Next for
+qwen3-next) and runs the same
 workload at a scale that fits two CPU cores. `--quick` makes it shorter still.
 
 The last line is JSON: per setup, at the highest rate, tps_per_stream, ttft_p50_ms,
-itl_p50_ms, itl_p99_ms, goodput.
+itl_p50_ms, itl_p99_ms, goodput; for a hybrid model (local PD setup) also
+bytes_per_request, full_attention_bytes_per_request and their ratio.
 """
 
 from __future__ import annotations
@@ -35,7 +44,8 @@ from pathlib import Path
 
 from sgl_pd.cluster.load import StreamStats, Workload, plot_setups, print_table, run_rates
 from sgl_pd.cluster.local import deployment, local_patience
-from sgl_pd.models import TINY_DEEPSEEK_V3_PATH, TINY_QWEN3_MOE_PATH
+from sgl_pd.cluster.logs import timing_lines
+from sgl_pd.models import TINY_DEEPSEEK_V3_PATH, TINY_QWEN3_MOE_PATH, TINY_QWEN3_NEXT_PATH
 
 
 @dataclass(frozen=True)
@@ -56,7 +66,45 @@ PRESETS = {
     "qwen3-coder": Preset(
         "Qwen3-Coder-480B", 16384, 512, (0.5, 1, 2, 4), 100, 50.0, TINY_QWEN3_MOE_PATH
     ),
+    "qwen3-next": Preset(
+        "Qwen3-Next-80B", 16384, 512, (0.5, 1, 2, 4), 100, 50.0, TINY_QWEN3_NEXT_PATH
+    ),
 }
+# a hybrid model's Mamba pool is otherwise sized from free memory: a large zeroed pool
+LOCAL_MODEL_ARGS = {TINY_QWEN3_NEXT_PATH: ["--max-mamba-cache-size", "64"]}
+
+
+@dataclass(frozen=True)
+class BytesMoved:
+    """What a PD prefill server moved per request, against the full-attention equivalent."""
+
+    requests: int
+    bytes_per_request: float  # mean over the requests the prefill server sent
+    full_attention_bytes_per_request: float  # every layer full attention, same prompts
+
+    @property
+    def ratio(self) -> float:
+        return self.bytes_per_request / self.full_attention_bytes_per_request
+
+
+def hybrid_bytes(model: Path, prefill_log: Path) -> BytesMoved | None:
+    """`BytesMoved` from the prefill's timing lines, for a model with linear-attention
+    layers (None for any other): the full-attention equivalent is each line's tokens
+    times the KV of one token in every layer (K and V, its KV heads, in the KV dtype
+    the servers ran: float32 here)."""
+    config = json.loads((model / "config.json").read_text())
+    if "linear_attention" not in config.get("layer_types", ()):
+        return None
+    lines = [line for line in timing_lines(prefill_log) if line["tokens"]]
+    if not lines:
+        return None
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    token_bytes = 2 * config["num_key_value_heads"] * head_dim * 4 * config["num_hidden_layers"]
+    moved = sum(float(line["bytes"]) for line in lines) / len(lines)
+    full = sum(float(line["tokens"]) * token_bytes for line in lines) / len(lines)
+    return BytesMoved(len(lines), moved, full)
+
+
 # --local: the same shape of workload at two CPU cores' scale (tiny model: ~20 ms a step)
 LOCAL = {"input_tokens": 1024, "output_tokens": 64, "rates": (0.2, 0.5), "requests_per_rate": 10}
 LOCAL_QUICK = {"input_tokens": 512, "output_tokens": 32, "rates": (0.5,), "requests_per_rate": 6}
@@ -115,9 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.ExitStack() as stack:
             if args.local:
                 started = time.monotonic()
-                url = stack.enter_context(
-                    deployment(name, work / name, model, LOCAL_SERVER_ARGS, patience)
-                )
+                extra = [*LOCAL_SERVER_ARGS, *LOCAL_MODEL_ARGS.get(model, [])]
+                url = stack.enter_context(deployment(name, work / name, model, extra, patience))
                 print(f"[bench] {name}: up in {time.monotonic() - started:.0f} s", flush=True)
             else:
                 url = getattr(args, f"{name}_url")
@@ -156,7 +203,18 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print(f"plot: {png}\ndetails: {details}")
-    headline = {}
+    moved = hybrid_bytes(model, work / "pd" / "prefill.log") if args.local else None
+    if moved is not None:
+        mib, full_mib = (
+            moved.bytes_per_request / 2**20,
+            moved.full_attention_bytes_per_request / 2**20,
+        )
+        print(
+            f"\nbytes moved per request by the PD prefill server ({moved.requests} requests):"
+            f" {mib:.2f} MiB (full-attention KV and each linear-attention layer's state)"
+            f" vs {full_mib:.2f} MiB were every layer full attention: {moved.ratio:.3f}x"
+        )
+    headline: dict[str, object] = {}
     for name, runs in results.items():
         top = runs[-1]
         headline[name] = {
@@ -167,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
             "itl_p99_ms": round(top.itl_p99, 2),
             "goodput": round(top.goodput, 4),
         }
+    if moved is not None:
+        headline["bytes_per_request"] = round(moved.bytes_per_request)
+        headline["full_attention_bytes_per_request"] = round(moved.full_attention_bytes_per_request)
+        headline["bytes_ratio"] = round(moved.ratio, 4)
     print(json.dumps(headline))
     return 0
 

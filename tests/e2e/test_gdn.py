@@ -16,10 +16,12 @@ write per layer and tensor - into the decoder's slot with the request's metadata
 the full-attention layer's KV layer by layer and one sending after the forward, answer
 every prompt with the monolithic server's tokens, all at once and round after round;
 so do conversations whose later turns the decoder's prefix cache holds part of (its
-pages; the state still moves whole). Local prefill on the decoder, on by default with
-its prefix cache, is off for such a model (an extend there would start the linear-
-attention layers from a state the decoder's cache does not keep); asked for by flag,
-the decoder refuses to start with one line that says so. Pools are idle after.
+pages; the state still moves whole), and so does a TP2 prefill server feeding a TP2
+decoder, each rank's slice of every state going rank to rank. Local prefill on the
+decoder, on by default with its prefix cache, is off for such a model (an extend there
+would start the linear-attention layers from a state the decoder's cache does not
+keep); asked for by flag, the decoder refuses to start with one line that says so.
+Pools are idle after.
 """
 
 from __future__ import annotations
@@ -185,8 +187,53 @@ def test_through_pd_conversations_hold_prefixes_and_match(pd: PdRun) -> None:
     assert any(held > 0 for _tokens, held in pd.held), pd.held
 
 
+@dataclass(frozen=True)
+class Tp2Run:
+    answers: list[list[int]]
+    replies: list[list[Reply]]
+    ranks_sent: int  # timing lines the prefill's ranks wrote: one per rank and request
+    pools: PoolStates | None
+
+
+@pytest.fixture(scope="module")
+def tp2(
+    tmp_path_factory: pytest.TempPathFactory, patience: Patience, mono: MonoRun, pd: PdRun
+) -> Iterator[Tp2Run]:
+    """A TP2 prefill server streaming layer by layer into a TP2 decoder: each rank holds
+    half of every layer's heads, of its state too, and writes its slice rank to rank.
+    (Once the servers above answered: four ranks take the two cores.)"""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in ENV.items():
+            patch.setenv(name, value)
+        with pd_cluster(
+            tmp_path_factory.mktemp("qwen3-next-tp2"),
+            model=TINY_QWEN3_NEXT_PATH,
+            prefill_extra=[*COMMON_ARGS, "--tp", "2", "--pd-kv-send", "layerwise"],
+            decode_extra=[*COMMON_ARGS, "--tp", "2", *DECODE_LOCAL_PREFILL],
+            patience=patience,
+        ) as cluster:
+            answers = ask_all(cluster.router_url, PROMPTS)
+            replies = replay(cluster.router_url, mono.conversations, concurrency=2)
+            servers = {"prefill": cluster.prefill, "decode": cluster.decode}
+            states = wait_pools_idle(servers, patience.seconds(90))
+            yield Tp2Run(
+                answers,
+                replies,
+                len(timing_lines(cluster.prefill.process.log_path)),
+                None if pools_idle(servers, states) else states,
+            )
+
+
+def test_tp2_to_tp2_moves_each_ranks_slice_of_the_state(mono: MonoRun, tp2: Tp2Run) -> None:
+    assert not mismatches(mono.rounds[0], tp2.answers), mismatches(mono.rounds[0], tp2.answers)
+    assert not wrong_turns(tp2.replies), tp2.replies
+    turns = sum(len(r) for r in tp2.replies)
+    assert tp2.ranks_sent == 2 * (len(PROMPTS) + turns), tp2.ranks_sent
+    assert tp2.pools is None, tp2.pools
+
+
 def test_a_decoder_asked_for_local_prefill_refuses_to_start_and_says_why(
-    tmp_path: Path, patience: Patience, pd: PdRun
+    tmp_path: Path, patience: Patience, tp2: Tp2Run
 ) -> None:
     """(Once the servers above answered: a start takes a core.)"""
     args = [*COMMON_ARGS, *DECODE_LOCAL_PREFILL, "--pd-local-prefill-max-tokens", "64"]

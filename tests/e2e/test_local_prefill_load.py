@@ -188,7 +188,8 @@ def test_a_chunked_local_request_goes_on_while_the_streams_outgrow_its_budget(
         )
 
     thread = threading.Thread(target=follow_up, daemon=True)
-    with _streams(decoder, 30, 64, patience, seed=3_200_000, start=thread.start) as answers:
+    # 160 tokens each: the first streams still run once the last one's prefill is done
+    with _streams(decoder, 30, 160, patience, seed=3_200_000, start=thread.start) as answers:
         thread.join(timeout=patience.seconds(600))
     assert not thread.is_alive() and got, "the chunked local request was not answered"
     assert got[0].status_code == 200, got[0].text[:300]
