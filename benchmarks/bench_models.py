@@ -70,8 +70,9 @@ PRESETS = {
         "Qwen3-Next-80B", 16384, 512, (0.5, 1, 2, 4), 100, 50.0, TINY_QWEN3_NEXT_PATH
     ),
 }
-# a hybrid model's Mamba pool is otherwise sized from free memory: a large zeroed pool
-LOCAL_MODEL_ARGS = {TINY_QWEN3_NEXT_PATH: ["--max-mamba-cache-size", "64"]}
+# a hybrid model's Mamba pool is otherwise sized from free memory (a large zeroed pool);
+# its prefill server's per-request lines (what it moved) are logged at level info
+LOCAL_MODEL_ARGS = {TINY_QWEN3_NEXT_PATH: ["--max-mamba-cache-size", "64", "--log-level", "info"]}
 
 
 @dataclass(frozen=True)
