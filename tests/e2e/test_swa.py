@@ -34,7 +34,9 @@ from sgl_pd.cluster.conversations import Reply, replay, wrong_turns
 from sgl_pd.cluster.local import (
     Patience,
     PdCluster,
+    monolithic_server,
     pd_cluster,
+    start_side_by_side,
 )
 from sgl_pd.cluster.logs import PoolStates, pools_idle, wait_pools_idle
 from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids
@@ -45,8 +47,8 @@ from . import transformers_answers
 from .conftest import DECODE_PREFIX_CACHE
 from .transformers_answers import (
     MonoRun,
+    answer_monolithic,
     mismatches,
-    monolithic_answers,
     refused_decoder_log,
     transformers_reference,
     wrong_answers,
@@ -78,20 +80,70 @@ def ask_all(url: str, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     return transformers_answers.ask_all(url, prompts, NEW_TOKENS)
 
 
+@dataclass(frozen=True)
+class PdRun:
+    answers: list[list[int]]
+    replies: list[list[Reply]]
+    pools: PoolStates | None  # None: both pools idle with no leak
+
+
+@dataclass(frozen=True)
+class GemmaRun:
+    prompts: list[list[int]]  # the prompts, then follow-ups holding them as prefixes
+    answers: list[list[int]]
+    pools: PoolStates | None  # None: both pools idle with no leak
+
+
+@dataclass(frozen=True)
+class Runs:
+    mono: MonoRun
+    pd: PdRun
+    gemma3_pd: GemmaRun
+
+
 @pytest.fixture(scope="module")
-def mono(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterator[MonoRun]:
-    with monolithic_answers(
-        tmp_path_factory.mktemp("mellum-mono"),
-        TINY_MELLUM_PATH,
-        [*COMMON_ARGS, *SMALL_POOL],
-        # out-of-window slots go back to the sliding pool every step, not every 128 tokens
-        {"SGLANG_SWA_EVICTION_INTERVAL": "1"},
-        patience,
-        prompts=PROMPTS,
-        rounds=ROUNDS,
-        openers=CONVERSATION_OPENERS,
-    ) as run:
-        yield run
+def runs(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterator[Runs]:
+    """Mellum's monolithic server, a Mellum PD pair and a Gemma 3 PD pair start side by
+    side (a start is mostly single-threaded imports), then answer one after the other.
+    Out-of-window slots go back to the sliding pool every step, not every 128 tokens
+    (the variable reaches every server; only the monolithic one keeps a hybrid pool)."""
+    with pytest.MonkeyPatch.context() as patch, contextlib.ExitStack() as stack:
+        patch.setenv("SGLANG_SWA_EVICTION_INTERVAL", "1")
+        server, mellum, gemma = start_side_by_side(
+            stack,
+            monolithic_server(
+                tmp_path_factory.mktemp("mellum-mono"),
+                model=TINY_MELLUM_PATH,
+                extra=[*COMMON_ARGS, *SMALL_POOL],
+                patience=patience,
+            ),
+            router_pd(tmp_path_factory, TINY_MELLUM_PATH, NO_HYBRID_POOL, patience),
+            router_pd(tmp_path_factory, TINY_GEMMA3_PATH, [], patience),
+        )
+        mono = answer_monolithic(
+            server, prompts=PROMPTS, rounds=ROUNDS, openers=CONVERSATION_OPENERS
+        )
+        pd = PdRun(
+            ask_all(mellum.router_url),
+            replay(mellum.router_url, mono.conversations, concurrency=2),
+            idle_pools(mellum, patience),
+        )
+        yield Runs(mono, pd, gemma_run(gemma, patience))
+
+
+@pytest.fixture(scope="module")
+def mono(runs: Runs) -> MonoRun:
+    return runs.mono
+
+
+@pytest.fixture(scope="module")
+def pd(runs: Runs) -> PdRun:
+    return runs.pd
+
+
+@pytest.fixture(scope="module")
+def gemma3_pd(runs: Runs) -> GemmaRun:
+    return runs.gemma3_pd
 
 
 def test_the_hybrid_pool_on_cpu_reads_the_sliding_layers_right(mono: MonoRun) -> None:
@@ -112,24 +164,6 @@ def test_the_model_counts_past_its_window(mono: MonoRun) -> None:
     tokenizer = PreTrainedTokenizerFast.from_pretrained(TINY_MELLUM_PATH)
     text = tokenizer.decode(mono.rounds[0][0])
     assert text.startswith(" 44 45 46"), text
-
-
-@dataclass(frozen=True)
-class PdRun:
-    answers: list[list[int]]
-    replies: list[list[Reply]]
-    pools: PoolStates | None  # None: both pools idle with no leak
-
-
-@pytest.fixture(scope="module")
-def pd(
-    tmp_path_factory: pytest.TempPathFactory, patience: Patience, mono: MonoRun
-) -> Iterator[PdRun]:
-    with router_pd(tmp_path_factory, TINY_MELLUM_PATH, NO_HYBRID_POOL, patience) as cluster:
-        answers = ask_all(cluster.router_url)
-        replies = replay(cluster.router_url, mono.conversations, concurrency=2)
-        pools = idle_pools(cluster, patience)
-    yield PdRun(answers, replies, pools)
 
 
 def router_pd(
@@ -164,9 +198,9 @@ def test_through_pd_without_the_hybrid_pool_tokens_are_monolithic(mono: MonoRun,
 
 
 def test_with_the_hybrid_pool_a_server_refuses_to_start_and_names_the_flag(
-    tmp_path: Path, patience: Patience, pd: PdRun
+    tmp_path: Path, patience: Patience, gemma3_pd: GemmaRun
 ) -> None:
-    """(After the cluster above: one server at a time on two cores.)"""
+    """(Once the servers above answered: a start takes a core.)"""
     log = refused_decoder_log(TINY_MELLUM_PATH, COMMON_ARGS, tmp_path, patience)
     assert "--disable-hybrid-swa-memory" in log, log[-3000:]
 
@@ -174,29 +208,16 @@ def test_with_the_hybrid_pool_a_server_refuses_to_start_and_names_the_flag(
 # -- a Gemma-3-style model: SGLang keeps its hybrid SWA pool off ----------------------------
 
 
-@dataclass(frozen=True)
-class GemmaRun:
-    prompts: list[list[int]]  # the prompts, then follow-ups holding them as prefixes
-    answers: list[list[int]]
-    pools: PoolStates | None  # None: both pools idle with no leak
-
-
-@pytest.fixture(scope="module")
-def gemma3_pd(
-    tmp_path_factory: pytest.TempPathFactory, patience: Patience, pd: PdRun
-) -> Iterator[GemmaRun]:
-    """(After the Mellum servers: one cluster at a time on two cores.)"""
-    with router_pd(tmp_path_factory, TINY_GEMMA3_PATH, [], patience) as cluster:
-        answers = ask_all(cluster.router_url)
-        # follow-ups: each prompt, its answer and a few more tokens, so that the decoder
-        # holds the prompt's pages and the prefill server computes the rest
-        follow_ups = [
-            [*p, *a, *long_prompt_ids(SLIDING_WINDOW // 2 + 3, start=900)]
-            for p, a in zip(PROMPTS, answers, strict=True)
-        ]
-        answers += ask_all(cluster.router_url, follow_ups)
-        pools = idle_pools(cluster, patience)
-    yield GemmaRun([*PROMPTS, *follow_ups], answers, pools)
+def gemma_run(cluster: PdCluster, patience: Patience) -> GemmaRun:
+    answers = ask_all(cluster.router_url)
+    # follow-ups: each prompt, its answer and a few more tokens, so that the decoder
+    # holds the prompt's pages and the prefill server computes the rest
+    follow_ups = [
+        [*p, *a, *long_prompt_ids(SLIDING_WINDOW // 2 + 3, start=900)]
+        for p, a in zip(PROMPTS, answers, strict=True)
+    ]
+    answers += ask_all(cluster.router_url, follow_ups)
+    return GemmaRun([*PROMPTS, *follow_ups], answers, idle_pools(cluster, patience))
 
 
 def test_a_gemma3_style_model_through_pd_gives_transformers_tokens(gemma3_pd: GemmaRun) -> None:

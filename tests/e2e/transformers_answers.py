@@ -7,8 +7,6 @@ to start."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +20,6 @@ from sgl_pd.cluster.local import (
     HOST,
     Patience,
     Server,
-    monolithic_server,
     pd_process,
     place_servers,
 )
@@ -103,29 +100,6 @@ class MonoRun:
     rounds: list[list[list[int]]]  # per round, per prompt: the greedy tokens
     conversations: list[Conversation]
     log: str
-
-
-@contextlib.contextmanager
-def monolithic_answers(
-    workdir: Path,
-    model: Path,
-    extra: list[str],
-    env: dict[str, str],
-    patience: Patience,
-    *,
-    prompts: list[list[int]],
-    rounds: int,
-    openers: list[list[int]],
-) -> Iterator[MonoRun]:
-    """A monolithic server of `model` (with `env` set) answering `rounds` rounds of all
-    `prompts` at once, then three-turn conversations from `openers`; stopped before
-    the run is yielded."""
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in env.items():
-            patch.setenv(name, value)
-        with monolithic_server(workdir, model=model, extra=extra, patience=patience) as server:
-            run = answer_monolithic(server, prompts=prompts, rounds=rounds, openers=openers)
-    yield run
 
 
 def answer_monolithic(
