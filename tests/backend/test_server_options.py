@@ -172,6 +172,24 @@ def test_the_local_prefill_limit_is_derived_from_the_chunk_size_unless_given() -
     assert server_options.local_prefill_limit(sglang_options(), 1000) == 1000
 
 
+def test_local_prefill_is_off_for_a_model_sglang_keeps_mamba_state_for() -> None:
+    """Read from SGLang's own model config, as the scheduler and the HTTP process do:
+    the bundled gated-DeltaNet hybrid gets no local prefill, derived or given; a plain
+    model keeps its limit."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from sgl_pd.models import TINY_LLAMA_PATH, TINY_QWEN3_NEXT_PATH
+
+    hybrid, plain = (ModelConfig(str(p)) for p in (TINY_QWEN3_NEXT_PATH, TINY_LLAMA_PATH))
+    assert server_options.keeps_mamba_state(hybrid)
+    assert not server_options.keeps_mamba_state(plain)
+    assert not server_options.keeps_mamba_state(None)
+    options = sglang_options()
+    for configured in (-1, 64):
+        assert server_options.local_prefill_limit(options, configured, hybrid) == 0
+    assert server_options.local_prefill_limit(options, -1, plain) == 256
+
+
 def test_a_prefill_server_with_several_tokenizer_workers_is_refused() -> None:
     """Its registry hears which rooms decoders prefill themselves; the requests are
     answered by the HTTP process that holds that knowledge."""
