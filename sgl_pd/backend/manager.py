@@ -16,9 +16,10 @@ import abc
 import logging
 import secrets
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import msgspec
 from sglang.srt.disaggregation.base.conn import BaseKVManager
 
 from sgl_pd.backend import health
@@ -30,6 +31,7 @@ from sgl_pd.backend.pool import PoolDescription, describe_pool
 from sgl_pd.backend.relayout_copies import PoolCopies
 from sgl_pd.backend.server_options import unsupported_option
 from sgl_pd.backend.staging_area import MIB, Staging, StagingArea, staging_bytes
+from sgl_pd.backend.state_slots import mamba_dtypes
 from sgl_pd.backend.tracing import RequestTracing
 from sgl_pd.config import SglPdConfig
 from sgl_pd.core.clock import Clock, SystemClock
@@ -224,6 +226,10 @@ class SglPdKVManager(BaseKVManager):
             bool(is_mla_backend),
             None if is_mla_backend else _kv_heads(args, server_args, parallel.attn_tp_size),
         )
+        if self.pool.state is not None:
+            # what SGLang's environment makes of its element types, for the pair check
+            slots = msgspec.structs.replace(self.pool.state, dtypes=mamba_dtypes())
+            self.pool = replace(self.pool, state=slots)
         self.layout = self.pool.layout
         # with DP attention every attention-DP rank is a decoder of its own, with the
         # whole pool of its requests: rank engine_rank (its attention-TP rank) of

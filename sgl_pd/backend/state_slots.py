@@ -89,6 +89,21 @@ def slot_mismatch(
     if not decoder.same_shape(prefill):
         return (
             f"the prefill server keeps its {prefill.kind} state in slots of another shape"
-            " than the decoder's: serve one model on both"
+            f" ({prefill.dtypes or 'element types unknown'}) than the decoder's"
+            f" ({decoder.dtypes or 'element types unknown'}): serve one model on both, with"
+            " the same SGLANG_MAMBA_CONV_DTYPE and SGLANG_MAMBA_SSM_DTYPE"
         )
     return None
+
+
+def mamba_dtypes() -> str:
+    """The element types SGLang gives this server's Mamba state, as far as its
+    environment decides them (``SGLANG_MAMBA_CONV_DTYPE``, ``SGLANG_MAMBA_SSM_DTYPE``;
+    the model's own config is the same on both servers of a pair)."""
+    from sglang.srt.configs.mamba_utils import mamba2_state_dtype
+
+    dtypes = mamba2_state_dtype(None)
+    return ",".join(
+        f"{name}={str(dtype).removeprefix('torch.')}"
+        for name, dtype in (("conv", dtypes.conv), ("ssm", dtypes.temporal))
+    )

@@ -153,6 +153,9 @@ class StateSlots(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     regions: tuple[Region, ...]
     slot_bytes: tuple[Positive, ...]  # bytes of one slot of each region
     slots: Positive  # slots every region holds
+    # the state's element types as the server chose them, e.g. "conv=bfloat16,ssm=float32"
+    # (SGLang reads them from its environment: two servers may differ at equal sizes)
+    dtypes: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
     def __post_init__(self) -> None:
         if not self.regions or len(self.regions) != len(self.slot_bytes):
@@ -163,7 +166,11 @@ class StateSlots(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
     def same_shape(self, other: StateSlots) -> bool:
         """Both hold the same state per request (a slot moves between them as is)."""
-        return (self.kind, self.slot_bytes) == (other.kind, other.slot_bytes)
+        return (self.kind, self.slot_bytes, self.dtypes) == (
+            other.kind,
+            other.slot_bytes,
+            other.dtypes,
+        )
 
 
 class ShardRegistration(_Message, tag="register", frozen=True):

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from sgl_pd.backend.state_slots import slot_mismatch, state_slot_of
+from sgl_pd.backend.state_slots import mamba_dtypes, slot_mismatch, state_slot_of
 from sgl_pd.core.errors import InvalidMessage
 from sgl_pd.core.regions import Region
 from sgl_pd.core.sharding import ShardingScheme
@@ -102,9 +102,13 @@ def test_a_last_send_that_names_no_slot_fails_the_request() -> None:
     assert not any(decoder.memory.slot(2))
 
 
-def _slots(slot_bytes: tuple[int, ...] = (8, 16), slots: int = 4) -> StateSlots:
+def _slots(
+    slot_bytes: tuple[int, ...] = (8, 16), slots: int = 4, dtypes: str = "conv=bfloat16"
+) -> StateSlots:
     regions = tuple(Region(0x1000 * (i + 1), slots * n) for i, n in enumerate(slot_bytes))
-    return StateSlots(kind="mamba", regions=regions, slot_bytes=slot_bytes, slots=slots)
+    return StateSlots(
+        kind="mamba", regions=regions, slot_bytes=slot_bytes, slots=slots, dtypes=dtypes
+    )
 
 
 def test_sglang_names_one_slot_per_request() -> None:
@@ -129,6 +133,20 @@ def test_pairs_that_cannot_move_the_state_say_why() -> None:
     assert why is not None and "another shape" in why
     why = slot_mismatch(None, one, _slots(), one)
     assert why is not None and "keeps mamba state" in why
+    # element types of one size that differ (SGLang reads them from the environment)
+    why = slot_mismatch(_slots(dtypes="conv=float16"), one, _slots(), one)
+    assert why is not None and "conv=bfloat16" in why and "SGLANG_MAMBA_CONV_DTYPE" in why
+
+
+def test_a_servers_state_types_come_from_sglangs_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("SGLANG_MAMBA_CONV_DTYPE", raising=False)
+    monkeypatch.delenv("SGLANG_MAMBA_SSM_DTYPE", raising=False)
+    assert mamba_dtypes() == "conv=bfloat16,ssm=float32"  # SGLang's defaults
+    monkeypatch.setenv("SGLANG_MAMBA_CONV_DTYPE", "float16")
+    monkeypatch.setenv("SGLANG_MAMBA_SSM_DTYPE", "bfloat16")
+    assert mamba_dtypes() == "conv=float16,ssm=bfloat16"
 
 
 def test_a_transfer_request_names_a_slot_exactly_when_its_decoder_has_slots() -> None:
