@@ -6,6 +6,8 @@ that cannot move it refuse the request with the reason."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,13 +21,30 @@ from sgl_pd.core.wire import StateSlots, TransferRequest
 
 from .pd_fakes import STATE_SLOTS, Decoder, Rig, wait_state
 
+_made: list[Rig] = []
+
+
+def _rig(**options: Any) -> Rig:
+    """A rig whose writer threads stop after the test (`_close_rigs`)."""
+    rig = Rig(**options)
+    _made.append(rig)
+    return rig
+
+
+@pytest.fixture(autouse=True)
+def _close_rigs() -> Iterator[None]:
+    yield
+    while _made:
+        _made.pop().prefill.writers.close()
+
+
 PAGES = [5, 6, 7, 8, 9, 10]
 DST = [20, 21, 22, 23, 24, 25]
 
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["after-forward", "layerwise"])
 def test_the_prefills_slot_lands_in_the_decoders_slot(layerwise: bool) -> None:
-    rig = Rig(layerwise=layerwise, state=True)
+    rig = _rig(layerwise=layerwise, state=True)
     decoder = rig.add_decoder("decode-0")
     src_slot, dst_slot = 3, 5
     rig.request(decoder, 41, DST, slot=1, state_slot=dst_slot)
@@ -44,7 +63,7 @@ def test_the_prefills_slot_lands_in_the_decoders_slot(layerwise: bool) -> None:
 def _state_held(room: int, dst_slot: int, src_slot: int) -> tuple[Rig, Decoder]:
     """A request whose every KV batch landed while the batch writing its state is held
     at the prefill's engine (only batches into the decoder's state regions are)."""
-    rig = Rig(state=True)
+    rig = _rig(state=True)
     decoder = rig.add_decoder("decode-0")
     rig.request(decoder, room, DST, slot=2, state_slot=dst_slot)
     state = decoder.registration.state
@@ -84,7 +103,7 @@ def test_a_request_that_fails_while_its_state_is_written_never_completes() -> No
 
 
 def test_a_decoder_without_the_state_is_refused_with_the_reason() -> None:
-    rig = Rig(state=True)
+    rig = _rig(state=True)
     decoder = rig.add_decoder("decode-0", state=False)
     rig.request(decoder, 43, DST, slot=1)
     state, error = decoder.messenger.poll(43)
@@ -93,7 +112,7 @@ def test_a_decoder_without_the_state_is_refused_with_the_reason() -> None:
 
 
 def test_a_last_send_that_names_no_slot_fails_the_request() -> None:
-    rig = Rig(state=True)
+    rig = _rig(state=True)
     decoder = rig.add_decoder("decode-0")
     rig.request(decoder, 44, DST, slot=1, state_slot=2)
     rig.prefill_all(44, PAGES)  # SGLang named no state slot
@@ -150,7 +169,7 @@ def test_a_servers_state_types_come_from_sglangs_environment(
 
 
 def test_a_transfer_request_names_a_slot_exactly_when_its_decoder_has_slots() -> None:
-    rig = Rig(state=True)
+    rig = _rig(state=True)
     decoder = rig.add_decoder("decode-0")
     base = dict(request_id=1, dst_pages=(1,), metadata_slot=0, completion_slot=0)
     TransferRequest(decoder=decoder.registration, state_slot=1, **base)  # type: ignore[arg-type]
