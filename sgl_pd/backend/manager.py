@@ -27,7 +27,7 @@ from sgl_pd.backend.addresses import Hosts, resolve_hosts
 from sgl_pd.backend.heartbeats import Heartbeats, Watched
 from sgl_pd.backend.kv_sums import KvSums
 from sgl_pd.backend.metrics import TransferMetrics
-from sgl_pd.backend.pool import PoolDescription, describe_pool
+from sgl_pd.backend.pool import PoolDescription, describe_pool, state_kinds
 from sgl_pd.backend.relayout_copies import PoolCopies
 from sgl_pd.backend.server_options import unsupported_option
 from sgl_pd.backend.staging_area import MIB, Staging, StagingArea, staging_bytes
@@ -204,7 +204,7 @@ class SglPdKVManager(BaseKVManager):
             self.role.value,
             kv_send=self.config.kv_send,
             first_token=self.config.first_token,
-            state_kinds=[getattr(t, "name", str(t)) for t in getattr(args, "state_types", ())],
+            state_kinds=state_kinds(args),
             local_prefill_max_tokens=self.config.local_prefill_max_tokens,
         )
         if refusal is not None:

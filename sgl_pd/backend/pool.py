@@ -114,10 +114,16 @@ def describe_pool(
     )
 
 
+def state_kinds(kv_args: Any) -> list[str]:
+    """The kinds of SGLang's state components, in its order: its ``StateType`` names,
+    lower-case ("mamba", "swa", ...)."""
+    return [str(getattr(t, "name", t)).lower() for t in getattr(kv_args, "state_types", ())]
+
+
 def state_slots(kv_args: Any) -> StateSlots | None:
     """The Mamba component of SGLang's state lists (each layer's conv and recurrent
     state tensors, ``[slots, ...]`` each, a slot per request), or None without one."""
-    kinds = [str(getattr(t, "name", t)).lower() for t in getattr(kv_args, "state_types", ())]
+    kinds = state_kinds(kv_args)
     if "mamba" not in kinds:
         return None
     i = kinds.index("mamba")

@@ -97,10 +97,16 @@ TOKENIZER_WORKERS = (
 )
 
 
-def _local_prefill_blocker(options: Any) -> str | None:
+def _speculative(options: Any) -> str | None:
+    """ "speculative decoding (<algorithm>)" when `options` turn it on, else None."""
     spec = getattr(options, "speculative_algorithm", None)
-    if spec not in (None, "", "None", "NONE"):
-        return f"speculative decoding ({spec})"
+    return None if spec in (None, "", "None", "NONE") else f"speculative decoding ({spec})"
+
+
+def _local_prefill_blocker(options: Any) -> str | None:
+    spec = _speculative(options)
+    if spec is not None:
+        return spec
     if getattr(options, "enable_dp_attention", False) or _int(options, "attn_dp_size", 1) > 1:
         return "DP attention"
     return None
@@ -181,9 +187,9 @@ def unsupported_option(
         for flag in ("enable_linear_replayssm", "enable_linear_replayssm_spec"):
             if getattr(options, flag, False):
                 return MAMBA_UNSERVED.format(what="--" + flag.replace("_", "-"))
-        spec = getattr(options, "speculative_algorithm", None)
-        if spec not in (None, "", "None", "NONE"):
-            return MAMBA_UNSERVED.format(what=f"speculative decoding ({spec})")
+        spec = _speculative(options)
+        if spec is not None:
+            return MAMBA_UNSERVED.format(what=spec)
     unmoved = [k for k in kinds if k not in MOVED_STATE_KINDS]
     if unmoved == ["swa"]:
         return SLIDING_WINDOW_POOL

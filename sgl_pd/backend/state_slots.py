@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from sgl_pd.core.sharding import ShardingScheme
-from sgl_pd.core.wire import ShardRegistration, StateSlots
+from sgl_pd.core.wire import StateSlots
 
 
 def state_slot_of(
@@ -57,20 +57,14 @@ def state_slot_of(
     return slot, None
 
 
-def state_mismatch(decoder: ShardRegistration, prefill: ShardRegistration) -> str | None:
-    """Why `prefill` cannot write `decoder`'s requests' state, or None (also when
-    neither keeps any)."""
-    return slot_mismatch(decoder.state, decoder.scheme, prefill.state, prefill.scheme)
-
-
 def slot_mismatch(
     decoder: StateSlots | None,
     decoder_scheme: ShardingScheme,
     prefill: StateSlots | None,
     prefill_scheme: ShardingScheme,
 ) -> str | None:
-    """`state_mismatch` from each side's state slots and sharding (the prefill rank
-    checks what a decoder asks with against its own)."""
+    """Why a prefill rank with `prefill` state slots cannot write a decode rank's with
+    `decoder`'s, or None (also when neither keeps any); asked by both sides."""
     if decoder is None and prefill is None:
         return None
     if decoder is None or prefill is None:

@@ -10,7 +10,7 @@ import numpy as np
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll
 
 from sgl_pd.backend.failure_cause import cause_of, cause_of_abort
-from sgl_pd.backend.state_slots import state_mismatch, state_slot_of
+from sgl_pd.backend.state_slots import slot_mismatch, state_slot_of
 from sgl_pd.core.errors import DuplicateRequest
 from sgl_pd.core.failures import FailureCause
 from sgl_pd.core.states import DECODE_TABLE, DecodeState
@@ -110,8 +110,14 @@ class SglPdKVReceiver(BaseKVReceiver):
                 f" {who[not theirs]}: start both with the same"
             )
             return
+        mine = self.kv_mgr.registration
         why = next(
-            (w for s in table.shards if (w := state_mismatch(self.kv_mgr.registration, s))), None
+            (
+                w
+                for s in table.shards
+                if (w := slot_mismatch(mine.state, mine.scheme, s.state, s.scheme))
+            ),
+            None,
         )
         if why is not None:
             self._fail(f"{why} (prefill server {self.bootstrap_addr})")

@@ -18,7 +18,7 @@ decoder granted. Either way the count word follows the job's last write.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,7 +31,7 @@ from sgl_pd.backend.staging_area import Staging
 from sgl_pd.core.counting import count_word, metadata_word, source_word_offset
 from sgl_pd.core.failures import FailureCause
 from sgl_pd.core.plan import AddressedPlan, TransferPlan, plan_transfer
-from sgl_pd.core.regions import RegionTable
+from sgl_pd.core.regions import Region, RegionTable
 from sgl_pd.core.relayout import ReceivePlacement, Relayout, fragmented, receive_placement
 from sgl_pd.core.wire import ChunkNotice, Guarded, TransferRequest
 from sgl_pd.errors import SglPdError
@@ -279,14 +279,17 @@ class KvWriter:
         if dest.writes_metadata:
             if aux_index is None or decoder.metadata is None:
                 raise SglPdError(f"request {request.request_id}: no metadata row on one side")
-            src, dst, lengths = self._state_writes(request, room)
-            for mine, theirs, item in zip(
-                self.pool.aux, decoder.metadata.regions, self.pool.aux_item_bytes, strict=True
-            ):
-                src.append(mine.base + aux_index * item)
-                dst.append(theirs.base + request.metadata_slot * item)
-                lengths.append(item)
-            writes = MetadataWrites.of(src, dst, lengths)
+            state_src, state_dst, state_lengths = self._state_writes(request, room)
+            row_src, row_dst, row_lengths = _row_writes(
+                self.pool.aux,
+                decoder.metadata.regions,
+                self.pool.aux_item_bytes,
+                aux_index,
+                request.metadata_slot,
+            )
+            writes = MetadataWrites.of(
+                state_src + row_src, state_dst + row_dst, state_lengths + row_lengths
+            )
             if self.pool.state is not None:
                 # SGLang frees the state slot once the request polls failed (its slot
                 # is not pinned, as its pages are): only a request still live once the
@@ -336,12 +339,9 @@ class KvWriter:
             raise SglPdError(f"request {request.request_id}: no state slot on one side")
         if room.state_slot is None:
             raise SglPdError(f"request {request.request_id}: SGLang named no state slot")
-        src, dst, lengths = [], [], []
-        for source, target, item in zip(mine.regions, theirs.regions, mine.slot_bytes, strict=True):
-            src.append(source.base + room.state_slot * item)
-            dst.append(target.base + request.state_slot * item)
-            lengths.append(item)
-        return src, dst, lengths
+        return _row_writes(
+            mine.regions, theirs.regions, mine.slot_bytes, room.state_slot, request.state_slot
+        )
 
     def _sum_layers(self, dest: Destination, chunk: Chunk, layers: range) -> None:
         """Adds `layers` of `chunk`, on every link this rank writes into `dest`, to the
@@ -376,6 +376,24 @@ class KvWriter:
 
     def close(self) -> None:
         self._words.close()
+
+
+def _row_writes(
+    sources: Sequence[Region],
+    targets: Sequence[Region],
+    row_bytes: Sequence[int],
+    src_row: int,
+    dst_row: int,
+) -> tuple[list[int], list[int], list[int]]:
+    """(sources, destinations, lengths): row `src_row` of each source region into row
+    `dst_row` of its target region, rows of `row_bytes[i]` bytes (a request's metadata
+    rows, or its state slot)."""
+    src, dst, lengths = [], [], []
+    for source, target, item in zip(sources, targets, row_bytes, strict=True):
+        src.append(source.base + src_row * item)
+        dst.append(target.base + dst_row * item)
+        lengths.append(item)
+    return src, dst, lengths
 
 
 class DestinationWriters:
