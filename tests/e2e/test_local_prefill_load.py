@@ -234,7 +234,9 @@ def test_a_local_request_the_decoder_has_no_room_for_goes_to_the_prefill_server(
         "input_ids": prompt,
         "sampling_params": {"temperature": 0, "max_new_tokens": ANSWER_TOKENS},
     }
-    with _streams(decoder, SMALL_RUNNING, 160, patience, seed=seed + 5000) as answers:
+    local_before = _metric(decoder, LOCAL)
+    # 320 tokens each: the first streams still run once the follow-up's fate is decided
+    with _streams(decoder, SMALL_RUNNING, 320, patience, seed=seed + 5000) as answers:
         placed_before = _placements(decoder)  # (once the streams were placed)
         if flow == "direct":
             response = requests.post(
@@ -254,7 +256,8 @@ def test_a_local_request_the_decoder_has_no_room_for_goes_to_the_prefill_server(
     assert response.ok, response.text[:300]
     sent = {why: n - sent_before[why] for why, n in _sent_out(decoder).items()}
     went_out = sum(sent.values()) + placed_remote  # (placements: direct mode only)
-    assert went_out == 1 and sent["unadmitted"] == 0, (sent, placed_remote)
+    local = _metric(decoder, LOCAL) - local_before
+    assert went_out == 1 and sent["unadmitted"] == 0, (sent, placed_remote, local)
     assert response.json()["output_ids"] == generate_ids(mono.url, prompt, ANSWER_TOKENS)
     assert all(a.status_code == 200 for a in answers)
 
