@@ -13,17 +13,19 @@ Presets (override any figure with its flag):
   deepseek-r1   long prompts, moderate outputs: 4096 -> 1024 tokens, 1 to 8 req/s
   qwen3-coder   long code contexts: 16384 -> 512 tokens, 0.5 to 4 req/s
   qwen3-next    a gated-DeltaNet hybrid: 16384 -> 512 tokens, 0.5 to 4 req/s
+  mellum        a sliding-window hybrid: 8192 -> 512 tokens, 0.5 to 4 req/s
 
-For a hybrid model (Qwen3-Next: linear-attention layers beside full-attention ones) the
-PD setup also reports the bytes its prefill server moved per request - the full-
-attention layers' KV and each linear-attention layer's final state - against what the
-same model with every layer full attention would move (its KV per token times the
-prompt, computed from the model's config).
+For a hybrid model (Qwen3-Next: linear-attention layers beside full-attention ones;
+Mellum: sliding-window layers beside them, in SGLang's hybrid SWA pool) the PD setup
+also reports the bytes its prefill server moved per request - the full-attention
+layers' KV and each linear-attention layer's final state, or each sliding layer's
+window - against what the same model with every layer full attention would move (its
+KV per token times the prompt, computed from the model's config).
 
 With `--local` it starts both setups on this machine (two mixed servers vs one prefill +
 one decode server, each pinned to its own core) with the bundled tiny model of the same
 architecture (DeepSeek-V3 for deepseek-r1, Qwen3-MoE for qwen3-coder, Qwen3-Next for
-qwen3-next) and runs the same
+qwen3-next, Mellum for mellum) and runs the same
 workload at a scale that fits two CPU cores. `--quick` makes it shorter still.
 
 The last line is JSON: per setup, at the highest rate, tps_per_stream, ttft_p50_ms,
@@ -45,7 +47,12 @@ from pathlib import Path
 from sgl_pd.cluster.load import StreamStats, Workload, plot_setups, print_table, run_rates
 from sgl_pd.cluster.local import deployment, local_patience
 from sgl_pd.cluster.logs import timing_lines
-from sgl_pd.models import TINY_DEEPSEEK_V3_PATH, TINY_QWEN3_MOE_PATH, TINY_QWEN3_NEXT_PATH
+from sgl_pd.models import (
+    TINY_DEEPSEEK_V3_PATH,
+    TINY_MELLUM_PATH,
+    TINY_QWEN3_MOE_PATH,
+    TINY_QWEN3_NEXT_PATH,
+)
 
 
 @dataclass(frozen=True)
@@ -69,10 +76,16 @@ PRESETS = {
     "qwen3-next": Preset(
         "Qwen3-Next-80B", 16384, 512, (0.5, 1, 2, 4), 100, 50.0, TINY_QWEN3_NEXT_PATH
     ),
+    "mellum": Preset("Mellum", 8192, 512, (0.5, 1, 2, 4), 100, 50.0, TINY_MELLUM_PATH),
 }
 # a hybrid model's Mamba pool is otherwise sized from free memory (a large zeroed pool);
 # its prefill server's per-request lines (what it moved) are logged at level info
-LOCAL_MODEL_ARGS = {TINY_QWEN3_NEXT_PATH: ["--max-mamba-cache-size", "64", "--log-level", "info"]}
+LOCAL_MODEL_ARGS = {
+    TINY_QWEN3_NEXT_PATH: ["--max-mamba-cache-size", "64", "--log-level", "info"],
+    TINY_MELLUM_PATH: ["--log-level", "info"],
+}
+# the layer types of hybrid models (a config's ``layer_types``) besides full attention
+HYBRID_LAYER_TYPES = ("linear_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -89,12 +102,12 @@ class BytesMoved:
 
 
 def hybrid_bytes(model: Path, prefill_log: Path) -> BytesMoved | None:
-    """`BytesMoved` from the prefill's timing lines, for a model with linear-attention
-    layers (None for any other): the full-attention equivalent is each line's tokens
-    times the KV of one token in every layer (K and V, its KV heads, in the KV dtype
-    the servers ran: float32 here)."""
+    """`BytesMoved` from the prefill's timing lines, for a model with linear-attention or
+    sliding-window layers (None for any other): the full-attention equivalent is each
+    line's tokens times the KV of one token in every layer (K and V, its KV heads, in
+    the KV dtype the servers ran: float32 here)."""
     config = json.loads((model / "config.json").read_text())
-    if "linear_attention" not in config.get("layer_types", ()):
+    if not set(HYBRID_LAYER_TYPES) & set(config.get("layer_types", ())):
         return None
     lines = [line for line in timing_lines(prefill_log) if line["tokens"]]
     if not lines:

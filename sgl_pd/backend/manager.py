@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 from sglang.srt.disaggregation.base.conn import BaseKVManager
 
-from sgl_pd.backend import health
+from sgl_pd.backend import health, sliding_window_glue
 from sgl_pd.backend.addresses import Hosts, resolve_hosts
 from sgl_pd.backend.heartbeats import Heartbeats, Watched
 from sgl_pd.backend.kv_sums import KvSums
@@ -206,6 +206,7 @@ class SglPdKVManager(BaseKVManager):
             first_token=self.config.first_token,
             state_kinds=state_kinds(args),
             local_prefill_max_tokens=self.config.local_prefill_max_tokens,
+            kv_checksum=self.config.kv_checksum,
         )
         if refusal is not None:
             raise ConfigError(refusal)
@@ -225,8 +226,9 @@ class SglPdKVManager(BaseKVManager):
             args,
             bool(is_mla_backend),
             None if is_mla_backend else _kv_heads(args, server_args, parallel.attn_tp_size),
+            sliding_window_glue.window(),
         )
-        if self.pool.state is not None:
+        if self.pool.state is not None and self.pool.state.kind == "mamba":
             # what SGLang's environment makes of its element types, for the pair check
             slots = msgspec.structs.replace(self.pool.state, dtypes=mamba_dtypes())
             self.pool = replace(self.pool, state=slots)

@@ -12,7 +12,9 @@ NEXTN/MTP layer's KV travels like any other layer, under the same plan and count
 
 State besides the KV pages comes in SGLang's ``state_*`` lists, one component per state
 type. sgl_pd moves the Mamba / linear-attention component (``StateType.MAMBA``: each
-layer's conv and recurrent state, one slot per request); the start-up check refuses
+layer's conv and recurrent state, one slot per request) and the hybrid SWA pool's
+(``StateType.SWA``: the sliding-window layers' K and V buffers, in pages of their own;
+the main pool then holds the full-attention layers only); the start-up check refuses
 models with any other (`server_options`).
 """
 
@@ -37,16 +39,22 @@ class PoolDescription:
     aux: tuple[Region, ...]  # metadata buffers (D9), one row per request slot
     aux_item_bytes: tuple[int, ...]  # bytes of one row of each metadata buffer
     aux_rows: int  # request slots in the metadata buffers
-    state: StateSlots | None = None  # per-request state besides the KV pages (Mamba)
+    # per-request state besides the KV pages (Mamba slots, sliding-window pages)
+    state: StateSlots | None = None
 
 
 def describe_pool(
-    kv_args: Any, is_mla: bool, heads: tuple[int, int] | None = None
+    kv_args: Any,
+    is_mla: bool,
+    heads: tuple[int, int] | None = None,
+    window: int | None = None,
 ) -> PoolDescription:
     """Reads SGLang's ``KVArgs`` (duck-typed: it is SGLang's class, not ours).
 
     ``heads`` = (heads on this rank, heads in the model), for roles whose ``KVArgs``
     does not carry them (SGLang's decoder fills them in only for its staging mode).
+    ``window``: the model's sliding window in tokens, where SGLang's hybrid SWA pool
+    keeps the sliding layers (`sliding_window_glue.window`).
     """
     ptrs: list[int] = list(kv_args.kv_data_ptrs)
     lens: list[int] = list(kv_args.kv_data_lens)
@@ -110,7 +118,7 @@ def describe_pool(
         aux=tuple(Region(p, n) for p, n in zip(aux_ptrs, aux_lens, strict=True)),
         aux_item_bytes=aux_items,
         aux_rows=aux_rows,
-        state=state_slots(kv_args),
+        state=state_slots(kv_args, window),
     )
 
 
@@ -120,23 +128,29 @@ def state_kinds(kv_args: Any) -> list[str]:
     return [str(getattr(t, "name", t)).lower() for t in getattr(kv_args, "state_types", ())]
 
 
-def state_slots(kv_args: Any) -> StateSlots | None:
-    """The Mamba component of SGLang's state lists (each layer's conv and recurrent
-    state tensors, ``[slots, ...]`` each, a slot per request), or None without one."""
+def state_slots(kv_args: Any, window: int | None = None) -> StateSlots | None:
+    """The component of SGLang's state lists sgl_pd moves, or None without one: Mamba
+    (each layer's conv and recurrent state tensors, ``[slots, ...]`` each, a slot per
+    request) or the hybrid SWA pool (each sliding layer's K and V buffers, a slot per
+    page; `window` tokens of them per request)."""
     kinds = state_kinds(kv_args)
-    if "mamba" not in kinds:
+    kind = next((k for k in ("mamba", "swa") if k in kinds), None)
+    if kind is None:
         return None
-    i = kinds.index("mamba")
+    if kind == "swa" and not window:
+        raise ConfigError("SGLang's hybrid SWA pool is on, but its sliding window is unknown")
+    i = kinds.index(kind)
     ptrs = [int(p) for p in kv_args.state_data_ptrs[i]]
     lens = [int(n) for n in kv_args.state_data_lens[i]]
     items = [int(n) for n in kv_args.state_item_lens[i]]
     if not ptrs or not len(ptrs) == len(lens) == len(items):
-        raise ConfigError(f"the Mamba state lists {len(ptrs)} buffers and {len(items)} sizes")
+        raise ConfigError(f"the {kind} state lists {len(ptrs)} buffers and {len(items)} sizes")
     return StateSlots(
-        kind="mamba",
+        kind=kind,
         regions=tuple(Region(p, n) for p, n in zip(ptrs, lens, strict=True)),
         slot_bytes=tuple(items),
         slots=min(n // item for n, item in zip(lens, items, strict=True)),
+        window=int(window or 0) if kind == "swa" else 0,
     )
 
 

@@ -273,6 +273,18 @@ def register_backend() -> None:
         layerwise_glue.after_load_model,
         HookType.AFTER,
     )
+    from sgl_pd.backend import sliding_window_glue
+
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.load_model",
+        sliding_window_glue.after_load_model,
+        HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue._send_kv_metadata",
+        sliding_window_glue.around_send_kv_metadata,
+        HookType.AROUND,
+    )
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner.init_lora_manager",
         layerwise_glue.after_init_lora_manager,

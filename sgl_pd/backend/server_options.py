@@ -42,7 +42,7 @@ HYBRID_STATE = (
 )
 # The state components sgl_pd moves beside the KV pages (SGLang's StateType names):
 # the allow-list; every other kind is refused at start-up.
-MOVED_STATE_KINDS = ("mamba",)
+MOVED_STATE_KINDS = ("mamba", "swa")
 # A local prefill on the decoder extends a request whose Mamba state came over the
 # wire: SGLang's extend starts linear-attention layers from the prompt's cached state,
 # which a decoder's prefix cache of full-attention pages does not hold.
@@ -53,13 +53,19 @@ MAMBA_UNSERVED = (
     "{what} is not served yet with a model whose Mamba / linear-attention state sgl_pd"
     " moves between servers (only each request's main state slot moves): drop it"
 )
-# With the hybrid pool off, SGLang keeps every layer's KV in one pool and applies the
-# window in attention only: sgl_pd moves the sliding layers' KV as any other layer's.
-SLIDING_WINDOW_POOL = (
-    "this model keeps its sliding-window layers in SGLang's hybrid SWA pool, which sgl_pd"
-    " does not transfer yet: start both servers with --disable-hybrid-swa-memory (every"
-    " layer's KV then moves as pages: the sliding layers' whole context, not only their"
-    " window)"
+# sgl_pd moves the target model's sliding-window pages only: a draft model's layers in
+# the hybrid SWA pool were never run through PD here. (With the hybrid pool off, every
+# layer's KV sits in one pool and moves as pages, draft layers included.)
+SLIDING_WINDOW_UNSERVED = (
+    "{what} is not served yet with SGLang's hybrid SWA pool (only the target model's"
+    " sliding-window pages move): drop it, or start both servers with"
+    " --disable-hybrid-swa-memory (every layer's KV then moves as pages)"
+)
+# The keyed sums cover the KV pages (`core.kv_checksum`), not the state beside them: a
+# checksum that passed would vouch for bytes it never read.
+CHECKSUM_STATE = (
+    "--pd-kv-checksum covers the KV pages only, and this model keeps state besides them"
+    " ({kinds}): drop the flag"
 )
 PREFILL_CONTEXT_PARALLEL = (
     "prefill context parallelism (--enable-prefill-cp / --attn-cp-size) is not served yet:"
@@ -151,10 +157,11 @@ def unsupported_option(
     first_token: str,
     state_kinds: Sequence[str] = (),
     local_prefill_max_tokens: int = -1,
+    kv_checksum: bool = False,
 ) -> str | None:
     """Why a server of `role` ("prefill" or "decode") cannot run with `options`, or None.
-    `kv_send`, `first_token`, `local_prefill_max_tokens`: sgl_pd's settings
-    (`SglPdConfig`); `state_kinds`: the
+    `kv_send`, `first_token`, `local_prefill_max_tokens`, `kv_checksum`: sgl_pd's
+    settings (`SglPdConfig`); `state_kinds`: the
     kinds of extra per-request state the model's pools keep (SGLang's
     ``KVArgs.state_types``), known once the pools exist."""
     prefill = role == "prefill"
@@ -190,9 +197,15 @@ def unsupported_option(
         spec = _speculative(options)
         if spec is not None:
             return MAMBA_UNSERVED.format(what=spec)
+    if "swa" in kinds:
+        spec = _speculative(options)
+        if spec is not None:
+            return SLIDING_WINDOW_UNSERVED.format(what=spec)
     unmoved = [k for k in kinds if k not in MOVED_STATE_KINDS]
-    if unmoved == ["swa"]:
-        return SLIDING_WINDOW_POOL
     if unmoved:
         return HYBRID_STATE.format(kinds=", ".join(unmoved))
+    if len(kinds) > 1:  # (two moved kinds in one model: never seen, never tested)
+        return HYBRID_STATE.format(kinds=", ".join(kinds))
+    if kinds and kv_checksum:
+        return CHECKSUM_STATE.format(kinds=", ".join(kinds))
     return None

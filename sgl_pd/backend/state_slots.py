@@ -1,24 +1,29 @@
-"""A request's state besides the KV pages (a Mamba / linear-attention slot) between the
-two roles: the slot SGLang names for it, and whether two ranks can move it.
+"""A request's state besides the KV pages between the two roles: the slots SGLang names
+for it, and whether two ranks can move it. Two kinds (`core.wire.StateSlots`):
 
-A Mamba slot holds each linear-attention layer's final conv and recurrent state after
-the prompt. Both roles keep one slot per request in pools of the same shape, so the
-prefill's slot is copied whole into the decoder's, one write per region, with the
-metadata row (`prefill.writer.KvWriter.write_metadata`), behind every KV write of the
-request on the same queue and under the same count word: the decoder sees the request
-complete only once the state landed. The state is final then: SGLang hands its slot
-to the last send, after the last chunk's forward (the prompt's first n - 1 tokens under
-the decoder-sampled first token, whose decode step then reads token n - 1: the state it
-needs).
+- a Mamba slot holds each linear-attention layer's final conv and recurrent state after
+  the prompt, one slot per request;
+- SGLang's hybrid SWA pool keeps the sliding-window layers' KV in pages of their own;
+  a request names the pages of its window (`core.sliding_window`: the same positions
+  on both roles, so the two lists pair up in order).
 
-The prefill's slot is not pinned (as its pages are): SGLang keeps a request's slot until
-its sender polls done (only once every write landed) or failed (at once, once the request
-failed), and may then hand the slot to another request while a state write still reads
-it. So the state's batch is written first and the count
-word only if the request had not failed by the time that batch landed: a request that
-never failed before then read an intact slot, and one that failed sends no count (its
-decoder hears the failure; the bytes that landed sit in its slot, held until nothing
-can land - the release rule, `decode.release` - and never read).
+Both roles keep pools of the same shape, so each prefill slot is copied whole into the
+decoder's, one write per region, with the metadata row
+(`prefill.writer.KvWriter.write_metadata`), behind every KV write of the request on the
+same queue and under the same count word: the decoder sees the request complete only
+once the state landed. The state is final then: SGLang names the slots in its last send,
+after the last chunk's forward (the prompt's first n - 1 tokens under the
+decoder-sampled first token, whose decode step then reads token n - 1: the state and
+the window it needs).
+
+The prefill's slots are not pinned (as its KV pages are): SGLang keeps a request's
+slots until its sender polls done (only once every write landed) or failed (at once,
+once the request failed), and may then hand them to another request while a state
+write still reads them. So the state's batch is written first and the count word only
+if the request had not failed by the time that batch landed: a request that never
+failed before then read intact slots, and one that failed sends no count (its decoder
+hears the failure; the bytes that landed sit in its slots, held until nothing can land
+- the release rule, `decode.release` - and never read).
 
 Ranks of different TP sizes hold different slices of every layer's state (heads split
 by TP); moving slices between them is not served yet, so such a pair fails the request
@@ -36,25 +41,20 @@ from sgl_pd.core.sharding import ShardingScheme
 from sgl_pd.core.wire import StateSlots
 
 
-def state_slot_of(
+def named_slots(
     mine: StateSlots | None, state_indices: Sequence[Any] | None
-) -> tuple[int | None, str | None]:
-    """The one slot SGLang names for a request's state (its ``state_indices``, one entry
-    per state type of the pool), and None; or (None, why) when it names none where this
-    rank keeps state, or some where it keeps none."""
+) -> tuple[tuple[int, ...], str | None]:
+    """The slots SGLang names for a request's state (its ``state_indices``: one entry per
+    state type of the pool, here the one sgl_pd moves: a Mamba slot, or the sliding
+    window's pages) and None; or ((), why) when it names some this rank cannot take."""
     named = [np.asarray(s).reshape(-1) for s in (state_indices or ()) if s is not None]
-    named = [s for s in named if s.size]
+    slots = tuple(int(i) for s in named for i in s)
     if mine is None:
-        if named:
-            return None, "sgl_pd does not transfer this model's state besides the KV pages"
-        return None, None
-    if len(named) != 1 or named[0].size != 1:
-        count = sum(s.size for s in named)
-        return None, f"the request names {count} {mine.kind} state slots, not one"
-    slot = int(named[0][0])
-    if not 0 <= slot < mine.slots:
-        return None, f"{mine.kind} state slot {slot} is outside this rank's {mine.slots}"
-    return slot, None
+        if slots:
+            return (), "sgl_pd does not transfer this model's state besides the KV pages"
+        return (), None
+    why = mine.named_wrong(slots)
+    return ((), why) if why is not None else (slots, None)
 
 
 def slot_mismatch(
@@ -79,6 +79,11 @@ def slot_mismatch(
             f"the prefill server runs TP {prefill_scheme.tp_size} and the decoder TP"
             f" {decoder_scheme.tp_size}: a model's {decoder.kind} state moves between servers"
             " of one TP size only (for now)"
+        )
+    if decoder.kind == prefill.kind == "swa" and decoder.window != prefill.window:
+        return (
+            f"the prefill server's sliding window is {prefill.window} tokens, the"
+            f" decoder's {decoder.window}: serve one model on both"
         )
     if not decoder.same_shape(prefill):
         return (

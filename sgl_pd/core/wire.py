@@ -48,8 +48,8 @@ from sgl_pd.errors import SglPdError
 # 9: decoders say how many prompt tokens' KV they expect (kv_tokens); a submission
 #    names its attempt (a recompute of a retracted request under its room)
 # 10: decoders tell a prefill server's registry to skip a request they prefill (SkipPrefill)
-# 11: state slots besides the KV pages (Mamba): ShardRegistration.state and
-#     TransferRequest.state_slot
+# 11: state besides the KV pages (Mamba slots, sliding-window pages):
+#     ShardRegistration.state and TransferRequest.state_slots
 PROTOCOL_VERSION = 11
 MAGIC = b"SGPD"
 MAX_BODY_BYTES = 64 << 20  # a 1M-token prompt with its page table stays far below this
@@ -143,19 +143,25 @@ class MetadataBuffers(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 
 class StateSlots(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Per-request model state besides the paged KV (SGLang's Mamba / linear-attention
-    pool: each layer's conv and recurrent state), one slot per request in each of several
-    registered regions: a request's state in region i is `slot_bytes[i]` bytes at
-    `regions[i].base + slot * slot_bytes[i]`. Prefill and decode ranks of one TP size
-    hold the same slice of every layer's state, so a slot moves as one write per region."""
+    """Per-request model state besides the paged KV, in slots of several registered
+    regions: slot i of region r is `slot_bytes[r]` bytes at `regions[r].base + i *
+    slot_bytes[r]`. Prefill and decode ranks of one TP size hold the same slice of every
+    layer's state, so a slot moves as one write per region. Two kinds:
 
-    kind: Annotated[str, msgspec.Meta(max_length=16)]  # SGLang's state type, e.g. "mamba"
+    - "mamba" (SGLang's Mamba / linear-attention pool): each layer's conv and recurrent
+      state, one slot per request;
+    - "swa" (SGLang's hybrid SWA pool): the sliding-window layers' K and V, a slot per
+      page of their own page space; a request names the pages of its window, the last
+      `window` tokens of the prompt's KV (`core.state_window`)."""
+
+    kind: Annotated[str, msgspec.Meta(max_length=16)]  # SGLang's state type: "mamba", "swa"
     regions: tuple[Region, ...]
     slot_bytes: tuple[Positive, ...]  # bytes of one slot of each region
     slots: Positive  # slots every region holds
     # the state's element types as the server chose them, e.g. "conv=bfloat16,ssm=float32"
     # (SGLang reads them from its environment: two servers may differ at equal sizes)
     dtypes: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    window: U32 = 0  # "swa": the sliding window, in tokens (SGLang's sliding_window_size)
 
     def __post_init__(self) -> None:
         if not self.regions or len(self.regions) != len(self.slot_bytes):
@@ -163,14 +169,25 @@ class StateSlots(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         sizes = zip(self.regions, self.slot_bytes, strict=True)
         if any(r.length < self.slots * n for r, n in sizes):
             raise InvalidMessage("state slots do not fit their regions")
+        if (self.kind == "swa") != (self.window > 0):
+            raise InvalidMessage("a sliding window goes with swa state, and only there")
 
     def same_shape(self, other: StateSlots) -> bool:
         """Both hold the same state per request (a slot moves between them as is)."""
-        return (self.kind, self.slot_bytes, self.dtypes) == (
-            other.kind,
-            other.slot_bytes,
-            other.dtypes,
-        )
+        mine = (self.kind, self.slot_bytes, self.dtypes, self.window)
+        return mine == (other.kind, other.slot_bytes, other.dtypes, other.window)
+
+    def named_wrong(self, slots: tuple[int, ...]) -> str | None:
+        """Why a request cannot name `slots` of this state, or None."""
+        if self.kind == "mamba" and len(slots) != 1:
+            return f"{len(slots)} mamba state slots named, not one"
+        if len(slots) > self.slots:
+            return f"{len(slots)} {self.kind} state slots named, {self.slots} in all"
+        if len(set(slots)) != len(slots):
+            return f"a {self.kind} state slot named twice"
+        if slots and max(slots) >= self.slots:
+            return f"{self.kind} state slot {max(slots)} outside the {self.slots} registered"
+        return None
 
 
 class ShardRegistration(_Message, tag="register", frozen=True):
@@ -427,9 +444,10 @@ class TransferRequest(_Message, tag="transfer", frozen=True):
     # must compute exactly these (`backend.first_token`), or the request fails at once
     # rather than decode from the wrong token; None: the decoder did not say
     kv_tokens: U32 | None = None
-    # the decoder's slot for the request's state besides the KV (`StateSlots`): the
-    # prefill writes its final state there with the metadata; None: the model has none
-    state_slot: U32 | None = None
+    # the decoder's slots for the request's state besides the KV (`StateSlots`: a Mamba
+    # slot, the sliding window's pages): the prefill writes its state there with the
+    # metadata; empty where the model has none (or the decoder holds the whole window)
+    state_slots: tuple[U32, ...] = ()
 
     def __post_init__(self) -> None:
         decoder = self.decoder
@@ -466,11 +484,11 @@ class TransferRequest(_Message, tag="transfer", frozen=True):
             raise InvalidMessage(
                 f"metadata slot {self.metadata_slot} outside the decoder's {decoder.metadata.rows}"
             )
-        if (self.state_slot is None) != (decoder.state is None):
-            raise InvalidMessage("a state slot goes with state slots the decoder registered")
-        state, slot = decoder.state, self.state_slot
-        if state is not None and slot is not None and slot >= state.slots:
-            raise InvalidMessage(f"state slot {slot} outside the decoder's {state.slots}")
+        if decoder.state is None:
+            if self.state_slots:
+                raise InvalidMessage("state slots named where the decoder registered none")
+        elif (why := decoder.state.named_wrong(self.state_slots)) is not None:
+            raise InvalidMessage(why)
 
     @property
     def decoder_inbox(self) -> str:

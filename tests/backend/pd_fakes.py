@@ -48,10 +48,12 @@ NUM_PAGES = 64
 AUX_ROWS = 8
 AUX_ITEM = 16  # bytes per metadata row
 CHECKSUM_KEY = 0x5EC2E7  # both sides' key (the cluster secret's, in a served cluster)
-# a Mamba-like state: per request one slot in each of three regions (conv and recurrent
-# tensors of two layers, say), bytes per slot
+# state beside the KV in three regions, bytes per slot: Mamba-like, one slot per request
+# (conv and recurrent tensors of two layers, say), or sliding-window pages, a request's
+# window being several slots (K, V and a third buffer, say)
 STATE_SLOT_BYTES = (24, 40, 8)
 STATE_SLOTS = 8
+SWA_WINDOW = 6  # tokens, for "swa" state
 
 
 @dataclass
@@ -61,9 +63,13 @@ class Memory:
     kv: list[np.ndarray]  # one (pages * page_bytes,) uint8 buffer per (layer, part)
     aux: np.ndarray  # (AUX_ROWS * AUX_ITEM,) uint8
     state: list[np.ndarray]  # (STATE_SLOTS * slot bytes,) uint8 per region; [] for none
+    kind: str = "mamba"  # of `state`
 
     @classmethod
-    def make(cls, engine: FakeTransferEngine, fill: int | None, state: bool = False) -> Memory:
+    def make(
+        cls, engine: FakeTransferEngine, fill: int | None, state: bool | str = False
+    ) -> Memory:
+        """`state`: True or "mamba", "swa": the kind of state slots it keeps."""
         page_bytes = LAYOUT.page_bytes(LAYOUT.num_kv_heads)
         rng = np.random.default_rng(fill)
         kv = [
@@ -81,16 +87,17 @@ class Memory:
         ]
         for buf in (*kv, aux, *slots):
             engine.register(int(buf.ctypes.data), buf.nbytes)
-        return cls(kv, aux, slots)
+        return cls(kv, aux, slots, "mamba" if state is True else str(state or "mamba"))
 
     def state_slots(self) -> StateSlots | None:
         if not self.state:
             return None
         return StateSlots(
-            kind="mamba",
+            kind=self.kind,
             regions=tuple(Region(int(b.ctypes.data), b.nbytes) for b in self.state),
             slot_bytes=STATE_SLOT_BYTES,
             slots=STATE_SLOTS,
+            window=SWA_WINDOW if self.kind == "swa" else 0,
         )
 
     def slot(self, slot: int) -> bytes:
@@ -183,7 +190,8 @@ class Rig:
     checksum: bool = False  # --pd-kv-checksum on both sides
     decoder_checksum: bool | None = None  # ... on the decoders, when it differs
     corruption_rate: float = 0.0  # of the prefill rank's data batches
-    state: bool = False  # the model keeps a state slot per request (Mamba) on every rank
+    # the model keeps state slots on every rank: True or "mamba" (one per request), "swa"
+    state: bool | str = False
     lose_errors: bool = False  # ErrorMsgs to decoders are lost (their resends still due)
 
     def _metrics(self, role: str) -> TransferMetrics:
@@ -238,8 +246,8 @@ class Rig:
     def _decoder_checksum(self) -> bool:
         return self.checksum if self.decoder_checksum is None else self.decoder_checksum
 
-    def add_decoder(self, inbox: str, state: bool | None = None) -> Decoder:
-        """`state`: whether its model keeps a state slot per request (None: as the rig)."""
+    def add_decoder(self, inbox: str, state: bool | str | None = None) -> Decoder:
+        """`state`: the state slots its model keeps (`Rig.state`; None: as the rig's)."""
         engine = FakeTransferEngine(self.fabric)
         memory = Memory.make(engine, fill=None, state=self.state if state is None else state)
         pool = memory.pool(self.draft_layers)
@@ -277,13 +285,13 @@ class Rig:
         slot: int,
         held_tokens: int = 0,
         kv_tokens: int | None = None,
-        state_slot: int | None = None,
+        state_slots: tuple[int, ...] = (),
     ) -> None:
         """The decode rank's side: its receiver made and the prefiller found (the
         bootstrap, stamped as the receiver does), then its pages asked for. `held_tokens`:
         the prefix its cache holds (`dst_pages` are the pages after it); `kv_tokens`: the
-        prompt tokens whose KV the request needs (None: unchecked); `state_slot`: its
-        state slot (a decoder with state slots)."""
+        prompt tokens whose KV the request needs (None: unchecked); `state_slots`: its
+        state slots (a decoder with state)."""
         seen_s = self.clock.monotonic()
         bootstrap = (seen_s, self.clock.monotonic())
         decoder.messenger.request(
@@ -295,7 +303,7 @@ class Rig:
             bootstrap=bootstrap,
             held_tokens=held_tokens,
             kv_tokens=kv_tokens,
-            state_slot=state_slot,
+            state_slots=state_slots,
         )
 
     def prefill_all(
@@ -304,13 +312,13 @@ class Rig:
         src_pages: list[int],
         chunk: int = 4,
         held_pages: int = 0,
-        state_slot: int | None = None,
+        state_slots: tuple[int, ...] | None = None,
     ) -> None:
         """SGLang's side of a request on the prefill rank, after-forward mode: it chunks
         the prompt from its start, and sends only the pages after the decoder's held
         prefix (`held_pages`, what `pop_decode_prefix_len` said); a last send without
-        pages when the decoder holds them all. `state_slot`: its state slot, named in the
-        last send."""
+        pages when the decoder holds them all. `state_slots`: its state slots, named in
+        the last send."""
         self.prefill.track(room)
         self.prefill.expect(room, len(src_pages) - held_pages, aux_index=room % AUX_ROWS)
         for start in range(0, len(src_pages), chunk):
@@ -318,8 +326,8 @@ class Rig:
             part = np.asarray(src_pages[max(start, held_pages) : end], dtype=np.int64)
             last = end == len(src_pages)
             if len(part) or last:
-                slot = state_slot if last else None
-                self.prefill.submit_chunk(room, part, len(part), state_slot=slot)
+                slots = state_slots if last else None
+                self.prefill.submit_chunk(room, part, len(part), state_slots=slots)
 
     def prefill_layerwise(
         self,
@@ -328,7 +336,7 @@ class Rig:
         chunk: int = 4,
         streamer_lags: bool = False,
         held_pages: int = 0,
-        state_slot: int | None = None,
+        state_slots: tuple[int, ...] | None = None,
     ) -> None:
         """SGLang's side of a request on the prefill rank, layer-wise mode: per chunk, its
         notice, the target's layers as the streamer reports them, SGLang's send after the
@@ -350,8 +358,8 @@ class Rig:
                 self.prefill.forward_done(chunks)
             last = end == len(src_pages)
             if len(part) or last:
-                slot = state_slot if last else None
-                self.prefill.submit_chunk(room, part, len(part), state_slot=slot)
+                slots = state_slots if last else None
+                self.prefill.submit_chunk(room, part, len(part), state_slots=slots)
             if streamer_lags:
                 self.prefill.forward_done(chunks)
 

@@ -165,3 +165,35 @@ def test_every_hook_names_something_sglang_has(monkeypatch: pytest.MonkeyPatch) 
             break
         else:
             pytest.fail(f"{target}: no module")
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_the_hybrid_swa_allocator_holds_back_its_full_attention_pages(page_size: int) -> None:
+    """SGLang's hybrid SWA allocator frees a request's full-attention pages (the ones the
+    chunks name) through its full sub-allocator: a pinned one stays out until its write
+    ended; the window's pages go back at once (they are guarded by the state batch)."""
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    size = PAGES * page_size
+    pool = SWAKVPool(
+        size=size, size_swa=size, page_size=page_size, dtype=torch.float16, head_num=1,
+        head_dim=4, swa_attention_layer_ids=[0], full_attention_layer_ids=[1],
+        device="cpu", enable_memory_saver=False,
+    )  # fmt: skip
+    a = SWATokenToKVPoolAllocator(size, size, page_size, torch.float16, "cpu", pool, False)
+    pins = PagePins()
+    assert protect_allocator(a, pins)
+    full = a.full_attn_allocator
+    capacity, swa_capacity = full.available_size(), a.swa_available_size()
+    # a request's slots in both pools, paired as SGLang pairs them
+    taken = full.alloc(4 * page_size)
+    a.set_full_to_swa_mapping(taken, a.swa_attn_allocator.alloc(4 * page_size))
+    pages = sorted({int(t) // page_size for t in taken})
+    pins.pin(3, pages[:1])
+    a.free(taken)
+    assert full.available_size() == capacity - page_size  # one page held back
+    assert a.swa_available_size() == swa_capacity
+    pins.unpin(3)
+    assert a.available_size() == capacity  # (the full side is the smaller now no more)
+    assert full.available_size() == capacity

@@ -66,12 +66,32 @@ def test_served_variants_of_the_same_options_pass() -> None:
 
 
 def test_a_model_with_state_sgl_pd_does_not_move_is_refused_at_start() -> None:
-    """Only the kinds it does not move are named (Mamba state moves)."""
+    """Only the kinds it does not move are named (Mamba state and the hybrid SWA pool's
+    window move); two moved kinds in one model were never tested: refused, named."""
     why = unsupported_option(
         SimpleNamespace(), "prefill", kv_send="layerwise", first_token="decode",
-        state_kinds=["MAMBA", "DSA", "SWA"],
+        state_kinds=["MAMBA", "DSA", "SWA", "BLOCK_SCALE_SWA"],
     )  # fmt: skip
-    assert why is not None and "dsa, swa" in why and "mamba" not in why, why
+    assert why is not None and "block_scale_swa, dsa" in why and "mamba" not in why, why
+    both = unsupported_option(
+        SimpleNamespace(), "decode", kv_send="layerwise", first_token="decode",
+        state_kinds=["MAMBA", "SWA"],
+    )  # fmt: skip
+    assert both is not None and "mamba, swa" in both, both
+
+
+def test_checksums_are_refused_beside_state_they_do_not_cover() -> None:
+    for kind in ("MAMBA", "SWA"):
+        why = unsupported_option(
+            SimpleNamespace(), "decode", kv_send="layerwise", first_token="decode",
+            state_kinds=[kind], kv_checksum=True,
+        )  # fmt: skip
+        assert why is not None and why.startswith("--pd-kv-checksum"), why
+        assert kind.lower() in why and "drop the flag" in why, why
+    plain = unsupported_option(
+        SimpleNamespace(), "decode", kv_send="layerwise", first_token="decode", kv_checksum=True
+    )
+    assert plain is None
 
 
 def test_a_model_with_mamba_state_is_served_but_not_prefilled_on_its_decoder() -> None:
@@ -103,15 +123,23 @@ def test_what_moves_beside_a_mamba_state_untested_is_refused() -> None:
         assert plain is None or named not in plain
 
 
-def test_a_sliding_window_pool_is_refused_with_the_option_that_serves_the_model() -> None:
-    """SGLang's hybrid SWA pool alone: the line names the flag under which SGLang keeps
-    every layer in one pool, which sgl_pd moves as any KV (either spelling of the kind)."""
+def test_a_sliding_window_pool_is_served_without_a_draft_model() -> None:
+    """SGLang's hybrid SWA pool moves (either spelling of the kind), on both roles; a
+    draft model beside it is refused with the flag that serves it (every layer in one
+    pool, which sgl_pd moves as any KV)."""
     for kind in ("SWA", "swa"):
-        why = unsupported_option(
-            SimpleNamespace(), "decode", kv_send="layerwise", first_token="decode",
-            state_kinds=[kind],
-        )  # fmt: skip
-        assert why is not None and "--disable-hybrid-swa-memory" in why, why
+        for role in ("prefill", "decode"):
+            served = unsupported_option(
+                SimpleNamespace(), role, kv_send="layerwise", first_token="decode",
+                state_kinds=[kind], local_prefill_max_tokens=64,
+            )  # fmt: skip
+            assert served is None, served
+            why = unsupported_option(
+                SimpleNamespace(speculative_algorithm="EAGLE"), role, kv_send="layerwise",
+                first_token="decode", state_kinds=[kind],
+            )  # fmt: skip
+            assert why is not None and why.startswith("speculative decoding (EAGLE)"), why
+            assert "--disable-hybrid-swa-memory" in why, why
 
 
 def test_the_manager_refuses_before_it_builds_anything(monkeypatch: pytest.MonkeyPatch) -> None:

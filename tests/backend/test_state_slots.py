@@ -1,7 +1,8 @@
-"""A request's state slot besides the KV pages (a Mamba / linear-attention model's), moved
-by the messengers over the in-memory engine: the prefill's slot lands in the decoder's,
-byte for byte, with the metadata and under its count word, in both send modes; pairs
-that cannot move it refuse the request with the reason."""
+"""A request's state besides the KV pages (a Mamba / linear-attention model's slot, a
+sliding-window model's window pages), moved by the messengers over the in-memory engine:
+the prefill's slots land in the decoder's, byte for byte and in order, with the metadata
+and under its count word, in both send modes; pairs that cannot move it refuse the
+request with the reason."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sgl_pd.backend.state_slots import mamba_dtypes, slot_mismatch, state_slot_of
+from sgl_pd.backend.state_slots import mamba_dtypes, named_slots, slot_mismatch
 from sgl_pd.core.errors import InvalidMessage
 from sgl_pd.core.regions import Region
 from sgl_pd.core.sharding import ShardingScheme
 from sgl_pd.core.states import DecodeState
 from sgl_pd.core.wire import StateSlots, TransferRequest
 
-from .pd_fakes import STATE_SLOTS, Decoder, Rig, wait_state
+from .pd_fakes import STATE_SLOTS, SWA_WINDOW, Decoder, Rig, wait_state
 
 _made: list[Rig] = []
 
@@ -47,11 +48,11 @@ def test_the_prefills_slot_lands_in_the_decoders_slot(layerwise: bool) -> None:
     rig = _rig(layerwise=layerwise, state=True)
     decoder = rig.add_decoder("decode-0")
     src_slot, dst_slot = 3, 5
-    rig.request(decoder, 41, DST, slot=1, state_slot=dst_slot)
+    rig.request(decoder, 41, DST, slot=1, state_slots=(dst_slot,))
     if layerwise:
-        rig.prefill_layerwise(41, PAGES, state_slot=src_slot)
+        rig.prefill_layerwise(41, PAGES, state_slots=(src_slot,))
     else:
-        rig.prefill_all(41, PAGES, state_slot=src_slot)
+        rig.prefill_all(41, PAGES, state_slots=(src_slot,))
     wait_state(decoder, 41, DecodeState.COMPLETE)
     assert decoder.memory.slot(dst_slot) == rig.prefill_memory.slot(src_slot)
     # nothing else of the decoder's state changed, and the KV came as ever
@@ -65,12 +66,12 @@ def _state_held(room: int, dst_slot: int, src_slot: int) -> tuple[Rig, Decoder]:
     at the prefill's engine (only batches into the decoder's state regions are)."""
     rig = _rig(state=True)
     decoder = rig.add_decoder("decode-0")
-    rig.request(decoder, room, DST, slot=2, state_slot=dst_slot)
+    rig.request(decoder, room, DST, slot=2, state_slots=(dst_slot,))
     state = decoder.registration.state
     assert state is not None
     rig.prefill_engine.hold_into = [range(r.base, r.base + r.length) for r in state.regions]
     rig.prefill_engine.gate.clear()
-    rig.prefill_all(room, PAGES, state_slot=src_slot)
+    rig.prefill_all(room, PAGES, state_slots=(src_slot,))
     assert rig.prefill_engine.waiting.wait(5)
     return rig, decoder
 
@@ -114,32 +115,46 @@ def test_a_decoder_without_the_state_is_refused_with_the_reason() -> None:
 def test_a_last_send_that_names_no_slot_fails_the_request() -> None:
     rig = _rig(state=True)
     decoder = rig.add_decoder("decode-0")
-    rig.request(decoder, 44, DST, slot=1, state_slot=2)
+    rig.request(decoder, 44, DST, slot=1, state_slots=(2,))
     rig.prefill_all(44, PAGES)  # SGLang named no state slot
     wait_state(decoder, 44, DecodeState.FAILED)
-    assert "named no state slot" in (decoder.messenger.poll(44)[1] or "")
+    assert "named no state slots" in (decoder.messenger.poll(44)[1] or "")
     assert not any(decoder.memory.slot(2))
 
 
 def _slots(
-    slot_bytes: tuple[int, ...] = (8, 16), slots: int = 4, dtypes: str = "conv=bfloat16"
+    slot_bytes: tuple[int, ...] = (8, 16),
+    slots: int = 4,
+    dtypes: str = "conv=bfloat16",
+    kind: str = "mamba",
+    window: int = 16,
 ) -> StateSlots:
     regions = tuple(Region(0x1000 * (i + 1), slots * n) for i, n in enumerate(slot_bytes))
     return StateSlots(
-        kind="mamba", regions=regions, slot_bytes=slot_bytes, slots=slots, dtypes=dtypes
-    )
+        kind=kind, regions=regions, slot_bytes=slot_bytes, slots=slots, dtypes=dtypes,
+        window=window if kind == "swa" else 0,
+    )  # fmt: skip
 
 
-def test_sglang_names_one_slot_per_request() -> None:
+def test_sglang_names_one_mamba_slot_per_request() -> None:
     mine = _slots()
-    assert state_slot_of(mine, [np.array([2])]) == (2, None)
-    assert state_slot_of(None, None) == (None, None)
-    assert state_slot_of(None, [None]) == (None, None)
+    assert named_slots(mine, [[np.array([2])]]) == ((2,), None)
+    assert named_slots(None, None) == ((), None)
+    assert named_slots(None, [None]) == ((), None)
     for wrong in ([], [np.array([1, 2])], [np.array([9])]):
-        slot, why = state_slot_of(mine, wrong)
-        assert slot is None and why, wrong
-    slot, why = state_slot_of(None, [np.array([1])])
-    assert slot is None and why is not None and "does not transfer" in why
+        slots, why = named_slots(mine, wrong)
+        assert slots == () and why, wrong
+    slots, why = named_slots(None, [np.array([1])])
+    assert slots == () and why is not None and "does not transfer" in why
+
+
+def test_a_window_names_its_pages_in_order() -> None:
+    window = _slots(kind="swa", slots=8)
+    assert named_slots(window, [np.array([6, 2, 5])]) == ((6, 2, 5), None)
+    assert named_slots(window, [np.array([], dtype=np.int64)]) == ((), None)  # all held
+    for wrong in ([np.array([1, 1])], [np.array([8])], [np.arange(9)]):
+        slots, why = named_slots(window, wrong)
+        assert slots == () and why, wrong
 
 
 def test_pairs_that_cannot_move_the_state_say_why() -> None:
@@ -168,17 +183,23 @@ def test_a_servers_state_types_come_from_sglangs_environment(
     assert mamba_dtypes() == "conv=float16,ssm=bfloat16"
 
 
-def test_a_transfer_request_names_a_slot_exactly_when_its_decoder_has_slots() -> None:
+def test_a_transfer_request_names_slots_exactly_when_its_decoder_has_slots() -> None:
     rig = _rig(state=True)
     decoder = rig.add_decoder("decode-0")
     base = dict(request_id=1, dst_pages=(1,), metadata_slot=0, completion_slot=0)
-    TransferRequest(decoder=decoder.registration, state_slot=1, **base)  # type: ignore[arg-type]
-    for slot in (None, STATE_SLOTS):
+    TransferRequest(decoder=decoder.registration, state_slots=(1,), **base)  # type: ignore[arg-type]
+    for slots in ((), (STATE_SLOTS,), (1, 2)):  # a Mamba request names one slot
         with pytest.raises(InvalidMessage):
-            TransferRequest(decoder=decoder.registration, state_slot=slot, **base)  # type: ignore[arg-type]
+            TransferRequest(decoder=decoder.registration, state_slots=slots, **base)  # type: ignore[arg-type]
     plain = rig.add_decoder("decode-1", state=False)
     with pytest.raises(InvalidMessage):
-        TransferRequest(decoder=plain.registration, state_slot=0, **base)  # type: ignore[arg-type]
+        TransferRequest(decoder=plain.registration, state_slots=(0,), **base)  # type: ignore[arg-type]
+    window = rig.add_decoder("decode-2", state="swa")
+    for slots in ((), (3,), (1, 2, 7)):
+        TransferRequest(decoder=window.registration, state_slots=slots, **base)  # type: ignore[arg-type]
+    for slots in ((1, 1), (STATE_SLOTS,)):
+        with pytest.raises(InvalidMessage):
+            TransferRequest(decoder=window.registration, state_slots=slots, **base)  # type: ignore[arg-type]
 
 
 def test_state_slots_fit_their_regions() -> None:
@@ -186,3 +207,56 @@ def test_state_slots_fit_their_regions() -> None:
         StateSlots(kind="mamba", regions=(Region(0, 10),), slot_bytes=(8,), slots=2)
     with pytest.raises(InvalidMessage):
         StateSlots(kind="mamba", regions=(Region(0, 16),), slot_bytes=(8, 8), slots=2)
+    with pytest.raises(InvalidMessage):  # a window goes with "swa", and only there
+        StateSlots(kind="swa", regions=(Region(0, 16),), slot_bytes=(8,), slots=2)
+    with pytest.raises(InvalidMessage):
+        StateSlots(kind="mamba", regions=(Region(0, 16),), slot_bytes=(8,), slots=2, window=4)
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["after-forward", "layerwise"])
+def test_the_prefills_window_pages_land_in_the_decoders_in_order(layerwise: bool) -> None:
+    """A sliding-window request: each of the prefill's window pages lands in the decoder's
+    page of the same position (the lists pair up in order), nothing else is written."""
+    rig = _rig(layerwise=layerwise, state="swa")
+    decoder = rig.add_decoder("decode-0")
+    src, dst = (6, 1, 4), (2, 7, 0)
+    rig.request(decoder, 51, DST, slot=1, state_slots=dst)
+    if layerwise:
+        rig.prefill_layerwise(51, PAGES, state_slots=src)
+    else:
+        rig.prefill_all(51, PAGES, state_slots=src)
+    wait_state(decoder, 51, DecodeState.COMPLETE)
+    assert [decoder.memory.slot(d) for d in dst] == [rig.prefill_memory.slot(s) for s in src]
+    untouched = [s for s in range(STATE_SLOTS) if s not in dst]
+    assert all(not any(decoder.memory.slot(s)) for s in untouched)
+    assert [decoder.memory.page(p) for p in DST] == [rig.prefill_memory.page(p) for p in PAGES]
+
+
+def test_a_window_the_decoder_holds_whole_moves_nothing_but_completes() -> None:
+    rig = _rig(state="swa")
+    decoder = rig.add_decoder("decode-0")
+    rig.request(decoder, 52, DST, slot=1, state_slots=())
+    rig.prefill_all(52, PAGES, state_slots=())
+    wait_state(decoder, 52, DecodeState.COMPLETE)
+    assert all(not any(decoder.memory.slot(s)) for s in range(STATE_SLOTS))
+
+
+def test_window_lists_of_different_lengths_fail_the_request() -> None:
+    """The two sides computed different windows (they never should: same formula, same
+    numbers): pairing them would put K/V at the wrong positions, so the request fails."""
+    rig = _rig(state="swa")
+    decoder = rig.add_decoder("decode-0")
+    rig.request(decoder, 53, DST, slot=1, state_slots=(1, 2))
+    rig.prefill_all(53, PAGES, state_slots=(3, 4, 5))
+    wait_state(decoder, 53, DecodeState.FAILED)
+    error = decoder.messenger.poll(53)[1] or ""
+    assert "named 3 swa state slots and the decoder 2" in error, error
+    assert all(not any(decoder.memory.slot(s)) for s in range(STATE_SLOTS))
+
+
+def test_windows_of_different_sizes_are_refused_with_both() -> None:
+    one = ShardingScheme(1)
+    why = slot_mismatch(_slots(kind="swa"), one, _slots(kind="swa", window=32), one)
+    assert why is not None and "32 tokens" in why and "16" in why, why
+    assert slot_mismatch(_slots(kind="swa"), one, _slots(kind="swa"), one) is None
+    assert SWA_WINDOW > 0

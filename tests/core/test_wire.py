@@ -489,7 +489,7 @@ FIELDS_AT_VERSION = (
         "submit_ack": ("request_id",),
         "submit_prefill": ("request_id", "sender", "request", "attempt"),
         "transfer": ("request_id", "decoder", "dst_pages", "metadata_slot", "completion_slot",
-                     "staging_base", "held_tokens", "stage_all", "kv_tokens", "state_slot"),
+                     "staging_base", "held_tokens", "stage_all", "kv_tokens", "state_slots"),
     },
 )  # fmt: skip
 

@@ -9,16 +9,17 @@ freed every step, so that the two numberings part within a few rounds: greedy to
 must still equal transformers' own forward (a departure at a near tie of its top two
 tokens aside).
 
-Through PD the hybrid pool is off on both servers (``--disable-hybrid-swa-memory``): every
-layer's KV sits in one pool and moves as pages, the window applied in attention only.
-Tokens equal the monolithic server's, for prompts shorter and longer than the window, in
-conversations whose later turns hold a prefix on the decoder (hits before and inside the
-window), and the pools are idle after. With the hybrid pool on, a server refuses to start
-(a decoder here; a prefill server's manager asks the same question), with one line that
-names the flag.
+Through PD, with the hybrid pool on both servers as small and as often evicted: the
+full-attention layer's KV moves as pages, the sliding layers' window as pages of the
+sliding pool (`sgl_pd.backend.sliding_window_glue`), from two prefill servers behind the
+router, one layer-wise and one after the forward. Tokens equal the monolithic server's,
+over rounds of prompts shorter and longer than the window (chunked), in conversations
+whose later turns hold a prefix on the decoder (hits before and inside the window), and
+both pools (both page spaces) are idle after.
 
-Gemma 3 SGLang always serves with the hybrid pool off: through PD, its answers and its
-follow-ups' (the decoder holding their prompts) equal transformers'.
+Gemma 3 SGLang always serves with the hybrid pool off: every layer's KV sits in one
+pool and moves as pages, the window applied in attention only. Through PD, its answers
+and its follow-ups' (the decoder holding their prompts) equal transformers'.
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ COMMON_ARGS = ["--log-level", "info", "--dtype", "float32", "--chunked-prefill-s
 # a pool a few prompts fill, with a sliding part as large as the full one: slots are
 # reused soon, in each numbering its own way
 SMALL_POOL = ["--max-total-tokens", "640", "--swa-full-tokens-ratio", "1.0"]
-NO_HYBRID_POOL = ["--disable-hybrid-swa-memory"]
+# through PD: room for the decoder's reservation of decode tokens beside every prompt
+PD_POOL = ["--max-total-tokens", "2048", "--swa-full-tokens-ratio", "1.0"]
 NEW_TOKENS = transformers_answers.NEW_TOKENS
 ROUNDS = 4  # rounds of all prompts at once: the numberings part after a few
+PD_ROUNDS = 2
 # shorter than the window (a few tokens) to several windows and chunks long
 PROMPTS: list[list[int]] = [
     prompt_ids("Count: 41 42 43"),
@@ -82,7 +85,7 @@ def ask_all(url: str, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class PdRun:
-    answers: list[list[int]]
+    rounds: list[list[list[int]]]  # the answers to PROMPTS, round after round
     replies: list[list[Reply]]
     pools: PoolStates | None  # None: both pools idle with no leak
 
@@ -117,14 +120,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterat
                 extra=[*COMMON_ARGS, *SMALL_POOL],
                 patience=patience,
             ),
-            router_pd(tmp_path_factory, TINY_MELLUM_PATH, NO_HYBRID_POOL, patience),
+            router_pd(tmp_path_factory, TINY_MELLUM_PATH, PD_POOL, patience, both_sends=True),
             router_pd(tmp_path_factory, TINY_GEMMA3_PATH, [], patience),
         )
         mono = answer_monolithic(
             server, prompts=PROMPTS, rounds=ROUNDS, openers=CONVERSATION_OPENERS
         )
         pd = PdRun(
-            ask_all(mellum.router_url),
+            [ask_all(mellum.router_url) for _ in range(PD_ROUNDS)],
             replay(mellum.router_url, mono.conversations, concurrency=2),
             idle_pools(mellum, patience),
         )
@@ -167,15 +170,21 @@ def test_the_model_counts_past_its_window(mono: MonoRun) -> None:
 
 
 def router_pd(
-    tmp_path_factory: pytest.TempPathFactory, model: Path, extra: list[str], patience: Patience
+    tmp_path_factory: pytest.TempPathFactory,
+    model: Path,
+    extra: list[str],
+    patience: Patience,
+    both_sends: bool = False,
 ) -> contextlib.AbstractContextManager[PdCluster]:
     """A prefill and a decode server of `model` (the decoder with its prefix cache, every
-    prompt's KV sent) behind the router, both with `extra`."""
+    prompt's KV sent) behind the router, all with `extra`; `both_sends`: a second
+    prefill server, the first sending layer-wise and the second after the forward."""
     args = [*COMMON_ARGS, *extra]
     return pd_cluster(
         tmp_path_factory.mktemp(model.name),
         model=model,
-        prefill_extra=args,
+        prefill_extra=[*args, "--pd-kv-send", "layerwise"] if both_sends else args,
+        more_prefills=[[*args, "--pd-kv-send", "after-forward"]] if both_sends else [],
         decode_extra=[*args, *DECODE_PREFIX_CACHE],
         patience=patience,
     )
@@ -189,20 +198,14 @@ def idle_pools(cluster: PdCluster, patience: Patience) -> PoolStates | None:
     return None if pools_idle(servers, states) else states
 
 
-def test_through_pd_without_the_hybrid_pool_tokens_are_monolithic(mono: MonoRun, pd: PdRun) -> None:
-    assert not mismatches(mono.rounds[0], pd.answers), mismatches(mono.rounds[0], pd.answers)
+def test_through_pd_with_the_hybrid_pool_tokens_are_monolithic(mono: MonoRun, pd: PdRun) -> None:
+    for i, answers in enumerate(pd.rounds):
+        wrong = mismatches(mono.rounds[0], answers)
+        assert not wrong, (f"round {i}", wrong)
     # later turns hold the earlier ones on the decoder: prefixes ending before and
     # inside the last window of the prompt
     assert not wrong_turns(pd.replies), pd.replies
     assert pd.pools is None, pd.pools
-
-
-def test_with_the_hybrid_pool_a_server_refuses_to_start_and_names_the_flag(
-    tmp_path: Path, patience: Patience, gemma3_pd: GemmaRun
-) -> None:
-    """(Once the servers above answered: a start takes a core.)"""
-    log = refused_decoder_log(TINY_MELLUM_PATH, COMMON_ARGS, tmp_path, patience)
-    assert "--disable-hybrid-swa-memory" in log, log[-3000:]
 
 
 # -- a Gemma-3-style model: SGLang keeps its hybrid SWA pool off ----------------------------
@@ -227,3 +230,14 @@ def test_a_gemma3_style_model_through_pd_gives_transformers_tokens(gemma3_pd: Ge
     wrong = wrong_answers(reference, gemma3_pd.answers)
     assert not wrong, wrong
     assert gemma3_pd.pools is None, gemma3_pd.pools
+
+
+def test_checksums_beside_the_window_refuse_to_start_and_say_why(
+    tmp_path: Path, patience: Patience, gemma3_pd: GemmaRun
+) -> None:
+    """The keyed sums cover the KV pages, not the window's: refused at start-up, once the
+    servers above answered (a start takes a core)."""
+    log = refused_decoder_log(
+        TINY_MELLUM_PATH, [*COMMON_ARGS, "--pd-kv-checksum"], tmp_path, patience
+    )
+    assert "--pd-kv-checksum covers the KV pages only" in log and "(swa)" in log, log[-3000:]

@@ -192,7 +192,7 @@ class DecodeMessenger:
         held_tokens: int = 0,
         owner: object | None = None,
         kv_tokens: int | None = None,
-        state_slot: int | None = None,
+        state_slots: tuple[int, ...] = (),
     ) -> None:
         """Sends one request's destination pages to every prefill rank of its prefiller.
         `bootstrap`: when its receiver was made and when the prefiller's ranks were known
@@ -201,8 +201,8 @@ class DecodeMessenger:
         and none at all when the cache holds every token the prefiller computes.
         `kv_tokens`: the prompt tokens whose KV the request needs, held ones included;
         a prefiller that computes another number fails the request at once.
-        `state_slot`: this rank's slot for the request's state besides the KV (Mamba),
-        None for a model without.
+        `state_slots`: this rank's slots for the request's state besides the KV (a Mamba
+        slot, the sliding window's pages), none for a model without.
 
         Every rank gets the request, also those that send nothing to this rank: a prefill
         rank only starts once every decoder rank has asked, so none waits forever. The
@@ -232,7 +232,7 @@ class DecodeMessenger:
             completion_slot=slot,
             held_tokens=held_tokens,
             kv_tokens=kv_tokens,
-            state_slot=state_slot,
+            state_slots=state_slots,
         )
         with self._lock:
             old = self._tracks.get(room)

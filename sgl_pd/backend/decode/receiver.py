@@ -10,7 +10,7 @@ import numpy as np
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll
 
 from sgl_pd.backend.failure_cause import cause_of, cause_of_abort
-from sgl_pd.backend.state_slots import slot_mismatch, state_slot_of
+from sgl_pd.backend.state_slots import named_slots, slot_mismatch
 from sgl_pd.core.errors import DuplicateRequest
 from sgl_pd.core.failures import FailureCause
 from sgl_pd.core.states import DECODE_TABLE, DecodeState
@@ -88,7 +88,9 @@ class SglPdKVReceiver(BaseKVReceiver):
         state_indices: list[Any] | None = None,
         decode_prefix_len: int | None = None,
     ) -> None:
-        state_slot, why = state_slot_of(self.kv_mgr.registration.state, state_indices)
+        if self.conclude_state is not None:  # (refused before SGLang named its pages)
+            return
+        state_slots, why = named_slots(self.kv_mgr.registration.state, state_indices)
         if why is not None:
             self._fail(why)
             return
@@ -144,7 +146,7 @@ class SglPdKVReceiver(BaseKVReceiver):
                 held_tokens=held,
                 owner=self,
                 kv_tokens=self._kv_tokens,
-                state_slot=state_slot,
+                state_slots=state_slots,
             )
         except DuplicateRequest as e:
             # the room belongs to an earlier request still here: an Abort naming it
@@ -162,6 +164,11 @@ class SglPdKVReceiver(BaseKVReceiver):
             f"KV of request {self.bootstrap_room} from {self.bootstrap_addr} did not arrive: "
             f"{self._error or 'aborted'}"
         )
+
+    def refuse(self, why: str) -> None:
+        """Fails the request before its pages are asked for (the scheduler's thread)."""
+        if self.conclude_state is None:
+            self._fail(why)
 
     def fail_recompute(self, why: str) -> None:
         """The prefill server did not take this request (a recompute, or a local one sent out)

@@ -21,6 +21,7 @@ import re
 import time
 from typing import Any
 
+from sgl_pd.backend import sliding_window_glue
 from sgl_pd.config import SglPdConfig, sgl_pd_role
 from sgl_pd.core.clock import SystemClock
 from sgl_pd.core.page_ids import PageIds
@@ -44,6 +45,9 @@ class _Process:
     messenger: Any = None  # PrefillMessenger, once the KV manager exists
     generation = 0
     hooks: dict[int, tuple[Any, Any]] = {}  # noqa: RUF012  # layer -> (module, handle)
+    # the model's layers whose KV sits in SGLang's hybrid SWA pool: not hooked (their
+    # window moves with the metadata, `sliding_window_glue`)
+    sliding_layers: frozenset[int] = frozenset()
     # the next forward's end, between `before_run_batch` and `after_run_batch`
     forward_end: ForwardEnd | None = None
     # set once a forward ended with layers its hooks never reported: /health fails
@@ -66,7 +70,7 @@ def layerwise_enabled(server_args: Any) -> bool:
 _TOWERS = ("vision", "visual", "audio", "image", "encoder", "mm_projector")
 
 
-def _o_proj_modules(model: Any) -> dict[int, Any]:
+def _o_proj_modules(model: Any, skip: frozenset[int] = frozenset()) -> dict[int, Any]:
     """KV-cache layer -> the module now at its attention output projection's path (after
     a swap, e.g. SGLang's LoRA wrapper, the wrapper: the base module inside it is named
     ``...o_proj.base_layer`` and may not run through its own forward). Layers are
@@ -76,7 +80,9 @@ def _o_proj_modules(model: Any) -> dict[int, Any]:
     A hybrid model (gated DeltaNet, Mamba) has attention in some layers only, and SGLang's
     pool holds their KV in model order, the i-th attention layer as KV layer i
     (``full_attention_layer_id_mapping``): the found layers are numbered so, and
-    `check_layer_counts` holds them to the pool's count."""
+    `check_layer_counts` holds them to the pool's count. So are a sliding-window model's
+    full-attention layers, with its hybrid SWA pool on: the layers of `skip`, whose KV
+    sits in that pool, are left out."""
     stacks: dict[str, dict[int, Any]] = {}
     for name, module in model.named_modules():
         match = _O_PROJ.search(name)
@@ -91,13 +97,14 @@ def _o_proj_modules(model: Any) -> dict[int, Any]:
             " serve this model with --pd-kv-send after-forward"
         )
     (found,) = stacks.values()
-    return {kv_layer: found[layer] for kv_layer, layer in enumerate(sorted(found))}
+    kept = sorted(layer for layer in found if layer not in skip)
+    return {kv_layer: found[layer] for kv_layer, layer in enumerate(kept)}
 
 
 def attach_progress_hooks(model: Any, counter: ProgressCounter) -> None:
     """Hooks each layer's o_proj, as the model holds it now, to record into `counter`;
     a layer whose module was replaced since (LoRA) moves its hook to the new one."""
-    found = _o_proj_modules(model)
+    found = _o_proj_modules(model, _process.sliding_layers)
     if len(found) != counter.num_layers:
         raise RuntimeError(
             f"the model's attention output projections changed from {counter.num_layers}"
@@ -117,7 +124,7 @@ def attach_progress_hooks(model: Any, counter: ProgressCounter) -> None:
 
 def install_progress_hooks(model: Any, counter_for: Any) -> ProgressCounter:
     """Registers a forward hook on each layer's o_proj; returns the counter they feed."""
-    counter: ProgressCounter = counter_for(len(_o_proj_modules(model)))
+    counter: ProgressCounter = counter_for(len(_o_proj_modules(model, _process.sliding_layers)))
     _process.hooks = {}
     attach_progress_hooks(model, counter)
     return counter
@@ -130,6 +137,7 @@ def after_load_model(result: Any, model_runner: Any, *args: Any, **kwargs: Any) 
         # a speculative draft model runs after the target: its KV goes at SGLang's send
         return result
     on_cpu = str(server_args.device) == "cpu"
+    _process.sliding_layers = sliding_window_glue.sliding_layers_of(model_runner)
 
     def counter_for(num_layers: int) -> ProgressCounter:
         if on_cpu:

@@ -199,12 +199,12 @@ class PrefillMessenger:
         pages: np.ndarray,
         num_tokens: int,
         ready: Any = None,
-        state_slot: int | None = None,
+        state_slots: tuple[int, ...] | None = None,
     ) -> None:
         """`ready`: an event (``synchronize()``) the KV of this send is complete after;
-        the writer waits on it, never the scheduler. `state_slot`: the request's state
-        slot (Mamba), named in the last send."""
-        writes = self.rooms.submit_chunk(room_id, pages, num_tokens, state_slot)
+        the writer waits on it, never the scheduler. `state_slots`: the request's state
+        slots (a Mamba slot, the sliding window's pages), named in the last send."""
+        writes = self.rooms.submit_chunk(room_id, pages, num_tokens, state_slots)
         for chunk, layers in writes:
             for dest in self._destinations(room_id):
                 self.writers.put(LayersJob(dest, chunk, layers, ready))

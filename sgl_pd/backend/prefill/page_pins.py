@@ -10,7 +10,11 @@ on the instance (every free path, free groups and `free_segment` included, ends 
 - page size > 1 (`PagedTokenToKVPoolAllocator`): `_release_page_ids(*page_ids)`, which
   `free`, `free_page_ids` and `free_group_end` all end in.
 
-Other allocators (hybrid SWA, Mamba, page interleave) are left alone, with a warning.
+SGLang's hybrid SWA allocator (`SWATokenToKVPoolAllocator`) holds one of those for the
+full-attention pages, whose pages the chunks name, and frees them through it: that one
+is wrapped. (Its sliding-window pages are read once, by the state batch after the last
+chunk, and guarded otherwise: `backend.state_slots`.) Other allocators (page interleave,
+...) are left alone, with a warning.
 
 `clear` (SGLang's cache flush, when idle) rebuilds the free list from scratch: every
 pinned page is taken out of it again and counts as freed by SGLang, so it goes back
@@ -50,8 +54,15 @@ def protect_allocator(allocator: Any, pins: PagePins) -> bool:
         return True
     import torch
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
+    if type(allocator) is SWATokenToKVPoolAllocator:
+        # its full-attention frees, clear and available size go through this one
+        if not protect_allocator(allocator.full_attn_allocator, pins):
+            return False
+        setattr(allocator, _INSTALLED, pins)
+        return True
     kind = type(allocator)
     if kind is TokenToKVPoolAllocator:
         release = allocator.free

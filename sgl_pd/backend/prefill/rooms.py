@@ -180,18 +180,22 @@ class PrefillRooms:
             return chunk
 
     def submit_chunk(
-        self, room_id: int, pages: np.ndarray, num_tokens: int, state_slot: int | None = None
+        self,
+        room_id: int,
+        pages: np.ndarray,
+        num_tokens: int,
+        state_slots: tuple[int, ...] | None = None,
     ) -> Writes:
         """SGLang's `send` after a forward: the (chunk, layers) writes due now
         (`WritesDue.sent`), to be queued before `writes_queued` is called with them.
-        `state_slot`: the request's state slot besides the KV, which SGLang names in its
-        last send (the state is final then)."""
+        `state_slots`: the request's state slots besides the KV, which SGLang names in
+        its last send (the state is final then)."""
         with self._lock:
             room = self._rooms.get(room_id)  # gone: SGLang concluded it, nothing to send
             if room is None or room.error is not None:
                 return []
-            if state_slot is not None:
-                room.state_slot = state_slot
+            if state_slots is not None:
+                room.state_slots = state_slots
             self.pins.pin(room_id, pages)
             if self._table.live(room):
                 self._table.states.progressed(room_id)

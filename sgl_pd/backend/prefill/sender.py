@@ -9,7 +9,7 @@ import numpy as np
 import numpy.typing as npt
 from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll, KVTransferMetric
 
-from sgl_pd.backend.state_slots import state_slot_of
+from sgl_pd.backend.state_slots import named_slots
 from sgl_pd.core.failures import FailureCause
 from sgl_pd.core.states import PREFILL_TABLE, PrefillState
 from sgl_pd.errors import SglPdError
@@ -71,11 +71,11 @@ class SglPdKVSender(BaseKVSender):
         state_indices: list[Any] | None = None,
         num_kv_tokens: int | None = None,
     ) -> None:
-        """`state_indices`: SGLang names the request's state slot (Mamba) in its last
-        send, once the last chunk's forward ended."""
-        state_slot = None
+        """`state_indices`: SGLang names the request's state slots (a Mamba slot, the
+        sliding window's pages) in its last send, once the last chunk's forward ended."""
+        state_slots = None
         if state_indices is not None:
-            state_slot, why = state_slot_of(self.kv_mgr.pool.state, state_indices)
+            state_slots, why = named_slots(self.kv_mgr.pool.state, state_indices)
             if why is not None:  # (SGLang's poll reads it failed, with the reason)
                 self._messenger.fail(self.bootstrap_room, why, FailureCause.REFUSED)
                 return
@@ -84,7 +84,7 @@ class SglPdKVSender(BaseKVSender):
         tokens = int(num_kv_tokens) if num_kv_tokens is not None else len(pages) * page_size
         ready, self._early_send_wait_event = self._early_send_wait_event, None
         self._messenger.submit_chunk(
-            self.bootstrap_room, pages, tokens, ready=ready, state_slot=state_slot
+            self.bootstrap_room, pages, tokens, ready=ready, state_slots=state_slots
         )
 
     def poll(self) -> int:

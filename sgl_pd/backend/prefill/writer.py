@@ -271,9 +271,10 @@ class KvWriter:
         return placement, request.staging_base
 
     def write_metadata(self, dest: Destination, aux_index: int | None, room: Room) -> Sent:
-        """D9: the metadata row if this rank writes it - with the request's state slot
-        (Mamba) when the model keeps one: the same count word covers both
-        (`backend.state_slots`) - then the last chunk's notice."""
+        """D9: the metadata row if this rank writes it - with the request's state slots
+        (a Mamba slot, the sliding window's pages) when the model keeps state besides
+        the KV: the same count word covers both (`backend.state_slots`) - then the last
+        chunk's notice."""
         request, decoder = dest.request, dest.request.decoder
         sent = Sent()
         if dest.writes_metadata:
@@ -329,19 +330,33 @@ class KvWriter:
     def _state_writes(
         self, request: TransferRequest, room: Room
     ) -> tuple[list[int], list[int], list[int]]:
-        """(sources, destinations, lengths) of the request's state slot, one write per
-        region: this rank's slot into the decode rank's (same TP size and slot shape:
-        `destinations.join` refused any other); nothing for a model without state."""
+        """(sources, destinations, lengths) of the request's state slots, one write per
+        region and slot: this rank's slots into the decode rank's, in order (same TP size
+        and slot shape: `destinations.join` refused any other; the same window
+        positions, `core.sliding_window`); nothing for a model without state."""
         mine, theirs = self.pool.state, request.decoder.state
         if mine is None and theirs is None:
             return [], [], []
-        if mine is None or theirs is None or request.state_slot is None:
-            raise SglPdError(f"request {request.request_id}: no state slot on one side")
-        if room.state_slot is None:
-            raise SglPdError(f"request {request.request_id}: SGLang named no state slot")
-        return _row_writes(
-            mine.regions, theirs.regions, mine.slot_bytes, room.state_slot, request.state_slot
-        )
+        if mine is None or theirs is None:
+            raise SglPdError(f"request {request.request_id}: state on one side only")
+        if room.state_slots is None:
+            raise SglPdError(f"request {request.request_id}: SGLang named no state slots")
+        if len(room.state_slots) != len(request.state_slots):
+            raise SglPdError(
+                f"request {request.request_id}: the prefill named {len(room.state_slots)}"
+                f" {mine.kind} state slots and the decoder {len(request.state_slots)}"
+            )
+        sources: list[int] = []
+        destinations: list[int] = []
+        lengths: list[int] = []
+        for src_slot, dst_slot in zip(room.state_slots, request.state_slots, strict=True):
+            src, dst, n = _row_writes(
+                mine.regions, theirs.regions, mine.slot_bytes, src_slot, dst_slot
+            )
+            sources += src
+            destinations += dst
+            lengths += n
+        return sources, destinations, lengths
 
     def _sum_layers(self, dest: Destination, chunk: Chunk, layers: range) -> None:
         """Adds `layers` of `chunk`, on every link this rank writes into `dest`, to the

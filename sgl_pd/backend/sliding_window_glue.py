@@ -1,0 +1,127 @@
+"""SGLang's hybrid sliding-window pool on this server: the window and the sliding layers
+its model keeps there, and, on a decoder, the window pages each request names.
+
+A model with sliding-window layers (Mellum, GPT-OSS, Gemma 4, ...) served with SGLang's
+hybrid SWA pool keeps those layers' KV in pages of their own; the main pool holds the
+full-attention layers only. sgl_pd moves the full layers' pages as any KV and the
+sliding layers' window as state slots (`backend.state_slots`): the pages of positions
+`core.sliding_window.window_tokens`, written with the metadata after the last chunk.
+
+SGLang's decoder names its window from the whole prompt, n tokens; when this decoder
+samples the first token (`backend.first_token`) the KV it receives ends at c = n - 1,
+and the position n - 1 it names has no page yet. So the decoder names the window of
+its c tokens itself (`around_send_kv_metadata`), as its prefill does from its copy of
+c tokens: the two lists cover the same positions, in order.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+import numpy as np
+
+from sgl_pd.core.sliding_window import window_tokens
+from sgl_pd.errors import SglPdError
+
+logger = logging.getLogger("sgl_pd.sliding_window")
+
+
+class _Process:
+    window: ClassVar[int | None] = None  # tokens; None: no hybrid SWA pool here
+    sliding_layers: ClassVar[frozenset[int]] = frozenset()  # the model's layer ids
+
+
+def after_load_model(result: Any, model_runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER hook of ``ModelRunner.load_model``: SGLang has resolved the model's window
+    and, with its hybrid SWA pool on, which layers keep their KV there."""
+    if getattr(model_runner, "is_draft_worker", False):
+        return result
+    layers = sliding_layers_of(model_runner)
+    if layers:
+        _Process.window = int(model_runner.sliding_window_size)
+        _Process.sliding_layers = layers
+    return result
+
+
+def sliding_layers_of(model_runner: Any) -> frozenset[int]:
+    """The layer ids of `model_runner`'s model whose KV SGLang keeps in its hybrid SWA
+    pool (none with the pool off, or without a sliding window)."""
+    config = model_runner.model_config
+    if not getattr(config, "is_hybrid_swa", False) or not model_runner.sliding_window_size:
+        return frozenset()
+    return frozenset(config.swa_attention_layer_ids or ())
+
+
+def window() -> int | None:
+    """This process's model's sliding window in tokens, where SGLang keeps its sliding
+    layers in the hybrid SWA pool; else None."""
+    return _Process.window
+
+
+def sliding_layers() -> frozenset[int]:
+    """The model's layer ids whose KV sits in the hybrid SWA pool (none without it)."""
+    return _Process.sliding_layers
+
+
+class NoWindowPage(SglPdError):
+    """A window position has no sliding-window page on this decoder."""
+
+
+def window_pages(
+    req_to_token_row: Any, translate: Any, held: int, kv_tokens: int, page_size: int
+) -> np.ndarray:
+    """This decoder's sliding-window pages for the positions `window_tokens` names, in
+    order: `req_to_token_row` (the request's main-pool token slots) through `translate`
+    (SGLang's ``translate_swa_indices_for_transfer``) to window-pool slots, a page per
+    `page_size` slots. Raises `NoWindowPage` where a position has none (slot 0, SGLang's
+    padding: the page would be another request's)."""
+    assert _Process.window is not None
+    positions = window_tokens(held, kv_tokens, _Process.window, page_size)
+    if not positions:
+        return np.zeros(0, dtype=np.int64)
+    slots = translate(req_to_token_row[positions.start : positions.stop])
+    slots = np.asarray(slots.cpu() if hasattr(slots, "cpu") else slots, dtype=np.int64)
+    if (slots <= 0).any():
+        raise NoWindowPage(
+            f"positions {positions.start}..{positions.stop - 1} of the sliding window have"
+            f" {int((slots <= 0).sum())} without a page"
+        )
+    return slots[::page_size] // page_size
+
+
+def around_send_kv_metadata(
+    original: Any,
+    queue: Any,
+    decode_req: Any,
+    kv_indices: Any,
+    page_size: int,
+    state_indices: Any = None,
+    **kwargs: Any,
+) -> Any:
+    """AROUND hook of ``DecodePreallocQueue._send_kv_metadata``: the window's entry of
+    `state_indices` becomes the pages of the KV this decoder receives (see the module).
+    A position without a page fails the request through its receiver."""
+    if _Process.window is not None and state_indices is not None:
+        from sgl_pd.backend.first_token import expected_kv_tokens
+        from sgl_pd.backend.pool import state_kinds
+
+        kinds = state_kinds(queue.kv_manager.kv_args)
+        if "swa" in kinds and kwargs.get("destination") is None:
+            req = decode_req.req
+            allocator = queue.token_to_kv_pool_allocator
+            row = queue.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+            held = int(kwargs.get("decode_prefix_len") or 0)
+            state_indices = list(state_indices)
+            try:
+                state_indices[kinds.index("swa")] = window_pages(
+                    row,
+                    allocator.translate_swa_indices_for_transfer,
+                    held,
+                    expected_kv_tokens(req),
+                    int(allocator.page_size),
+                )
+            except NoWindowPage as e:
+                state_indices[kinds.index("swa")] = None
+                decode_req.kv_receiver.refuse(str(e))
+    return original(queue, decode_req, kv_indices, page_size, state_indices, **kwargs)
