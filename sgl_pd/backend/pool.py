@@ -105,6 +105,14 @@ def describe_pool(
     num_pages = min(lens) // page_bytes
     kv = RegionTable.for_layout(layout, tuple(Region(ptrs[i], lens[i]) for i in order))
 
+    state = state_slots(kv_args, window)
+    if state is not None and state.kind == "swa" and state.window < page_size:
+        # (the decoder frees its slots before the window, `sliding_window_glue`: with a
+        # window inside the last page, a cached prompt's last page would hold none)
+        raise ConfigError(
+            f"the sliding window ({state.window} tokens) is shorter than a page"
+            f" ({page_size} tokens): serve the model with --page-size {state.window} or less"
+        )
     aux_ptrs = list(kv_args.aux_data_ptrs)
     aux_lens = list(kv_args.aux_data_lens)
     aux_items = tuple(int(n) for n in kv_args.aux_item_lens)
@@ -118,7 +126,7 @@ def describe_pool(
         aux=tuple(Region(p, n) for p, n in zip(aux_ptrs, aux_lens, strict=True)),
         aux_item_bytes=aux_items,
         aux_rows=aux_rows,
-        state=state_slots(kv_args, window),
+        state=state,
     )
 
 

@@ -11,7 +11,9 @@ SGLang's decoder names its window from the whole prompt, n tokens; when this dec
 samples the first token (`backend.first_token`) the KV it receives ends at c = n - 1,
 and the position n - 1 it names has no page yet. So the decoder names the window of
 its c tokens itself (`around_send_kv_metadata`), as its prefill does from its copy of
-c tokens: the two lists cover the same positions, in order.
+c tokens: the two lists cover the same positions, in order. The window-pool slots
+SGLang allocated for the positions before the window, which nothing writes, go back at
+once (`_free_unsent`): its prefix cache would otherwise hold them as a live window.
 """
 
 from __future__ import annotations
@@ -112,16 +114,40 @@ def around_send_kv_metadata(
             allocator = queue.token_to_kv_pool_allocator
             row = queue.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
             held = int(kwargs.get("decode_prefix_len") or 0)
+            kv_tokens = expected_kv_tokens(req)
+            page_size = int(allocator.page_size)
             state_indices = list(state_indices)
             try:
+                if kv_tokens > req.kv.kv_allocated_len:  # (its row holds stale slots there)
+                    raise NoWindowPage(
+                        f"the request needs {kv_tokens} tokens of KV and this decoder"
+                        f" allocated {req.kv.kv_allocated_len}"
+                    )
                 state_indices[kinds.index("swa")] = window_pages(
-                    row,
-                    allocator.translate_swa_indices_for_transfer,
-                    held,
-                    expected_kv_tokens(req),
-                    int(allocator.page_size),
+                    row, allocator.translate_swa_indices_for_transfer, held, kv_tokens, page_size
                 )
+                _free_unsent(queue, req, kv_tokens)
             except NoWindowPage as e:
                 state_indices[kinds.index("swa")] = None
                 decode_req.kv_receiver.refuse(str(e))
     return original(queue, decode_req, kv_indices, page_size, state_indices, **kwargs)
+
+
+def _free_unsent(queue: Any, req: Any, kv_tokens: int) -> None:
+    """Frees this decoder's window-pool slots of the request's positions before its window
+    (SGLang allocated them, nothing writes them), as SGLang's own eviction frees a
+    request's out-of-window slots: its prefix cache then holds them as evicted and never
+    serves them to a later prompt as a cached window (one cut inside this prompt)."""
+    from sglang.srt.mem_cache.common import free_swa_out_of_window_slots
+
+    assert _Process.window is not None
+    free_swa_out_of_window_slots(
+        req,
+        kv_tokens,
+        sliding_window_size=_Process.window,
+        page_size=int(queue.token_to_kv_pool_allocator.page_size),
+        req_to_token_pool=queue.req_to_token_pool,
+        token_to_kv_pool_allocator=queue.token_to_kv_pool_allocator,
+        # evict up to the window's start exactly (`core.sliding_window`), not a page short
+        supports_prefix_sharing=False,
+    )

@@ -26,6 +26,7 @@ from typing import Any
 from sgl_pd.cluster.processes import (
     ManagedProcess,
     exit_on_sigterm,
+    free_port,
     free_ports,
     managed,
     python_module_argv,
@@ -154,11 +155,16 @@ DEFAULT_SERVER_ARGS: tuple[str, ...] = (
 
 
 def server_argv(model: Path, port: int, extra: Sequence[str] = ()) -> list[str]:
+    # SGLang otherwise picks its process group's rendezvous port at random when it starts
+    # and binds it seconds later, in its scheduler: servers starting side by side could
+    # pick the same one (measured: EADDRINUSE); ours are handed out once per process
+    rendezvous = () if "--nccl-port" in extra else ("--nccl-port", str(free_port()))
     return python_module_argv(
         "sgl_pd.launch_server",
         "--model-path", str(model),
         "--host", HOST,
         "--port", str(port),
+        *rendezvous,
         *DEFAULT_SERVER_ARGS,
         *extra,
     )  # fmt: skip

@@ -48,9 +48,11 @@ from sgl_pd.errors import SglPdError
 # 9: decoders say how many prompt tokens' KV they expect (kv_tokens); a submission
 #    names its attempt (a recompute of a retracted request under its room)
 # 10: decoders tell a prefill server's registry to skip a request they prefill (SkipPrefill)
-# 11: state besides the KV pages (Mamba slots, sliding-window pages):
-#     ShardRegistration.state and TransferRequest.state_slots
-PROTOCOL_VERSION = 11
+# 11: state slots besides the KV pages (Mamba): ShardRegistration.state and
+#     TransferRequest.state_slot
+# 12: sliding-window pages as state slots: TransferRequest.state_slots (a slot per
+#     window page), StateSlots.window
+PROTOCOL_VERSION = 12
 MAGIC = b"SGPD"
 MAX_BODY_BYTES = 64 << 20  # a 1M-token prompt with its page table stays far below this
 _HEADER = struct.Struct("<4sHHQII")
@@ -187,6 +189,8 @@ class StateSlots(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             return f"a {self.kind} state slot named twice"
         if slots and max(slots) >= self.slots:
             return f"{self.kind} state slot {max(slots)} outside the {self.slots} registered"
+        if self.kind == "swa" and 0 in slots:  # (SGLang's padding page: no request's)
+            return "sliding-window page 0 named: SGLang's padding page, no request's"
         return None
 
 

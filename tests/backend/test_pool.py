@@ -54,3 +54,33 @@ def test_a_draft_with_other_rows_is_refused_with_the_reason() -> None:
     args.kv_item_lens[-1] = PAGE_BYTES * 2
     with pytest.raises(ConfigError, match="draft model's KV rows differ"):
         describe_pool(args, is_mla=True)
+
+
+def _swa_args(page_size: int) -> dict[str, object]:
+    """A hybrid SWA pool: one full layer in the main buffers, one sliding layer's K and V
+    (two buffers of 12 window pages) as SGLang's SWA state component."""
+    return _kv_args(
+        2,
+        0,
+        kv_head_num=1,
+        total_kv_head_num=1,
+        state_types=["SWA"],
+        state_data_ptrs=[[50_000, 60_000]],
+        state_data_lens=[[PAGE_BYTES * 12] * 2],
+        state_item_lens=[[PAGE_BYTES] * 2],
+    ).__dict__ | {"page_size": page_size}
+
+
+def test_a_sliding_window_pool_is_described_as_window_pages() -> None:
+    args = SimpleNamespace(**_swa_args(1))
+    pool = describe_pool(args, is_mla=False, window=16)
+    assert pool.state is not None and pool.state.kind == "swa"
+    assert (pool.state.window, pool.state.slots, pool.state.slot_bytes) == (16, 12, (64, 64))
+    assert [r.base for r in pool.state.regions] == [50_000, 60_000]
+    with pytest.raises(ConfigError, match="sliding window is unknown"):
+        describe_pool(args, is_mla=False)
+
+
+def test_a_window_shorter_than_a_page_is_refused_with_the_page_size_that_serves_it() -> None:
+    with pytest.raises(ConfigError, match="--page-size 16 or less"):
+        describe_pool(SimpleNamespace(**_swa_args(32)), is_mla=False, window=16)

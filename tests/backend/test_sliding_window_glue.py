@@ -4,12 +4,17 @@ KV (c tokens), translated to the window pool's slots as SGLang translates them."
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from sgl_pd.backend import sliding_window_glue
-from sgl_pd.backend.sliding_window_glue import NoWindowPage, window_pages
+from sgl_pd.backend.sliding_window_glue import (
+    NoWindowPage,
+    around_send_kv_metadata,
+    window_pages,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -46,3 +51,104 @@ def test_a_position_without_a_window_page_refuses_the_request() -> None:
 
     with pytest.raises(NoWindowPage, match="without a page"):
         window_pages(row, unmapped, held=0, kv_tokens=11, page_size=2)
+
+
+def _decoder(page_size: int = 1, window: int = 6) -> SimpleNamespace:
+    """SGLang's own hybrid SWA pool, allocator and token rows on the CPU, in the shape of
+    its decode prealloc queue (the attributes the hook reads)."""
+    import torch
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    size = 64
+    pool = SWAKVPool(
+        size=size, size_swa=size, page_size=page_size, dtype=torch.float16, head_num=1,
+        head_dim=4, swa_attention_layer_ids=[0], full_attention_layer_ids=[1],
+        device="cpu", enable_memory_saver=False,
+    )  # fmt: skip
+    allocator = SWATokenToKVPoolAllocator(size, size, page_size, torch.float16, "cpu", pool, False)
+    rows = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
+    sliding_window_glue._Process.window = window
+    return SimpleNamespace(
+        kv_manager=SimpleNamespace(kv_args=SimpleNamespace(state_types=["SWA"])),
+        token_to_kv_pool_allocator=allocator,
+        req_to_token_pool=rows,
+    )
+
+
+def _request(queue: SimpleNamespace, prompt: int, held: int = 0) -> SimpleNamespace:
+    """A decode request of `prompt` tokens whose first token this decoder samples (c =
+    prompt - 1), its row allocated in both pools as SGLang's prealloc does (page 1)."""
+    from sglang.srt.managers.schedule_batch import ReqKvInfo
+
+    from sgl_pd.backend.first_token import MARK
+
+    allocator = queue.token_to_kv_pool_allocator
+    c = prompt - 1
+    kv = ReqKvInfo(req_pool_idx=1, cache_protected_len=held, kv_allocated_len=c)
+    queue.req_to_token_pool.req_to_token[1, :c] = allocator.alloc(c)
+    req = SimpleNamespace(
+        kv=kv, origin_input_ids=list(range(prompt)), output_ids=[], **{MARK: True}
+    )
+    refused: list[str] = []
+    receiver = SimpleNamespace(refuse=refused.append, refused=refused)
+    return SimpleNamespace(req=req, kv_receiver=receiver)
+
+
+def _sent(queue: SimpleNamespace, decode_req: SimpleNamespace, **kw: object) -> list[object]:
+    """The state_indices the hook hands SGLang's `_send_kv_metadata`."""
+    seen: list[object] = []
+
+    def original(q: object, d: object, kv: object, ps: int, state: object, **k: object) -> None:
+        seen.append(state)
+
+    around_send_kv_metadata(original, queue, decode_req, [], 1, ["sglang's"], **kw)
+    return seen
+
+
+def test_the_decoder_names_the_window_of_the_kv_it_receives() -> None:
+    """SGLang's own entry (from the whole prompt, n tokens) is replaced by the pages of
+    positions [c - window, c), c = n - 1; the positions before hold no window slot any
+    more (freed, marked evicted), so its cache never serves them as a window."""
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    queue = _decoder()
+    decode_req = _request(queue, prompt=20)
+    row = queue.req_to_token_pool.req_to_token[1]
+    allocator = queue.token_to_kv_pool_allocator
+    expected = allocator.translate_swa_indices_for_transfer(row[13:19]).tolist()
+    swa_free = allocator.swa_available_size()
+    (state,) = _sent(queue, decode_req, decode_prefix_len=0)
+    assert state[0].tolist() == expected and decode_req.kv_receiver.refused == []
+    assert decode_req.req.kv.get_evicted_seqlen(ComponentType.SWA) == 13
+    assert allocator.swa_available_size() == swa_free + 13
+    assert (allocator.translate_swa_indices_for_transfer(row[:13]) == 0).all()
+
+
+def test_a_held_prefix_inside_the_window_is_not_named_or_freed() -> None:
+    queue = _decoder()
+    decode_req = _request(queue, prompt=20, held=16)
+    allocator = queue.token_to_kv_pool_allocator
+    swa_free = allocator.swa_available_size()
+    (state,) = _sent(queue, decode_req, decode_prefix_len=16)
+    row = queue.req_to_token_pool.req_to_token[1]
+    assert state[0].tolist() == allocator.translate_swa_indices_for_transfer(row[16:19]).tolist()
+    assert allocator.swa_available_size() == swa_free
+
+
+def test_a_request_needing_more_kv_than_allocated_is_refused_not_sent_stale_slots() -> None:
+    queue = _decoder()
+    decode_req = _request(queue, prompt=20)
+    decode_req.req.kv.kv_allocated_len = 10
+    (state,) = _sent(queue, decode_req, decode_prefix_len=0)
+    assert state == [None]
+    assert "allocated 10" in decode_req.kv_receiver.refused[0]
+
+
+def test_a_host_destination_and_a_pool_without_a_window_are_left_alone() -> None:
+    queue = _decoder()
+    decode_req = _request(queue, prompt=20)
+    assert _sent(queue, decode_req, decode_prefix_len=0, destination="host") == [["sglang's"]]
+    queue.kv_manager.kv_args.state_types = ["MAMBA"]
+    assert _sent(queue, decode_req, decode_prefix_len=0) == [["sglang's"]]

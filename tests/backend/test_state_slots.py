@@ -152,7 +152,7 @@ def test_a_window_names_its_pages_in_order() -> None:
     window = _slots(kind="swa", slots=8)
     assert named_slots(window, [np.array([6, 2, 5])]) == ((6, 2, 5), None)
     assert named_slots(window, [np.array([], dtype=np.int64)]) == ((), None)  # all held
-    for wrong in ([np.array([1, 1])], [np.array([8])], [np.arange(9)]):
+    for wrong in ([np.array([1, 1])], [np.array([8])], [np.arange(9)], [np.array([3, 0])]):
         slots, why = named_slots(window, wrong)
         assert slots == () and why, wrong
 
@@ -197,7 +197,7 @@ def test_a_transfer_request_names_slots_exactly_when_its_decoder_has_slots() -> 
     window = rig.add_decoder("decode-2", state="swa")
     for slots in ((), (3,), (1, 2, 7)):
         TransferRequest(decoder=window.registration, state_slots=slots, **base)  # type: ignore[arg-type]
-    for slots in ((1, 1), (STATE_SLOTS,)):
+    for slots in ((1, 1), (STATE_SLOTS,), (0, 1)):
         with pytest.raises(InvalidMessage):
             TransferRequest(decoder=window.registration, state_slots=slots, **base)  # type: ignore[arg-type]
 
@@ -219,7 +219,7 @@ def test_the_prefills_window_pages_land_in_the_decoders_in_order(layerwise: bool
     page of the same position (the lists pair up in order), nothing else is written."""
     rig = _rig(layerwise=layerwise, state="swa")
     decoder = rig.add_decoder("decode-0")
-    src, dst = (6, 1, 4), (2, 7, 0)
+    src, dst = (6, 1, 4), (2, 7, 3)
     rig.request(decoder, 51, DST, slot=1, state_slots=dst)
     if layerwise:
         rig.prefill_layerwise(51, PAGES, state_slots=src)

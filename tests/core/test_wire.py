@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from typing import Any
 
 import msgspec
 import pytest
@@ -465,7 +466,7 @@ def test_peer_text_fields_are_bounded() -> None:
 # sgl_pd version" instead of dropping each frame as malformed): bump PROTOCOL_VERSION,
 # then update this table.
 FIELDS_AT_VERSION = (
-    11,
+    12,
     {
         "abort": ("request_id", "reason", "decoder_instance", "detail", "reply_to"),
         "abort_ack": ("request_id", "prefill_rank", "prefill_instance"),
@@ -494,16 +495,62 @@ FIELDS_AT_VERSION = (
 )  # fmt: skip
 
 
+# the fields of the structs messages carry, at the same version
+PARTS_AT_VERSION = (
+    12,
+    {
+        "MetadataBuffers": ("regions", "row_bytes", "rows"),
+        "RefusedSubmission": ("request_id", "message"),
+        "SamplingParams": ("max_new_tokens", "temperature", "top_p", "top_k", "min_p",
+                           "repetition_penalty", "frequency_penalty", "presence_penalty",
+                           "stop_token_ids", "ignore_eos", "seed", "json_schema", "regex"),
+        "SlotArea": ("region", "slot_bytes", "num_slots"),
+        "StateSlots": ("kind", "regions", "slot_bytes", "slots", "dtypes", "window"),
+    },
+)  # fmt: skip
+
+
+def _parts(message_types: tuple[type, ...]) -> dict[str, tuple[str, ...]]:
+    """Every struct inside the messages (not the messages): name -> its fields."""
+    import msgspec.inspect as mi
+
+    found: dict[str, tuple[str, ...]] = {}
+
+    def walk(info: Any) -> None:
+        if isinstance(info, mi.StructType):
+            if info.cls.__name__ not in found:
+                found[info.cls.__name__] = tuple(f.name for f in info.fields)
+                for f in info.fields:
+                    walk(f.type)
+        elif isinstance(info, mi.UnionType):
+            for t in info.types:
+                walk(t)
+        elif isinstance(info, mi.DictType):
+            walk(info.key_type)
+            walk(info.value_type)
+        else:
+            for t in (getattr(info, "item_type", None), *getattr(info, "item_types", ())):
+                if t is not None:
+                    walk(t)
+
+    for info in mi.multi_type_info(list(message_types)):
+        walk(info)
+    names = {cls.__name__ for cls in message_types}
+    return {name: fields for name, fields in found.items() if name not in names}
+
+
 def test_a_change_of_any_message_comes_with_a_new_protocol_version() -> None:
     import typing
 
     from sgl_pd.core import wire
 
-    fields = {
-        cls.__struct_config__.tag: tuple(cls.__struct_fields__)
-        for cls in typing.get_args(wire.Message)
-    }
+    types = typing.get_args(wire.Message)
+    fields = {cls.__struct_config__.tag: tuple(cls.__struct_fields__) for cls in types}
     version, pinned = FIELDS_AT_VERSION
     assert (wire.PROTOCOL_VERSION, fields) == (version, pinned), (
         "a message's fields changed: bump PROTOCOL_VERSION and update FIELDS_AT_VERSION"
+    )
+    version, pinned_parts = PARTS_AT_VERSION
+    assert (wire.PROTOCOL_VERSION, _parts(types)) == (version, pinned_parts), (
+        "a struct inside a message changed: bump PROTOCOL_VERSION and update PARTS_AT_VERSION"
     )

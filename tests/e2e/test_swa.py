@@ -25,12 +25,17 @@ and its follow-ups' (the decoder holding their prompts) equal transformers'.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import requests
 
+from sgl_pd.cluster.campaign import abort_at_decoder
+from sgl_pd.cluster.client import send_as_router
 from sgl_pd.cluster.conversations import Reply, replay, wrong_turns
 from sgl_pd.cluster.local import (
     Patience,
@@ -39,7 +44,7 @@ from sgl_pd.cluster.local import (
     pd_cluster,
     start_side_by_side,
 )
-from sgl_pd.cluster.logs import PoolStates, pools_idle, wait_pools_idle
+from sgl_pd.cluster.logs import PoolStates, decode_failures, pools_idle, wait_pools_idle
 from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids
 from sgl_pd.models import TINY_GEMMA3_PATH, TINY_MELLUM_PATH
 from sgl_pd.models.train_tiny_moe import SLIDING_WINDOW
@@ -66,6 +71,8 @@ PD_POOL = ["--max-total-tokens", "2048", "--swa-full-tokens-ratio", "1.0"]
 NEW_TOKENS = transformers_answers.NEW_TOKENS
 ROUNDS = 4  # rounds of all prompts at once: the numberings part after a few
 PD_ROUNDS = 2
+WRITE_DELAY_MS = 20  # per KV write batch: a long prompt streams for about a second
+LONG = 900  # tokens of the prompts aborted mid-transfer and sent after
 # shorter than the window (a few tokens) to several windows and chunks long
 PROMPTS: list[list[int]] = [
     prompt_ids("Count: 41 42 43"),
@@ -75,6 +82,16 @@ PROMPTS: list[list[int]] = [
         long_prompt_ids(n, start=7 * n)
         for n in (SLIDING_WINDOW - 1, SLIDING_WINDOW + 1, 40, 150, 300)
     ),
+]
+ABORT_AFTER = long_prompt_ids(LONG, start=60_000)
+# long prompts answered with one token (no decode step after their first: nothing of
+# theirs is evicted by decoding), then each cut short with a few new tokens: the
+# decoder's cache holds the first part, and the window before the cut lies where the
+# long prompt's KV never came (only its own window did)
+CUT_SOURCES = [long_prompt_ids(n, start=80_000 + n) for n in (150, 300)]
+TRUNCATED = [
+    [*source[:cut], *long_prompt_ids(5, start=70_000 + cut)]
+    for source, cut in zip(CUT_SOURCES, (100, 200), strict=True)
 ]
 CONVERSATION_OPENERS = [long_prompt_ids(30 + 40 * i, start=300 * i + 5) for i in range(2)]
 
@@ -86,6 +103,7 @@ def ask_all(url: str, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
 @dataclass(frozen=True)
 class PdRun:
     rounds: list[list[list[int]]]  # the answers to PROMPTS, round after round
+    truncated: list[list[int]]  # the answers to TRUNCATED, after the rounds
     replies: list[list[Reply]]
     pools: PoolStates | None  # None: both pools idle with no leak
 
@@ -98,9 +116,20 @@ class GemmaRun:
 
 
 @dataclass(frozen=True)
+class AbortRun:
+    """A long prompt aborted at the decoder while its KV streams (writes slowed), then
+    another long prompt, which can only get the pages it held."""
+
+    aborted: requests.Response | None  # the decoder's answer to the aborted one
+    logged: str  # why the decoder says its transfer failed ("" if it did not)
+    after: list[int]  # the next prompt's tokens
+
+
+@dataclass(frozen=True)
 class Runs:
     mono: MonoRun
     pd: PdRun
+    abort: AbortRun
     gemma3_pd: GemmaRun
 
 
@@ -120,18 +149,26 @@ def runs(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterat
                 extra=[*COMMON_ARGS, *SMALL_POOL],
                 patience=patience,
             ),
-            router_pd(tmp_path_factory, TINY_MELLUM_PATH, PD_POOL, patience, both_sends=True),
+            router_pd(
+                tmp_path_factory,
+                TINY_MELLUM_PATH,
+                PD_POOL,
+                patience,
+                both_sends=True,
+                prefill_only=["--pd-inject-write-delay-ms", str(WRITE_DELAY_MS)],
+            ),
             router_pd(tmp_path_factory, TINY_GEMMA3_PATH, [], patience),
         )
         mono = answer_monolithic(
             server, prompts=PROMPTS, rounds=ROUNDS, openers=CONVERSATION_OPENERS
         )
-        pd = PdRun(
-            [ask_all(mellum.router_url) for _ in range(PD_ROUNDS)],
-            replay(mellum.router_url, mono.conversations, concurrency=2),
-            idle_pools(mellum, patience),
-        )
-        yield Runs(mono, pd, gemma_run(gemma, patience))
+        rounds = [ask_all(mellum.router_url) for _ in range(PD_ROUNDS)]
+        transformers_answers.ask_all(mellum.router_url, CUT_SOURCES, 1)
+        truncated = ask_all(mellum.router_url, TRUNCATED)
+        replies = replay(mellum.router_url, mono.conversations, concurrency=2)
+        aborted = abort_mid_transfer(mellum, patience)
+        pd = PdRun(rounds, truncated, replies, idle_pools(mellum, patience))
+        yield Runs(mono, pd, aborted, gemma_run(gemma, patience))
 
 
 @pytest.fixture(scope="module")
@@ -175,19 +212,53 @@ def router_pd(
     extra: list[str],
     patience: Patience,
     both_sends: bool = False,
+    prefill_only: list[str] | None = None,
 ) -> contextlib.AbstractContextManager[PdCluster]:
     """A prefill and a decode server of `model` (the decoder with its prefix cache, every
-    prompt's KV sent) behind the router, all with `extra`; `both_sends`: a second
-    prefill server, the first sending layer-wise and the second after the forward."""
+    prompt's KV sent) behind the router, all with `extra`, the prefill servers also with
+    `prefill_only`; `both_sends`: a second prefill server, the first sending layer-wise
+    and the second after the forward."""
     args = [*COMMON_ARGS, *extra]
+    prefill = [*args, *(prefill_only or [])]
     return pd_cluster(
         tmp_path_factory.mktemp(model.name),
         model=model,
-        prefill_extra=[*args, "--pd-kv-send", "layerwise"] if both_sends else args,
-        more_prefills=[[*args, "--pd-kv-send", "after-forward"]] if both_sends else [],
+        prefill_extra=[*prefill, "--pd-kv-send", "layerwise"] if both_sends else prefill,
+        more_prefills=[[*prefill, "--pd-kv-send", "after-forward"]] if both_sends else [],
         decode_extra=[*args, *DECODE_PREFIX_CACHE],
         patience=patience,
     )
+
+
+def abort_mid_transfer(cluster: PdCluster, patience: Patience) -> AbortRun:
+    """`AbortRun`, sent as the router sends it to the layer-wise prefill server (the
+    abort is tried earlier each time until one lands before the transfer ended)."""
+    answer: requests.Response | None = None
+    logged = ""
+    for attempt, wait_s in enumerate((1.0, 0.6, 0.3)):
+        rid = f"swa-abort-{attempt}"
+        body = {
+            "rid": rid,
+            "input_ids": long_prompt_ids(LONG, start=50_000 + 1000 * attempt),
+            "sampling_params": {"temperature": 0, "max_new_tokens": 4},
+        }
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(
+                send_as_router,
+                cluster.prefill.url,
+                cluster.decode.url,
+                cluster.bootstrap_port,
+                body,
+                timeout_s=patience.seconds(120),
+            )
+            time.sleep(wait_s)  # mid-transfer: the writes are slowed, the forward is not
+            abort_at_decoder(cluster.decode.url, rid)
+            _prefilled, answer = pending.result(timeout=patience.seconds(150))
+        logged = decode_failures([cluster.decode.process.log_path]).get(rid, "")
+        if logged:
+            break
+    after = transformers_answers.ask_all(cluster.router_url, [ABORT_AFTER], NEW_TOKENS)[0]
+    return AbortRun(answer, logged, after)
 
 
 def idle_pools(cluster: PdCluster, patience: Patience) -> PoolStates | None:
@@ -241,3 +312,27 @@ def test_checksums_beside_the_window_refuse_to_start_and_say_why(
         TINY_MELLUM_PATH, [*COMMON_ARGS, "--pd-kv-checksum"], tmp_path, patience
     )
     assert "--pd-kv-checksum covers the KV pages only" in log and "(swa)" in log, log[-3000:]
+
+
+def test_a_prefix_held_from_a_longer_prompt_gives_transformers_tokens(pd: PdRun) -> None:
+    """The decoder holds the first part of an earlier, longer prompt: of that prompt only
+    the window before its end came over, so the window before the cut was never written
+    there - the decoder must not serve it from its cache."""
+    reference = transformers_reference(TINY_MELLUM_PATH, TRUNCATED)
+    assert not wrong_answers(reference, pd.truncated), wrong_answers(reference, pd.truncated)
+
+
+def test_an_abort_mid_transfer_leaves_pages_the_next_prompt_uses_rightly(runs: Runs) -> None:
+    """Aborted at the decoder while its KV (and then its window) streamed: the client
+    hears an abort, the next long prompt - in pages the aborted one held, in both page
+    spaces - gives transformers' tokens, and the pools are idle after (checked with the
+    rounds above)."""
+    abort = runs.abort
+    assert "aborted" in abort.logged, abort.logged or "every request completed first"
+    answer = abort.aborted
+    assert answer is not None
+    finish = answer.json()["meta_info"]["finish_reason"]["type"] if answer.ok else None
+    assert not answer.ok or finish == "abort", answer.text[:300]
+    reference = transformers_reference(TINY_MELLUM_PATH, [ABORT_AFTER])
+    assert not wrong_answers(reference, [abort.after]), wrong_answers(reference, [abort.after])
+    assert runs.pd.pools is None, runs.pd.pools
