@@ -95,6 +95,7 @@ class BytesMoved:
     requests: int
     bytes_per_request: float  # mean over the requests the prefill server sent
     full_attention_bytes_per_request: float  # every layer full attention, same prompts
+    besides: str  # what moved besides the full-attention layers' KV
 
     @property
     def ratio(self) -> float:
@@ -107,8 +108,14 @@ def hybrid_bytes(model: Path, prefill_log: Path) -> BytesMoved | None:
     line's tokens times the KV of one token in every layer (K and V, its KV heads, in
     the KV dtype the servers ran: float32 here)."""
     config = json.loads((model / "config.json").read_text())
-    if not set(HYBRID_LAYER_TYPES) & set(config.get("layer_types", ())):
+    layer_types = set(config.get("layer_types", ()))
+    if not set(HYBRID_LAYER_TYPES) & layer_types:
         return None
+    besides = (
+        "each linear-attention layer's state"
+        if "linear_attention" in layer_types
+        else "each sliding layer's window"
+    )
     lines = [line for line in timing_lines(prefill_log) if line["tokens"]]
     if not lines:
         return None
@@ -116,7 +123,7 @@ def hybrid_bytes(model: Path, prefill_log: Path) -> BytesMoved | None:
     token_bytes = 2 * config["num_key_value_heads"] * head_dim * 4 * config["num_hidden_layers"]
     moved = sum(float(line["bytes"]) for line in lines) / len(lines)
     full = sum(float(line["tokens"]) * token_bytes for line in lines) / len(lines)
-    return BytesMoved(len(lines), moved, full)
+    return BytesMoved(len(lines), moved, full, besides)
 
 
 # --local: the same shape of workload at two CPU cores' scale (tiny model: ~20 ms a step)
@@ -225,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"\nbytes moved per request by the PD prefill server ({moved.requests} requests):"
-            f" {mib:.2f} MiB (full-attention KV and each linear-attention layer's state)"
+            f" {mib:.2f} MiB (full-attention KV and {moved.besides})"
             f" vs {full_mib:.2f} MiB were every layer full attention: {moved.ratio:.3f}x"
         )
     headline: dict[str, object] = {}

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sgl_pd.config import DECODE_HICACHE_REFUSAL
+from sgl_pd.core.state_components import PLANS
 
 # Two-batch overlap runs each layer's attention for micro-batch A, then B: the hook that
 # marks "layer L done" fires after A's o_proj, before B wrote layer L's KV.
@@ -37,12 +38,12 @@ PREFILL_COMPLETE_POLICY = (
     " optimistic prefill): keep the default, early"
 )
 HYBRID_STATE = (
-    "this model keeps state besides the paged KV cache ({kinds}: sliding-window or"
-    " sparse-attention pools), which sgl_pd does not transfer yet"
+    "this model keeps state besides the paged KV cache ({kinds}), which sgl_pd does not"
+    " transfer yet{why}"
 )
 # The state components sgl_pd moves beside the KV pages (SGLang's StateType names):
 # the allow-list; every other kind is refused at start-up.
-MOVED_STATE_KINDS = ("mamba", "swa")
+MOVED_STATE_KINDS = tuple(kind for kind, plan in PLANS.items() if plan.refused is None)
 # A local prefill on the decoder extends a request whose Mamba state came over the
 # wire: SGLang's extend starts linear-attention layers from the prompt's cached state,
 # which a decoder's prefix cache of full-attention pages does not hold.
@@ -203,9 +204,11 @@ def unsupported_option(
             return SLIDING_WINDOW_UNSERVED.format(what=spec)
     unmoved = [k for k in kinds if k not in MOVED_STATE_KINDS]
     if unmoved:
-        return HYBRID_STATE.format(kinds=", ".join(unmoved))
+        plan = PLANS.get(unmoved[0])
+        why = f" ({plan.models}: {plan.refused})" if plan is not None else " (not planned)"
+        return HYBRID_STATE.format(kinds=", ".join(unmoved), why=why)
     if len(kinds) > 1:  # (two moved kinds in one model: never seen, never tested)
-        return HYBRID_STATE.format(kinds=", ".join(kinds))
+        return HYBRID_STATE.format(kinds=", ".join(kinds), why=": never tested together")
     if kinds and kv_checksum:
         return CHECKSUM_STATE.format(kinds=", ".join(kinds))
     return None

@@ -225,3 +225,22 @@ def test_a_prefill_server_with_several_tokenizer_workers_is_refused() -> None:
     why = unsupported_option(options, "prefill", kv_send="layerwise", first_token="decode")
     assert why is not None and "--tokenizer-worker-num 2" in why
     assert unsupported_option(options, "decode", kv_send="layerwise", first_token="decode") is None
+
+
+def test_every_state_type_sglang_has_is_planned_and_refused_with_its_reason() -> None:
+    """SGLang's state types (its ``StateType``): each has a plan (`core.state_components`);
+    those sgl_pd does not move are refused with the plan's reason."""
+    from sglang.srt.disaggregation.base.conn import StateType
+
+    from sgl_pd.core.state_components import PLANS
+
+    assert {t.name.lower() for t in StateType} == set(PLANS)
+    for kind, plan in PLANS.items():
+        why = unsupported_option(
+            SimpleNamespace(), "decode", kv_send="layerwise", first_token="decode",
+            state_kinds=[kind.upper()],
+        )  # fmt: skip
+        if plan.refused is None:
+            assert why is None, why
+        else:
+            assert why is not None and plan.refused in why and plan.models in why, why
