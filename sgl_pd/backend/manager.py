@@ -228,10 +228,13 @@ class SglPdKVManager(BaseKVManager):
             None if is_mla_backend else _kv_heads(args, server_args, parallel.attn_tp_size),
             sliding_window_glue.window(),
         )
-        if self.pool.state is not None and self.pool.state.kind == "mamba":
+        if any(c.kind == "mamba" for c in self.pool.state):
             # what SGLang's environment makes of its element types, for the pair check
-            slots = msgspec.structs.replace(self.pool.state, dtypes=mamba_dtypes())
-            self.pool = replace(self.pool, state=slots)
+            state = tuple(
+                msgspec.structs.replace(c, dtypes=mamba_dtypes()) if c.kind == "mamba" else c
+                for c in self.pool.state
+            )
+            self.pool = replace(self.pool, state=state)
         self.layout = self.pool.layout
         # with DP attention every attention-DP rank is a decoder of its own, with the
         # whole pool of its requests: rank engine_rank (its attention-TP rank) of
@@ -258,8 +261,8 @@ class SglPdKVManager(BaseKVManager):
         if faults.active:
             logger.warning("fault injection on KV writes: %s", faults)
             self.engine = FaultInjectingEngine(self.engine, faults)
-        state = self.pool.state.regions if self.pool.state is not None else ()
-        for region in (*self.pool.kv.regions, *self.pool.aux, *state):
+        state_regions = [r for c in self.pool.state for r in c.regions]
+        for region in (*self.pool.kv.regions, *self.pool.aux, *state_regions):
             self.engine.register(region.base, region.length)
         self.staging = self._staging(server_args)
         self.codec = FrameCodec(self.layout.compat_hash())

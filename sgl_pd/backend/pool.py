@@ -25,7 +25,7 @@ from typing import Any
 
 from sgl_pd.core.layout import KvLayout, PageLayout
 from sgl_pd.core.regions import Region, RegionTable
-from sgl_pd.core.wire import StateSlots
+from sgl_pd.core.wire import WINDOW_KINDS, StateSlots
 from sgl_pd.errors import ConfigError
 
 
@@ -39,8 +39,9 @@ class PoolDescription:
     aux: tuple[Region, ...]  # metadata buffers (D9), one row per request slot
     aux_item_bytes: tuple[int, ...]  # bytes of one row of each metadata buffer
     aux_rows: int  # request slots in the metadata buffers
-    # per-request state besides the KV pages (Mamba slots, sliding-window pages)
-    state: StateSlots | None = None
+    # per-request state besides the KV pages, a component per SGLang state type (Mamba
+    # slots, sliding-window pages, ...)
+    state: tuple[StateSlots, ...] = ()
 
 
 def describe_pool(
@@ -106,13 +107,15 @@ def describe_pool(
     kv = RegionTable.for_layout(layout, tuple(Region(ptrs[i], lens[i]) for i in order))
 
     state = state_slots(kv_args, window)
-    if state is not None and state.kind == "swa" and state.window < page_size:
-        # (the decoder frees its slots before the window, `sliding_window_glue`: with a
-        # window inside the last page, a cached prompt's last page would hold none)
-        raise ConfigError(
-            f"the sliding window ({state.window} tokens) is shorter than a page"
-            f" ({page_size} tokens): serve the model with --page-size {state.window} or less"
-        )
+    for component in state:
+        if component.window and component.window < page_size:
+            # (the decoder frees its slots before the window, `sliding_window_glue`: with
+            # a window inside the last page, a cached prompt's last page would hold none)
+            raise ConfigError(
+                f"the sliding window ({component.window} tokens) is shorter than a page"
+                f" ({page_size} tokens): serve the model with --page-size"
+                f" {component.window} or less"
+            )
     aux_ptrs = list(kv_args.aux_data_ptrs)
     aux_lens = list(kv_args.aux_data_lens)
     aux_items = tuple(int(n) for n in kv_args.aux_item_lens)
@@ -136,30 +139,31 @@ def state_kinds(kv_args: Any) -> list[str]:
     return [str(getattr(t, "name", t)).lower() for t in getattr(kv_args, "state_types", ())]
 
 
-def state_slots(kv_args: Any, window: int | None = None) -> StateSlots | None:
-    """The component of SGLang's state lists sgl_pd moves, or None without one: Mamba
-    (each layer's conv and recurrent state tensors, ``[slots, ...]`` each, a slot per
-    request) or the hybrid SWA pool (each sliding layer's K and V buffers, a slot per
-    page; `window` tokens of them per request)."""
-    kinds = state_kinds(kv_args)
-    kind = next((k for k in ("mamba", "swa") if k in kinds), None)
-    if kind is None:
-        return None
-    if kind == "swa" and not window:
-        raise ConfigError("SGLang's hybrid SWA pool is on, but its sliding window is unknown")
-    i = kinds.index(kind)
-    ptrs = [int(p) for p in kv_args.state_data_ptrs[i]]
-    lens = [int(n) for n in kv_args.state_data_lens[i]]
-    items = [int(n) for n in kv_args.state_item_lens[i]]
-    if not ptrs or not len(ptrs) == len(lens) == len(items):
-        raise ConfigError(f"the {kind} state lists {len(ptrs)} buffers and {len(items)} sizes")
-    return StateSlots(
-        kind=kind,
-        regions=tuple(Region(p, n) for p, n in zip(ptrs, lens, strict=True)),
-        slot_bytes=tuple(items),
-        slots=min(n // item for n, item in zip(lens, items, strict=True)),
-        window=int(window or 0) if kind == "swa" else 0,
-    )
+def state_slots(kv_args: Any, window: int | None = None) -> tuple[StateSlots, ...]:
+    """SGLang's state lists as components, in its order: a Mamba pool (each layer's conv
+    and recurrent state tensors, ``[slots, ...]`` each, a slot per request), a hybrid
+    SWA pool (each sliding layer's K and V buffers, a slot per page; `window` tokens of
+    them per request), ... (`core.state_components` plans each kind; the start-up check
+    refuses those sgl_pd does not move)."""
+    components = []
+    for i, kind in enumerate(state_kinds(kv_args)):
+        if kind in WINDOW_KINDS and not window:
+            raise ConfigError(f"SGLang's {kind} state is on, but its sliding window is unknown")
+        ptrs = [int(p) for p in kv_args.state_data_ptrs[i]]
+        lens = [int(n) for n in kv_args.state_data_lens[i]]
+        items = [int(n) for n in kv_args.state_item_lens[i]]
+        if not ptrs or not len(ptrs) == len(lens) == len(items):
+            raise ConfigError(f"the {kind} state lists {len(ptrs)} buffers and {len(items)} sizes")
+        components.append(
+            StateSlots(
+                kind=kind,
+                regions=tuple(Region(p, n) for p, n in zip(ptrs, lens, strict=True)),
+                slot_bytes=tuple(items),
+                slots=min(n // item for n, item in zip(lens, items, strict=True)),
+                window=int(window or 0) if kind in WINDOW_KINDS else 0,
+            )
+        )
+    return tuple(components)
 
 
 def _region_order(num_buffers: int, is_mla: bool) -> list[int]:

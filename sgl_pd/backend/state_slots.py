@@ -38,38 +38,44 @@ from typing import Any
 import numpy as np
 
 from sgl_pd.core.sharding import ShardingScheme
-from sgl_pd.core.wire import StateSlots
+from sgl_pd.core.wire import StateSlots, state_named_wrong
+
+Slots = tuple[tuple[int, ...], ...]  # a request's slots, one list per state component
 
 
 def named_slots(
-    mine: StateSlots | None, state_indices: Sequence[Any] | None
-) -> tuple[tuple[int, ...], str | None]:
+    mine: tuple[StateSlots, ...], state_indices: Sequence[Any] | None
+) -> tuple[Slots, str | None]:
     """The slots SGLang names for a request's state (its ``state_indices``: one entry per
-    state type of the pool, here the one sgl_pd moves: a Mamba slot, or the sliding
-    window's pages) and None; or ((), why) when it names some this rank cannot take."""
-    named = [np.asarray(s).reshape(-1) for s in (state_indices or ()) if s is not None]
-    slots = tuple(int(i) for s in named for i in s)
-    if mine is None:
-        if slots:
+    state type of the pool, in the pool's order - a Mamba slot, the sliding window's
+    pages, ...) and None; or ((), why) when it names some this rank cannot take."""
+    entries = list(state_indices or ())
+    if not mine:
+        if any(np.asarray(e).size for e in entries if e is not None):
             return (), "sgl_pd does not transfer this model's state besides the KV pages"
         return (), None
-    why = mine.named_wrong(slots)
+    if len(entries) != len(mine):
+        return (), f"SGLang named state for {len(entries)} components, this rank has {len(mine)}"
+    slots = tuple(
+        () if e is None else tuple(int(i) for i in np.asarray(e).reshape(-1)) for e in entries
+    )
+    why = state_named_wrong(mine, slots)
     return ((), why) if why is not None else (slots, None)
 
 
 def slot_mismatch(
-    decoder: StateSlots | None,
+    decoder: tuple[StateSlots, ...],
     decoder_scheme: ShardingScheme,
-    prefill: StateSlots | None,
+    prefill: tuple[StateSlots, ...],
     prefill_scheme: ShardingScheme,
 ) -> str | None:
-    """Why a prefill rank with `prefill` state slots cannot write a decode rank's with
+    """Why a prefill rank with `prefill` state cannot write a decode rank's with
     `decoder`'s, or None (also when neither keeps any); asked by both sides."""
-    if decoder is None and prefill is None:
+    if not decoder and not prefill:
         return None
-    if decoder is None or prefill is None:
-        theirs = prefill.kind if prefill is not None else "no"
-        mine = decoder.kind if decoder is not None else "no"
+    theirs = ", ".join(c.kind for c in prefill) or "no"
+    mine = ", ".join(c.kind for c in decoder) or "no"
+    if theirs != mine:
         return (
             f"the prefill server keeps {theirs} state besides the KV pages, the decoder"
             f" {mine}: serve one model on both"
@@ -77,21 +83,22 @@ def slot_mismatch(
     if decoder_scheme.tp_size != prefill_scheme.tp_size:
         return (
             f"the prefill server runs TP {prefill_scheme.tp_size} and the decoder TP"
-            f" {decoder_scheme.tp_size}: a model's {decoder.kind} state moves between servers"
+            f" {decoder_scheme.tp_size}: a model's {mine} state moves between servers"
             " of one TP size only (for now)"
         )
-    if decoder.kind == prefill.kind == "swa" and decoder.window != prefill.window:
-        return (
-            f"the prefill server's sliding window is {prefill.window} tokens, the"
-            f" decoder's {decoder.window}: serve one model on both"
-        )
-    if not decoder.same_shape(prefill):
-        return (
-            f"the prefill server keeps its {prefill.kind} state in slots of another shape"
-            f" ({prefill.dtypes or 'element types unknown'}) than the decoder's"
-            f" ({decoder.dtypes or 'element types unknown'}): serve one model on both, with"
-            " the same SGLANG_MAMBA_CONV_DTYPE and SGLANG_MAMBA_SSM_DTYPE"
-        )
+    for d, p in zip(decoder, prefill, strict=True):
+        if d.window != p.window:
+            return (
+                f"the prefill server's sliding window is {p.window} tokens, the"
+                f" decoder's {d.window}: serve one model on both"
+            )
+        if not d.same_shape(p):
+            return (
+                f"the prefill server keeps its {p.kind} state in slots of another shape"
+                f" ({p.dtypes or 'element types unknown'}) than the decoder's"
+                f" ({d.dtypes or 'element types unknown'}): serve one model on both, with"
+                " the same SGLANG_MAMBA_CONV_DTYPE and SGLANG_MAMBA_SSM_DTYPE"
+            )
     return None
 
 

@@ -35,6 +35,7 @@ from sgl_pd.core.errors import (
 from sgl_pd.core.layout import KvLayout
 from sgl_pd.core.regions import Region
 from sgl_pd.core.sharding import ShardingScheme
+from sgl_pd.core.state_components import PLANS, Named
 from sgl_pd.errors import SglPdError
 
 # 2: count words, drain acks, heartbeat echoes, self-describing requests
@@ -50,8 +51,9 @@ from sgl_pd.errors import SglPdError
 # 10: decoders tell a prefill server's registry to skip a request they prefill (SkipPrefill)
 # 11: state slots besides the KV pages (Mamba): ShardRegistration.state and
 #     TransferRequest.state_slot
-# 12: sliding-window pages as state slots: TransferRequest.state_slots (a slot per
-#     window page), StateSlots.window
+# 12: state in components, one per SGLang state type (ShardRegistration.state, and
+#     TransferRequest.state_slots a list per component); sliding-window pages as state
+#     slots (StateSlots.window)
 PROTOCOL_VERSION = 12
 MAGIC = b"SGPD"
 MAX_BODY_BYTES = 64 << 20  # a 1M-token prompt with its page table stays far below this
@@ -63,6 +65,11 @@ U32 = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at 2**64 - 1
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
 Positive = Annotated[int, msgspec.Meta(ge=1, lt=1 << 32)]
+# state kinds (`StateSlots.kind`) whose request names its one row, at most one slot, and
+# the pages of a sliding window (`core.state_components` plans each)
+NAMED_ONCE = frozenset(k for k, p in PLANS.items() if p.named is Named.ROW)
+NAMED_AT_MOST = {k: 1 for k, p in PLANS.items() if p.named is Named.PENDING_BLOCK}
+WINDOW_KINDS = frozenset(k for k, p in PLANS.items() if p.named is Named.WINDOW_PAGES)
 MAX_TEXT = 256  # characters of a free-text or address field a peer may send
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 # "tcp://host:port": an inbox, where answers go. The host is an IPv4 address, a bracketed
@@ -145,25 +152,27 @@ class MetadataBuffers(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 
 class StateSlots(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Per-request model state besides the paged KV, in slots of several registered
-    regions: slot i of region r is `slot_bytes[r]` bytes at `regions[r].base + i *
-    slot_bytes[r]`. Prefill and decode ranks of one TP size hold the same slice of every
-    layer's state, so a slot moves as one write per region. Two kinds:
+    """One component of a model's per-request state besides the paged KV (SGLang's state
+    types, planned in `core.state_components`), in slots of several registered regions:
+    slot i of region r is `slot_bytes[r]` bytes at `regions[r].base + i * slot_bytes[r]`.
+    Prefill and decode ranks of one TP size hold the same slice of every layer's state,
+    so a slot moves as one write per region. A request names, on each role, the slots of
+    its state in an order that pairs them up, e.g.:
 
     - "mamba" (SGLang's Mamba / linear-attention pool): each layer's conv and recurrent
-      state, one slot per request;
+      state, the request's one slot;
     - "swa" (SGLang's hybrid SWA pool): the sliding-window layers' K and V, a slot per
-      page of their own page space; a request names the pages of its window, the last
-      `window` tokens of the prompt's KV (`core.state_window`)."""
+      page of their own page space; the pages of the request's window, the last
+      `window` tokens of the prompt's KV (`core.sliding_window`)."""
 
-    kind: Annotated[str, msgspec.Meta(max_length=16)]  # SGLang's state type: "mamba", "swa"
+    kind: Annotated[str, msgspec.Meta(max_length=32)]  # SGLang's state type: "mamba", "swa"
     regions: tuple[Region, ...]
     slot_bytes: tuple[Positive, ...]  # bytes of one slot of each region
     slots: Positive  # slots every region holds
     # the state's element types as the server chose them, e.g. "conv=bfloat16,ssm=float32"
     # (SGLang reads them from its environment: two servers may differ at equal sizes)
     dtypes: Annotated[str, msgspec.Meta(max_length=64)] = ""
-    window: U32 = 0  # "swa": the sliding window, in tokens (SGLang's sliding_window_size)
+    window: U32 = 0  # window kinds: the sliding window, in tokens (SGLang's)
 
     def __post_init__(self) -> None:
         if not self.regions or len(self.regions) != len(self.slot_bytes):
@@ -171,8 +180,8 @@ class StateSlots(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         sizes = zip(self.regions, self.slot_bytes, strict=True)
         if any(r.length < self.slots * n for r, n in sizes):
             raise InvalidMessage("state slots do not fit their regions")
-        if (self.kind == "swa") != (self.window > 0):
-            raise InvalidMessage("a sliding window goes with swa state, and only there")
+        if (self.kind in WINDOW_KINDS) != (self.window > 0):
+            raise InvalidMessage("a sliding window goes with window pages, and only there")
 
     def same_shape(self, other: StateSlots) -> bool:
         """Both hold the same state per request (a slot moves between them as is)."""
@@ -181,17 +190,29 @@ class StateSlots(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
     def named_wrong(self, slots: tuple[int, ...]) -> str | None:
         """Why a request cannot name `slots` of this state, or None."""
-        if self.kind == "mamba" and len(slots) != 1:
-            return f"{len(slots)} mamba state slots named, not one"
+        most = NAMED_AT_MOST.get(self.kind)
+        if self.kind in NAMED_ONCE and len(slots) != 1:
+            return f"{len(slots)} {self.kind} state slots named, not one"
+        if most is not None and len(slots) > most:
+            return f"{len(slots)} {self.kind} state slots named, at most {most}"
         if len(slots) > self.slots:
             return f"{len(slots)} {self.kind} state slots named, {self.slots} in all"
         if len(set(slots)) != len(slots):
             return f"a {self.kind} state slot named twice"
         if slots and max(slots) >= self.slots:
             return f"{self.kind} state slot {max(slots)} outside the {self.slots} registered"
-        if self.kind == "swa" and 0 in slots:  # (SGLang's padding page: no request's)
-            return "sliding-window page 0 named: SGLang's padding page, no request's"
+        if self.kind in WINDOW_KINDS and 0 in slots:  # (SGLang's padding page: no request's)
+            return f"{self.kind} page 0 named: SGLang's padding page, no request's"
         return None
+
+
+def state_named_wrong(
+    state: tuple[StateSlots, ...], slots: tuple[tuple[int, ...], ...]
+) -> str | None:
+    """Why a request cannot name `slots` (one list per component of `state`), or None."""
+    if len(slots) != len(state):
+        return f"state slots named for {len(slots)} components, {len(state)} registered"
+    return next((why for c, s in zip(state, slots, strict=True) if (why := c.named_wrong(s))), None)
 
 
 class ShardRegistration(_Message, tag="register", frozen=True):
@@ -218,7 +239,9 @@ class ShardRegistration(_Message, tag="register", frozen=True):
     # will never start) within this many ms: its hang timeout plus its transfer engine's
     # (`core.bounds`); a decoder must hold an ended request's pages at least this long
     writes_end_within_ms: U32 = 0
-    state: StateSlots | None = None  # per-request state besides the KV pages (Mamba)
+    # per-request state besides the KV pages, a component per SGLang state type, in its
+    # order (a Mamba pool, a hybrid SWA pool's window pages, ...); none for most models
+    state: tuple[StateSlots, ...] = ()
 
     def __post_init__(self) -> None:
         if self.rank >= self.scheme.tp_size:
@@ -448,10 +471,10 @@ class TransferRequest(_Message, tag="transfer", frozen=True):
     # must compute exactly these (`backend.first_token`), or the request fails at once
     # rather than decode from the wrong token; None: the decoder did not say
     kv_tokens: U32 | None = None
-    # the decoder's slots for the request's state besides the KV (`StateSlots`: a Mamba
-    # slot, the sliding window's pages): the prefill writes its state there with the
-    # metadata; empty where the model has none (or the decoder holds the whole window)
-    state_slots: tuple[U32, ...] = ()
+    # the decoder's slots for the request's state besides the KV, one list per component
+    # of its registration's state (a Mamba slot, the sliding window's pages, ...): the
+    # prefill writes its state there with the metadata; () where the model has none
+    state_slots: tuple[tuple[U32, ...], ...] = ()
 
     def __post_init__(self) -> None:
         decoder = self.decoder
@@ -488,10 +511,7 @@ class TransferRequest(_Message, tag="transfer", frozen=True):
             raise InvalidMessage(
                 f"metadata slot {self.metadata_slot} outside the decoder's {decoder.metadata.rows}"
             )
-        if decoder.state is None:
-            if self.state_slots:
-                raise InvalidMessage("state slots named where the decoder registered none")
-        elif (why := decoder.state.named_wrong(self.state_slots)) is not None:
+        if (why := state_named_wrong(decoder.state, self.state_slots)) is not None:
             raise InvalidMessage(why)
 
     @property

@@ -25,6 +25,7 @@ from sgl_pd.core.regions import Region, RegionTable
 from sgl_pd.core.sharding import ShardingScheme
 from sgl_pd.core.states import DecodeState
 from sgl_pd.core.wire import (
+    WINDOW_KINDS,
     Abort,
     AbortAck,
     ChunkNotice,
@@ -56,55 +57,78 @@ STATE_SLOTS = 8
 SWA_WINDOW = 6  # tokens, for "swa" state
 
 
+@dataclass(frozen=True)
+class StateShape:
+    """One state component of a rank's pools: its kind, bytes per slot of each region,
+    slots per region (`core.wire.StateSlots`)."""
+
+    kind: str
+    slot_bytes: tuple[int, ...] = STATE_SLOT_BYTES
+    slots: int = STATE_SLOTS
+
+    @property
+    def window(self) -> int:
+        return SWA_WINDOW if self.kind in WINDOW_KINDS else 0
+
+
+StateSpec = bool | str | tuple[StateShape, ...]  # False: none; True: "mamba"; a kind
+
+
+def state_shapes(spec: StateSpec) -> tuple[StateShape, ...]:
+    if isinstance(spec, tuple):
+        return spec
+    if spec is False:
+        return ()
+    return (StateShape("mamba" if spec is True else spec),)
+
+
 @dataclass
 class Memory:
     """One rank's KV regions and metadata buffer, registered with its engine."""
 
     kv: list[np.ndarray]  # one (pages * page_bytes,) uint8 buffer per (layer, part)
     aux: np.ndarray  # (AUX_ROWS * AUX_ITEM,) uint8
-    state: list[np.ndarray]  # (STATE_SLOTS * slot bytes,) uint8 per region; [] for none
-    kind: str = "mamba"  # of `state`
+    # per state component: its shape and one (slots * slot bytes,) uint8 buffer per region
+    state: list[tuple[StateShape, list[np.ndarray]]]
 
     @classmethod
-    def make(
-        cls, engine: FakeTransferEngine, fill: int | None, state: bool | str = False
-    ) -> Memory:
-        """`state`: True or "mamba", "swa": the kind of state slots it keeps."""
+    def make(cls, engine: FakeTransferEngine, fill: int | None, state: StateSpec = False) -> Memory:
+        """`state`: the state components it keeps (`state_shapes`)."""
         page_bytes = LAYOUT.page_bytes(LAYOUT.num_kv_heads)
         rng = np.random.default_rng(fill)
-        kv = [
-            rng.integers(0, 255, NUM_PAGES * page_bytes, dtype=np.uint8)
-            if fill is not None
-            else np.zeros(NUM_PAGES * page_bytes, dtype=np.uint8)
-            for _ in range(LAYOUT.num_regions)
-        ]
-        aux = np.zeros(AUX_ROWS * AUX_ITEM, dtype=np.uint8)
-        slots = [
-            rng.integers(0, 255, STATE_SLOTS * n, dtype=np.uint8)
-            if fill is not None
-            else np.zeros(STATE_SLOTS * n, dtype=np.uint8)
-            for n in (STATE_SLOT_BYTES if state else ())
-        ]
-        for buf in (*kv, aux, *slots):
-            engine.register(int(buf.ctypes.data), buf.nbytes)
-        return cls(kv, aux, slots, "mamba" if state is True else str(state or "mamba"))
 
-    def state_slots(self) -> StateSlots | None:
-        if not self.state:
-            return None
-        return StateSlots(
-            kind=self.kind,
-            regions=tuple(Region(int(b.ctypes.data), b.nbytes) for b in self.state),
-            slot_bytes=STATE_SLOT_BYTES,
-            slots=STATE_SLOTS,
-            window=SWA_WINDOW if self.kind == "swa" else 0,
+        def buffer(n: int) -> np.ndarray:
+            if fill is None:
+                return np.zeros(n, dtype=np.uint8)
+            return rng.integers(0, 255, n, dtype=np.uint8)
+
+        kv = [buffer(NUM_PAGES * page_bytes) for _ in range(LAYOUT.num_regions)]
+        aux = np.zeros(AUX_ROWS * AUX_ITEM, dtype=np.uint8)
+        components = [
+            (shape, [buffer(shape.slots * n) for n in shape.slot_bytes])
+            for shape in state_shapes(state)
+        ]
+        for buf in (*kv, aux, *(b for _, bufs in components for b in bufs)):
+            engine.register(int(buf.ctypes.data), buf.nbytes)
+        return cls(kv, aux, components)
+
+    def state_slots(self) -> tuple[StateSlots, ...]:
+        return tuple(
+            StateSlots(
+                kind=shape.kind,
+                regions=tuple(Region(int(b.ctypes.data), b.nbytes) for b in bufs),
+                slot_bytes=shape.slot_bytes,
+                slots=shape.slots,
+                window=shape.window,
+            )
+            for shape, bufs in self.state
         )
 
-    def slot(self, slot: int) -> bytes:
-        """The bytes of state slot `slot`, every region's in turn."""
+    def slot(self, slot: int, component: int = 0) -> bytes:
+        """The bytes of state slot `slot` of a component, every region's in turn."""
+        shape, bufs = self.state[component]
         return b"".join(
-            bytes(b[slot * n : (slot + 1) * n])
-            for b, n in zip(self.state, STATE_SLOT_BYTES, strict=True)
+            bytes(b[slot * n : (slot + 1) * n]) for b, n in zip(bufs, shape.slot_bytes, strict=True)
         )
 
     def pool(self, draft_layers: int = 0) -> PoolDescription:
@@ -190,8 +214,9 @@ class Rig:
     checksum: bool = False  # --pd-kv-checksum on both sides
     decoder_checksum: bool | None = None  # ... on the decoders, when it differs
     corruption_rate: float = 0.0  # of the prefill rank's data batches
-    # the model keeps state slots on every rank: True or "mamba" (one per request), "swa"
-    state: bool | str = False
+    # the model's state components on every rank (`state_shapes`): True or "mamba" (a
+    # slot per request), "swa", or the shapes of several
+    state: StateSpec = False
     lose_errors: bool = False  # ErrorMsgs to decoders are lost (their resends still due)
 
     def _metrics(self, role: str) -> TransferMetrics:
@@ -246,7 +271,7 @@ class Rig:
     def _decoder_checksum(self) -> bool:
         return self.checksum if self.decoder_checksum is None else self.decoder_checksum
 
-    def add_decoder(self, inbox: str, state: bool | str | None = None) -> Decoder:
+    def add_decoder(self, inbox: str, state: StateSpec | None = None) -> Decoder:
         """`state`: the state slots its model keeps (`Rig.state`; None: as the rig's)."""
         engine = FakeTransferEngine(self.fabric)
         memory = Memory.make(engine, fill=None, state=self.state if state is None else state)
@@ -285,7 +310,7 @@ class Rig:
         slot: int,
         held_tokens: int = 0,
         kv_tokens: int | None = None,
-        state_slots: tuple[int, ...] = (),
+        state_slots: tuple[tuple[int, ...], ...] = (),
     ) -> None:
         """The decode rank's side: its receiver made and the prefiller found (the
         bootstrap, stamped as the receiver does), then its pages asked for. `held_tokens`:
@@ -312,7 +337,7 @@ class Rig:
         src_pages: list[int],
         chunk: int = 4,
         held_pages: int = 0,
-        state_slots: tuple[int, ...] | None = None,
+        state_slots: tuple[tuple[int, ...], ...] | None = None,
     ) -> None:
         """SGLang's side of a request on the prefill rank, after-forward mode: it chunks
         the prompt from its start, and sends only the pages after the decoder's held
@@ -336,7 +361,7 @@ class Rig:
         chunk: int = 4,
         streamer_lags: bool = False,
         held_pages: int = 0,
-        state_slots: tuple[int, ...] | None = None,
+        state_slots: tuple[tuple[int, ...], ...] | None = None,
     ) -> None:
         """SGLang's side of a request on the prefill rank, layer-wise mode: per chunk, its
         notice, the target's layers as the streamer reports them, SGLang's send after the

@@ -74,9 +74,10 @@ def _swa_args(page_size: int) -> dict[str, object]:
 def test_a_sliding_window_pool_is_described_as_window_pages() -> None:
     args = SimpleNamespace(**_swa_args(1))
     pool = describe_pool(args, is_mla=False, window=16)
-    assert pool.state is not None and pool.state.kind == "swa"
-    assert (pool.state.window, pool.state.slots, pool.state.slot_bytes) == (16, 12, (64, 64))
-    assert [r.base for r in pool.state.regions] == [50_000, 60_000]
+    (state,) = pool.state
+    assert state.kind == "swa"
+    assert (state.window, state.slots, state.slot_bytes) == (16, 12, (64, 64))
+    assert [r.base for r in state.regions] == [50_000, 60_000]
     with pytest.raises(ConfigError, match="sliding window is unknown"):
         describe_pool(args, is_mla=False)
 

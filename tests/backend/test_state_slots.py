@@ -17,10 +17,11 @@ from sgl_pd.backend.state_slots import mamba_dtypes, named_slots, slot_mismatch
 from sgl_pd.core.errors import InvalidMessage
 from sgl_pd.core.regions import Region
 from sgl_pd.core.sharding import ShardingScheme
+from sgl_pd.core.state_components import Geometry, Request, named
 from sgl_pd.core.states import DecodeState
 from sgl_pd.core.wire import StateSlots, TransferRequest
 
-from .pd_fakes import STATE_SLOTS, SWA_WINDOW, Decoder, Rig, wait_state
+from .pd_fakes import STATE_SLOTS, SWA_WINDOW, Decoder, Rig, StateShape, wait_state
 
 _made: list[Rig] = []
 
@@ -48,11 +49,11 @@ def test_the_prefills_slot_lands_in_the_decoders_slot(layerwise: bool) -> None:
     rig = _rig(layerwise=layerwise, state=True)
     decoder = rig.add_decoder("decode-0")
     src_slot, dst_slot = 3, 5
-    rig.request(decoder, 41, DST, slot=1, state_slots=(dst_slot,))
+    rig.request(decoder, 41, DST, slot=1, state_slots=((dst_slot,),))
     if layerwise:
-        rig.prefill_layerwise(41, PAGES, state_slots=(src_slot,))
+        rig.prefill_layerwise(41, PAGES, state_slots=((src_slot,),))
     else:
-        rig.prefill_all(41, PAGES, state_slots=(src_slot,))
+        rig.prefill_all(41, PAGES, state_slots=((src_slot,),))
     wait_state(decoder, 41, DecodeState.COMPLETE)
     assert decoder.memory.slot(dst_slot) == rig.prefill_memory.slot(src_slot)
     # nothing else of the decoder's state changed, and the KV came as ever
@@ -66,12 +67,11 @@ def _state_held(room: int, dst_slot: int, src_slot: int) -> tuple[Rig, Decoder]:
     at the prefill's engine (only batches into the decoder's state regions are)."""
     rig = _rig(state=True)
     decoder = rig.add_decoder("decode-0")
-    rig.request(decoder, room, DST, slot=2, state_slots=(dst_slot,))
-    state = decoder.registration.state
-    assert state is not None
+    rig.request(decoder, room, DST, slot=2, state_slots=((dst_slot,),))
+    (state,) = decoder.registration.state
     rig.prefill_engine.hold_into = [range(r.base, r.base + r.length) for r in state.regions]
     rig.prefill_engine.gate.clear()
-    rig.prefill_all(room, PAGES, state_slots=(src_slot,))
+    rig.prefill_all(room, PAGES, state_slots=((src_slot,),))
     assert rig.prefill_engine.waiting.wait(5)
     return rig, decoder
 
@@ -115,7 +115,7 @@ def test_a_decoder_without_the_state_is_refused_with_the_reason() -> None:
 def test_a_last_send_that_names_no_slot_fails_the_request() -> None:
     rig = _rig(state=True)
     decoder = rig.add_decoder("decode-0")
-    rig.request(decoder, 44, DST, slot=1, state_slots=(2,))
+    rig.request(decoder, 44, DST, slot=1, state_slots=((2,),))
     rig.prefill_all(44, PAGES)  # SGLang named no state slot
     wait_state(decoder, 44, DecodeState.FAILED)
     assert "named no state slots" in (decoder.messenger.poll(44)[1] or "")
@@ -137,21 +137,21 @@ def _slots(
 
 
 def test_sglang_names_one_mamba_slot_per_request() -> None:
-    mine = _slots()
-    assert named_slots(mine, [[np.array([2])]]) == ((2,), None)
-    assert named_slots(None, None) == ((), None)
-    assert named_slots(None, [None]) == ((), None)
-    for wrong in ([], [np.array([1, 2])], [np.array([9])]):
+    mine = (_slots(),)
+    assert named_slots(mine, [[np.array([2])]]) == (((2,),), None)
+    assert named_slots((), None) == ((), None)
+    assert named_slots((), [None]) == ((), None)
+    for wrong in ([], [np.array([1, 2])], [np.array([9])], [None]):
         slots, why = named_slots(mine, wrong)
         assert slots == () and why, wrong
-    slots, why = named_slots(None, [np.array([1])])
+    slots, why = named_slots((), [np.array([1])])
     assert slots == () and why is not None and "does not transfer" in why
 
 
 def test_a_window_names_its_pages_in_order() -> None:
-    window = _slots(kind="swa", slots=8)
-    assert named_slots(window, [np.array([6, 2, 5])]) == ((6, 2, 5), None)
-    assert named_slots(window, [np.array([], dtype=np.int64)]) == ((), None)  # all held
+    window = (_slots(kind="swa", slots=8),)
+    assert named_slots(window, [np.array([6, 2, 5])]) == (((6, 2, 5),), None)
+    assert named_slots(window, [np.array([], dtype=np.int64)]) == (((),), None)  # all held
     for wrong in ([np.array([1, 1])], [np.array([8])], [np.arange(9)], [np.array([3, 0])]):
         slots, why = named_slots(window, wrong)
         assert slots == () and why, wrong
@@ -159,16 +159,16 @@ def test_a_window_names_its_pages_in_order() -> None:
 
 def test_pairs_that_cannot_move_the_state_say_why() -> None:
     one, two = ShardingScheme(1), ShardingScheme(2)
-    assert slot_mismatch(None, one, None, two) is None  # no state: TP is free
-    assert slot_mismatch(_slots(), one, _slots(), one) is None
-    why = slot_mismatch(_slots(), one, _slots(), two)
+    assert slot_mismatch((), one, (), two) is None  # no state: TP is free
+    assert slot_mismatch((_slots(),), one, (_slots(),), one) is None
+    why = slot_mismatch((_slots(),), one, (_slots(),), two)
     assert why is not None and "one TP size" in why
-    why = slot_mismatch(_slots(), one, _slots((8, 32)), one)
+    why = slot_mismatch((_slots(),), one, (_slots((8, 32)),), one)
     assert why is not None and "another shape" in why
-    why = slot_mismatch(None, one, _slots(), one)
+    why = slot_mismatch((), one, (_slots(),), one)
     assert why is not None and "keeps mamba state" in why
     # element types of one size that differ (SGLang reads them from the environment)
-    why = slot_mismatch(_slots(dtypes="conv=float16"), one, _slots(), one)
+    why = slot_mismatch((_slots(dtypes="conv=float16"),), one, (_slots(),), one)
     assert why is not None and "conv=bfloat16" in why and "SGLANG_MAMBA_CONV_DTYPE" in why
 
 
@@ -187,19 +187,20 @@ def test_a_transfer_request_names_slots_exactly_when_its_decoder_has_slots() -> 
     rig = _rig(state=True)
     decoder = rig.add_decoder("decode-0")
     base = dict(request_id=1, dst_pages=(1,), metadata_slot=0, completion_slot=0)
-    TransferRequest(decoder=decoder.registration, state_slots=(1,), **base)  # type: ignore[arg-type]
-    for slots in ((), (STATE_SLOTS,), (1, 2)):  # a Mamba request names one slot
+    TransferRequest(decoder=decoder.registration, state_slots=((1,),), **base)  # type: ignore[arg-type]
+    # a Mamba request names one slot; one list per component
+    for slots in ((), ((),), ((STATE_SLOTS,),), ((1, 2),), ((1,), (2,))):
         with pytest.raises(InvalidMessage):
             TransferRequest(decoder=decoder.registration, state_slots=slots, **base)  # type: ignore[arg-type]
     plain = rig.add_decoder("decode-1", state=False)
     with pytest.raises(InvalidMessage):
-        TransferRequest(decoder=plain.registration, state_slots=(0,), **base)  # type: ignore[arg-type]
+        TransferRequest(decoder=plain.registration, state_slots=((0,),), **base)  # type: ignore[arg-type]
     window = rig.add_decoder("decode-2", state="swa")
     for slots in ((), (3,), (1, 2, 7)):
-        TransferRequest(decoder=window.registration, state_slots=slots, **base)  # type: ignore[arg-type]
+        TransferRequest(decoder=window.registration, state_slots=(slots,), **base)  # type: ignore[arg-type]
     for slots in ((1, 1), (STATE_SLOTS,), (0, 1)):
         with pytest.raises(InvalidMessage):
-            TransferRequest(decoder=window.registration, state_slots=slots, **base)  # type: ignore[arg-type]
+            TransferRequest(decoder=window.registration, state_slots=(slots,), **base)  # type: ignore[arg-type]
 
 
 def test_state_slots_fit_their_regions() -> None:
@@ -220,11 +221,11 @@ def test_the_prefills_window_pages_land_in_the_decoders_in_order(layerwise: bool
     rig = _rig(layerwise=layerwise, state="swa")
     decoder = rig.add_decoder("decode-0")
     src, dst = (6, 1, 4), (2, 7, 3)
-    rig.request(decoder, 51, DST, slot=1, state_slots=dst)
+    rig.request(decoder, 51, DST, slot=1, state_slots=(dst,))
     if layerwise:
-        rig.prefill_layerwise(51, PAGES, state_slots=src)
+        rig.prefill_layerwise(51, PAGES, state_slots=(src,))
     else:
-        rig.prefill_all(51, PAGES, state_slots=src)
+        rig.prefill_all(51, PAGES, state_slots=(src,))
     wait_state(decoder, 51, DecodeState.COMPLETE)
     assert [decoder.memory.slot(d) for d in dst] == [rig.prefill_memory.slot(s) for s in src]
     untouched = [s for s in range(STATE_SLOTS) if s not in dst]
@@ -235,8 +236,8 @@ def test_the_prefills_window_pages_land_in_the_decoders_in_order(layerwise: bool
 def test_a_window_the_decoder_holds_whole_moves_nothing_but_completes() -> None:
     rig = _rig(state="swa")
     decoder = rig.add_decoder("decode-0")
-    rig.request(decoder, 52, DST, slot=1, state_slots=())
-    rig.prefill_all(52, PAGES, state_slots=())
+    rig.request(decoder, 52, DST, slot=1, state_slots=((),))
+    rig.prefill_all(52, PAGES, state_slots=((),))
     wait_state(decoder, 52, DecodeState.COMPLETE)
     assert all(not any(decoder.memory.slot(s)) for s in range(STATE_SLOTS))
 
@@ -246,8 +247,8 @@ def test_window_lists_of_different_lengths_fail_the_request() -> None:
     numbers): pairing them would put K/V at the wrong positions, so the request fails."""
     rig = _rig(state="swa")
     decoder = rig.add_decoder("decode-0")
-    rig.request(decoder, 53, DST, slot=1, state_slots=(1, 2))
-    rig.prefill_all(53, PAGES, state_slots=(3, 4, 5))
+    rig.request(decoder, 53, DST, slot=1, state_slots=((1, 2),))
+    rig.prefill_all(53, PAGES, state_slots=((3, 4, 5),))
     wait_state(decoder, 53, DecodeState.FAILED)
     error = decoder.messenger.poll(53)[1] or ""
     assert "named 3 swa state slots and the decoder 2" in error, error
@@ -256,7 +257,68 @@ def test_window_lists_of_different_lengths_fail_the_request() -> None:
 
 def test_windows_of_different_sizes_are_refused_with_both() -> None:
     one = ShardingScheme(1)
-    why = slot_mismatch(_slots(kind="swa"), one, _slots(kind="swa", window=32), one)
+    why = slot_mismatch((_slots(kind="swa"),), one, (_slots(kind="swa", window=32),), one)
     assert why is not None and "32 tokens" in why and "16" in why, why
-    assert slot_mismatch(_slots(kind="swa"), one, _slots(kind="swa"), one) is None
+    assert slot_mismatch((_slots(kind="swa"),), one, (_slots(kind="swa"),), one) is None
     assert SWA_WINDOW > 0
+
+
+# -- components planned, not served: DeepSeek-V4's and DSA's, over pools shaped like theirs
+
+
+V4_RING, V4_WINDOW, V4_RATIO, V4_STATE_RING = 16, 12, 4, 8  # rows, tokens (scaled down)
+V4 = (
+    StateShape("swa_ring", slot_bytes=(48, 48), slots=STATE_SLOTS * V4_RING),
+    StateShape(
+        "dsv4_request_state", slot_bytes=(32, 32, 32), slots=STATE_SLOTS * V4_STATE_RING // V4_RATIO
+    ),
+    StateShape("request_row", slot_bytes=(16,), slots=STATE_SLOTS),
+)
+V4_GEOMETRY = (
+    Geometry(window=V4_WINDOW, ring=V4_RING),
+    Geometry(ratio=V4_RATIO, ring=V4_STATE_RING),
+    Geometry(),
+)
+
+
+@pytest.mark.parametrize("kv_tokens", [3, 8, 13, 24])
+def test_deepseek_v4s_components_land_row_for_row(kv_tokens: int) -> None:
+    """V4's SWA ring rows, its C128 pending block and its request row, named on each role
+    from its own request row as `core.state_components` plans them: each lands in the
+    decoder's slot of the same position, nothing else of the decoder's state changes."""
+    rig = _rig(state=V4)
+    decoder = rig.add_decoder("decode-0")
+    room = 60 + kv_tokens
+    prefill_side, decode_side = Request(0, kv_tokens, row=3), Request(0, kv_tokens, row=5)
+    src = tuple(tuple(named(s.kind, prefill_side, g)) for s, g in zip(V4, V4_GEOMETRY, strict=True))
+    dst = tuple(tuple(named(s.kind, decode_side, g)) for s, g in zip(V4, V4_GEOMETRY, strict=True))
+    rig.request(decoder, room, DST, slot=1, state_slots=dst)
+    rig.prefill_all(room, PAGES, state_slots=src)
+    wait_state(decoder, room, DecodeState.COMPLETE)
+    for component, (shape, s_slots, d_slots) in enumerate(zip(V4, src, dst, strict=True)):
+        assert [decoder.memory.slot(d, component) for d in d_slots] == [
+            rig.prefill_memory.slot(s, component) for s in s_slots
+        ], shape.kind
+        untouched = set(range(shape.slots)) - set(d_slots)
+        assert all(not any(decoder.memory.slot(u, component)) for u in untouched), shape.kind
+    assert len(dst[0]) == min(kv_tokens, V4_WINDOW)  # the window's ring rows
+    assert len(dst[1]) == (0 if kv_tokens % V4_RATIO == 0 else 1)  # a pending block or none
+
+
+def test_dsa_indexer_pages_after_the_held_prefix_land_in_the_decoders_pages() -> None:
+    """DSA's indexer keeps a page of its own per KV page: the pages after the prefix the
+    decoder holds, each role's own page for each logical page, pair up in order."""
+    shape = StateShape("dsa", slot_bytes=(40,), slots=64)
+    rig = _rig(state=(shape,))
+    decoder = rig.add_decoder("decode-0")
+    held_pages = 2
+    request = Request(held=held_pages, kv_tokens=len(PAGES), row=0)  # a token per page
+    logical = named("dsa", request, Geometry(page_size=1))
+    src = tuple(PAGES[p] for p in logical)  # the prefill's pages of those positions
+    dst = tuple(DST[p - held_pages] for p in logical)  # the decoder's, past its held ones
+    rig.request(decoder, 70, DST[: len(PAGES) - held_pages], slot=1, held_tokens=held_pages,
+                state_slots=(dst,))  # fmt: skip
+    rig.prefill_all(70, PAGES, held_pages=held_pages, state_slots=(src,))
+    wait_state(decoder, 70, DecodeState.COMPLETE)
+    assert [decoder.memory.slot(d) for d in dst] == [rig.prefill_memory.slot(s) for s in src]
+    assert all(not any(decoder.memory.slot(p)) for p in set(range(64)) - set(dst))

@@ -192,7 +192,7 @@ class DecodeMessenger:
         held_tokens: int = 0,
         owner: object | None = None,
         kv_tokens: int | None = None,
-        state_slots: tuple[int, ...] = (),
+        state_slots: tuple[tuple[int, ...], ...] = (),
     ) -> None:
         """Sends one request's destination pages to every prefill rank of its prefiller.
         `bootstrap`: when its receiver was made and when the prefiller's ranks were known

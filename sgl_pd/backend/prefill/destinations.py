@@ -21,7 +21,7 @@ def join(
     rank: int,
     layout: KvLayout,
     scheme: ShardingScheme,
-    state: StateSlots | None = None,
+    state: tuple[StateSlots, ...] = (),
 ) -> str | None:
     """Adds a decode rank's request to the room, and the destination this rank writes
     into (`rank`: this prefill rank; `state`: its state slots besides the KV). Returns

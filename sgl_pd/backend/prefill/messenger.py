@@ -199,7 +199,7 @@ class PrefillMessenger:
         pages: np.ndarray,
         num_tokens: int,
         ready: Any = None,
-        state_slots: tuple[int, ...] | None = None,
+        state_slots: tuple[tuple[int, ...], ...] | None = None,
     ) -> None:
         """`ready`: an event (``synchronize()``) the KV of this send is complete after;
         the writer waits on it, never the scheduler. `state_slots`: the request's state

@@ -68,9 +68,9 @@ class Room:
     destinations: dict[int, Destination] = field(default_factory=dict)  # ranks we write to
     decoder_tp: int | None = None
     aux_index: int | None = None  # this rank's metadata row
-    # this rank's state slots (a Mamba slot, the sliding window's pages), from the last
-    # send; None until then
-    state_slots: tuple[int, ...] | None = None
+    # this rank's state slots, one list per component (a Mamba slot, the sliding
+    # window's pages, ...), from the last send; None until then
+    state_slots: tuple[tuple[int, ...], ...] | None = None
     # the prompt's first tokens every decode rank holds already (their prefix caches):
     # no chunk covers them, and SGLang's sends start after them
     held_tokens: int = 0

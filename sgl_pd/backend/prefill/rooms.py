@@ -54,12 +54,12 @@ class PrefillRooms:
         freeze: FreezeWatch | None = None,
         pins: PagePins | None = None,
         quarantine_s: float = FAILED_BATCH_QUARANTINE_S,
-        state: StateSlots | None = None,
+        state: tuple[StateSlots, ...] = (),
     ) -> None:
         self.rank = rank
         self.scheme = scheme
         self.layout = layout
-        self.state_slots = state  # this rank's state slots besides the KV (Mamba), if any
+        self.state_slots = state  # this rank's state besides the KV, a component per kind
         self.layerwise = layerwise
         self.timeout_s = timeout_s
         self._clock = clock
@@ -184,7 +184,7 @@ class PrefillRooms:
         room_id: int,
         pages: np.ndarray,
         num_tokens: int,
-        state_slots: tuple[int, ...] | None = None,
+        state_slots: tuple[tuple[int, ...], ...] | None = None,
     ) -> Writes:
         """SGLang's `send` after a forward: the (chunk, layers) writes due now
         (`WritesDue.sent`), to be queued before `writes_queued` is called with them.

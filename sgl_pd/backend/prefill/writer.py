@@ -291,7 +291,7 @@ class KvWriter:
             writes = MetadataWrites.of(
                 state_src + row_src, state_dst + row_dst, state_lengths + row_lengths
             )
-            if self.pool.state is not None:
+            if self.pool.state:
                 # SGLang frees the state slot once the request polls failed (its slot
                 # is not pinned, as its pages are): only a request still live once the
                 # batch landed read an intact state, and only then does its count go
@@ -335,27 +335,30 @@ class KvWriter:
         and slot shape: `destinations.join` refused any other; the same window
         positions, `core.sliding_window`); nothing for a model without state."""
         mine, theirs = self.pool.state, request.decoder.state
-        if mine is None and theirs is None:
+        if not mine and not theirs:
             return [], [], []
-        if mine is None or theirs is None:
-            raise SglPdError(f"request {request.request_id}: state on one side only")
+        if len(mine) != len(theirs) or len(request.state_slots) != len(theirs):
+            raise SglPdError(f"request {request.request_id}: the two sides' state differs")
         if room.state_slots is None:
             raise SglPdError(f"request {request.request_id}: SGLang named no state slots")
-        if len(room.state_slots) != len(request.state_slots):
-            raise SglPdError(
-                f"request {request.request_id}: the prefill named {len(room.state_slots)}"
-                f" {mine.kind} state slots and the decoder {len(request.state_slots)}"
-            )
         sources: list[int] = []
         destinations: list[int] = []
         lengths: list[int] = []
-        for src_slot, dst_slot in zip(room.state_slots, request.state_slots, strict=True):
-            src, dst, n = _row_writes(
-                mine.regions, theirs.regions, mine.slot_bytes, src_slot, dst_slot
-            )
-            sources += src
-            destinations += dst
-            lengths += n
+        for component, target, src_slots, dst_slots in zip(
+            mine, theirs, room.state_slots, request.state_slots, strict=True
+        ):
+            if len(src_slots) != len(dst_slots):
+                raise SglPdError(
+                    f"request {request.request_id}: the prefill named {len(src_slots)}"
+                    f" {component.kind} state slots and the decoder {len(dst_slots)}"
+                )
+            for src_slot, dst_slot in zip(src_slots, dst_slots, strict=True):
+                src, dst, n = _row_writes(
+                    component.regions, target.regions, component.slot_bytes, src_slot, dst_slot
+                )
+                sources += src
+                destinations += dst
+                lengths += n
         return sources, destinations, lengths
 
     def _sum_layers(self, dest: Destination, chunk: Chunk, layers: range) -> None:
