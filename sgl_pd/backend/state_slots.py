@@ -75,7 +75,7 @@ def slot_mismatch(
         return None
     theirs = ", ".join(c.kind for c in prefill) or "no"
     mine = ", ".join(c.kind for c in decoder) or "no"
-    if theirs != mine:
+    if [c.kind for c in prefill] != [c.kind for c in decoder]:
         return (
             f"the prefill server keeps {theirs} state besides the KV pages, the decoder"
             f" {mine}: serve one model on both"
@@ -93,11 +93,15 @@ def slot_mismatch(
                 f" decoder's {d.window}: serve one model on both"
             )
         if not d.same_shape(p):
+            advice = (
+                ", with the same SGLANG_MAMBA_CONV_DTYPE and SGLANG_MAMBA_SSM_DTYPE"
+                if d.kind == "mamba"
+                else ", with the same KV cache dtype and page size"
+            )
             return (
                 f"the prefill server keeps its {p.kind} state in slots of another shape"
                 f" ({p.dtypes or 'element types unknown'}) than the decoder's"
-                f" ({d.dtypes or 'element types unknown'}): serve one model on both, with"
-                " the same SGLANG_MAMBA_CONV_DTYPE and SGLANG_MAMBA_SSM_DTYPE"
+                f" ({d.dtypes or 'element types unknown'}): serve one model on both{advice}"
             )
     return None
 

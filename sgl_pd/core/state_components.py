@@ -16,7 +16,14 @@ differs is which indices a request names:
 request's row) and sgl_pd's status: moved (served and tested end to end) or refused at
 start-up, with the reason. Where sgl_pd's rule differs from SGLang's, it says why: a
 paged component never names a page of the prefix the decoder holds (its cache shares
-them), as sgl_pd's KV pages never do.
+them), as sgl_pd's KV pages never do - SGLang's block scales, QSA's compressed pages
+and MiniMax's dense KV name every page of the prompt (``_full_kv_pages_payload``).
+
+At run time each role passes on the slots SGLang names (``state_indices``); the plans
+are what the messengers are tested against. A plan becomes moved only with glue that
+makes SGLang's payloads follow it on both roles: SGLang's decoder names positions of
+the whole prompt (n tokens) where the KV it receives ends at c = n - 1
+(`backend.first_token`), which `backend.sliding_window_glue` corrects for "swa".
 """
 
 from __future__ import annotations

@@ -51,10 +51,11 @@ from sgl_pd.errors import SglPdError
 # 10: decoders tell a prefill server's registry to skip a request they prefill (SkipPrefill)
 # 11: state slots besides the KV pages (Mamba): ShardRegistration.state and
 #     TransferRequest.state_slot
-# 12: state in components, one per SGLang state type (ShardRegistration.state, and
-#     TransferRequest.state_slots a list per component); sliding-window pages as state
-#     slots (StateSlots.window)
-PROTOCOL_VERSION = 12
+# 12: sliding-window pages as state slots: TransferRequest.state_slots (a slot per
+#     window page), StateSlots.window
+# 13: state in components, one per SGLang state type (ShardRegistration.state, and
+#     TransferRequest.state_slots a list per component)
+PROTOCOL_VERSION = 13
 MAGIC = b"SGPD"
 MAX_BODY_BYTES = 64 << 20  # a 1M-token prompt with its page table stays far below this
 _HEADER = struct.Struct("<4sHHQII")
@@ -70,6 +71,7 @@ Positive = Annotated[int, msgspec.Meta(ge=1, lt=1 << 32)]
 NAMED_ONCE = frozenset(k for k, p in PLANS.items() if p.named is Named.ROW)
 NAMED_AT_MOST = {k: 1 for k, p in PLANS.items() if p.named is Named.PENDING_BLOCK}
 WINDOW_KINDS = frozenset(k for k, p in PLANS.items() if p.named is Named.WINDOW_PAGES)
+NAMED_RANGES = frozenset(k for k, p in PLANS.items() if p.named is Named.TAIL_RANGES)
 MAX_TEXT = 256  # characters of a free-text or address field a peer may send
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 # "tcp://host:port": an inbox, where answers go. The host is an IPv4 address, a bracketed
@@ -180,6 +182,8 @@ class StateSlots(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         sizes = zip(self.regions, self.slot_bytes, strict=True)
         if any(r.length < self.slots * n for r, n in sizes):
             raise InvalidMessage("state slots do not fit their regions")
+        if self.kind not in PLANS:
+            raise InvalidMessage(f"state of unknown kind {self.kind!r}")
         if (self.kind in WINDOW_KINDS) != (self.window > 0):
             raise InvalidMessage("a sliding window goes with window pages, and only there")
 
@@ -190,6 +194,8 @@ class StateSlots(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
     def named_wrong(self, slots: tuple[int, ...]) -> str | None:
         """Why a request cannot name `slots` of this state, or None."""
+        if self.kind in NAMED_RANGES:
+            return f"{self.kind} names ranges of a row, not slots: sgl_pd does not move it"
         most = NAMED_AT_MOST.get(self.kind)
         if self.kind in NAMED_ONCE and len(slots) != 1:
             return f"{len(slots)} {self.kind} state slots named, not one"

@@ -322,3 +322,13 @@ def test_dsa_indexer_pages_after_the_held_prefix_land_in_the_decoders_pages() ->
     wait_state(decoder, 70, DecodeState.COMPLETE)
     assert [decoder.memory.slot(d) for d in dst] == [rig.prefill_memory.slot(s) for s in src]
     assert all(not any(decoder.memory.slot(p)) for p in set(range(64)) - set(dst))
+
+
+def test_state_of_a_kind_not_planned_or_named_in_ranges_is_refused() -> None:
+    """Every kind on the wire is one `core.state_components` plans; DSA's compressed tail
+    names ranges of a row (``[row, start, n, 0, m, size]``), which are no slots."""
+    with pytest.raises(InvalidMessage, match="unknown kind"):
+        StateSlots(kind="bogus", regions=(Region(0, 16),), slot_bytes=(8,), slots=2)
+    tail = (_slots(kind="dsa_tail", slots=128),)
+    slots, why = named_slots(tail, [np.array([3, 70, 10, 0, 5, 80])])
+    assert slots == () and why is not None and "ranges" in why, why

@@ -466,7 +466,7 @@ def test_peer_text_fields_are_bounded() -> None:
 # sgl_pd version" instead of dropping each frame as malformed): bump PROTOCOL_VERSION,
 # then update this table.
 FIELDS_AT_VERSION = (
-    12,
+    13,
     {
         "abort": ("request_id", "reason", "decoder_instance", "detail", "reply_to"),
         "abort_ack": ("request_id", "prefill_rank", "prefill_instance"),
@@ -497,7 +497,7 @@ FIELDS_AT_VERSION = (
 
 # the fields of the structs messages carry, at the same version
 PARTS_AT_VERSION = (
-    12,
+    13,
     {
         "MetadataBuffers": ("regions", "row_bytes", "rows"),
         "RefusedSubmission": ("request_id", "message"),
@@ -539,6 +539,30 @@ def _parts(message_types: tuple[type, ...]) -> dict[str, tuple[str, ...]]:
     return {name: fields for name, fields in found.items() if name not in names}
 
 
+def _schema_digest(message_types: tuple[type, ...]) -> str:
+    """A digest of every message's JSON schema, field types and bounds included (their
+    descriptions left out: a docstring is not the protocol)."""
+    import hashlib
+    import json
+
+    _, components = msgspec.json.schema_components(message_types)
+
+    def bare(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: bare(v) for k, v in node.items() if k not in ("description", "title")}
+        if isinstance(node, list):
+            return [bare(v) for v in node]
+        return node
+
+    text = json.dumps(bare(components), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# the digest of every message's schema at this version (types changed with names kept
+# are a new protocol too: an older peer would fail to decode the frame)
+SCHEMA_AT_VERSION = (13, "b546bdc974c67dba")
+
+
 def test_a_change_of_any_message_comes_with_a_new_protocol_version() -> None:
     import typing
 
@@ -553,4 +577,7 @@ def test_a_change_of_any_message_comes_with_a_new_protocol_version() -> None:
     version, pinned_parts = PARTS_AT_VERSION
     assert (wire.PROTOCOL_VERSION, _parts(types)) == (version, pinned_parts), (
         "a struct inside a message changed: bump PROTOCOL_VERSION and update PARTS_AT_VERSION"
+    )
+    assert (wire.PROTOCOL_VERSION, _schema_digest(types)) == SCHEMA_AT_VERSION, (
+        "a message's types or bounds changed: bump PROTOCOL_VERSION and update SCHEMA_AT_VERSION"
     )
