@@ -53,70 +53,43 @@ class Plan:
     refused: str | None  # why sgl_pd refuses it at start-up; None: moved
 
 
-_NO_CPU_ENGINE = "SGLang's CPU engine does not run {what}: planned, never run through sgl_pd"
+def _unrun(kind: str, named: Named, models: str, engine: str) -> Plan:
+    """A plan refused at start-up: SGLang's CPU engine does not run `engine`."""
+    why = f"SGLang's CPU engine does not run {engine}: planned, never run through sgl_pd"
+    return Plan(kind, named, models, why)
+
+
 PLANS: dict[str, Plan] = {
     p.kind: p
     for p in (
         Plan("mamba", Named.ROW, "Qwen3-Next, Qwen3.5, Kimi-Linear, Nemotron-H, ...", None),
         Plan("swa", Named.WINDOW_PAGES, "GPT-OSS, Gemma 4, Llama 4, Mellum, ...", None),
-        Plan(
-            "dsa",
-            Named.SUFFIX_PAGES,
-            "DeepSeek-V3.2, GLM-5 (the DSA indexer's K)",
-            _NO_CPU_ENGINE.format(what="DSA sparse attention"),
-        ),
-        Plan(
-            "dsa_tail",
-            Named.TAIL_RANGES,
-            "DSA with a compressed indexer pool",
-            _NO_CPU_ENGINE.format(what="DSA sparse attention"),
-        ),
-        Plan(
-            "block_scale",
-            Named.SUFFIX_PAGES,
-            "MXFP8 KV (its block scales beside each page)",
-            _NO_CPU_ENGINE.format(what="MXFP8 KV caches"),
-        ),
-        Plan(
-            "block_scale_swa",
-            Named.WINDOW_PAGES,
-            "MXFP8 KV in a hybrid SWA pool",
-            _NO_CPU_ENGINE.format(what="MXFP8 KV caches"),
-        ),
-        Plan(
-            "swa_ring",
-            Named.RING_ROWS,
-            "DeepSeek-V4 (its unified SWA ring)",
-            _NO_CPU_ENGINE.format(what="DeepSeek-V4"),
-        ),
-        Plan(
-            "dsv4_request_state",
-            Named.PENDING_BLOCK,
-            "DeepSeek-V4 (its C128 compression state)",
-            _NO_CPU_ENGINE.format(what="DeepSeek-V4"),
-        ),
-        Plan(
-            "request_row",
-            Named.ROW,
-            "DeepSeek-V4 (request-scoped rows)",
-            _NO_CPU_ENGINE.format(what="DeepSeek-V4"),
-        ),
-        Plan("qsa_pending", Named.ROW, "QSA models", _NO_CPU_ENGINE.format(what="QSA")),
-        Plan("qsa_compressed", Named.SUFFIX_PAGES, "QSA models", _NO_CPU_ENGINE.format(what="QSA")),
-        Plan(
-            "minimax_index_k",
-            Named.SUFFIX_PAGES,
-            "MiniMax sparse layers",
-            _NO_CPU_ENGINE.format(what="MiniMax sparse attention"),
-        ),
-        Plan(
-            "minimax_dense_kv",
-            Named.SUFFIX_PAGES,
-            "MiniMax sparse layers",
-            _NO_CPU_ENGINE.format(what="MiniMax sparse attention"),
+        # kind, what a request names, who keeps it, what SGLang's CPU engine cannot run
+        *(
+            _unrun(*plan)
+            for plan in (
+                ("dsa", Named.SUFFIX_PAGES, "DeepSeek-V3.2, GLM-5 (the DSA indexer's K)",
+                 "DSA sparse attention"),
+                ("dsa_tail", Named.TAIL_RANGES, "DSA with a compressed indexer pool",
+                 "DSA sparse attention"),
+                ("block_scale", Named.SUFFIX_PAGES, "MXFP8 KV (its block scales beside each page)",
+                 "MXFP8 KV caches"),
+                ("block_scale_swa", Named.WINDOW_PAGES, "MXFP8 KV in a hybrid SWA pool",
+                 "MXFP8 KV caches"),
+                ("swa_ring", Named.RING_ROWS, "DeepSeek-V4 (its unified SWA ring)", "DeepSeek-V4"),
+                ("dsv4_request_state", Named.PENDING_BLOCK,
+                 "DeepSeek-V4 (its C128 compression state)", "DeepSeek-V4"),
+                ("request_row", Named.ROW, "DeepSeek-V4 (request-scoped rows)", "DeepSeek-V4"),
+                ("qsa_pending", Named.ROW, "QSA models", "QSA"),
+                ("qsa_compressed", Named.SUFFIX_PAGES, "QSA models", "QSA"),
+                ("minimax_index_k", Named.SUFFIX_PAGES, "MiniMax sparse layers",
+                 "MiniMax sparse attention"),
+                ("minimax_dense_kv", Named.SUFFIX_PAGES, "MiniMax sparse layers",
+                 "MiniMax sparse attention"),
+            )
         ),
     )
-}
+}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sgl_pd.backend.prefill.page_pins import around_check_all_pools, protect_allocator
 from sgl_pd.core.pins import PagePins
 
+from .sglang_pools import hybrid_swa_allocator
+
 PAGES = 12
 
 
@@ -172,16 +174,7 @@ def test_the_hybrid_swa_allocator_holds_back_its_full_attention_pages(page_size:
     """SGLang's hybrid SWA allocator frees a request's full-attention pages (the ones the
     chunks name) through its full sub-allocator: a pinned one stays out until its write
     ended; the window's pages go back at once (they are guarded by the state batch)."""
-    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
-    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
-
-    size = PAGES * page_size
-    pool = SWAKVPool(
-        size=size, size_swa=size, page_size=page_size, dtype=torch.float16, head_num=1,
-        head_dim=4, swa_attention_layer_ids=[0], full_attention_layer_ids=[1],
-        device="cpu", enable_memory_saver=False,
-    )  # fmt: skip
-    a = SWATokenToKVPoolAllocator(size, size, page_size, torch.float16, "cpu", pool, False)
+    a = hybrid_swa_allocator(PAGES * page_size, page_size)
     pins = PagePins()
     assert protect_allocator(a, pins)
     full = a.full_attn_allocator

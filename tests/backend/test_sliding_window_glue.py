@@ -16,6 +16,8 @@ from sgl_pd.backend.sliding_window_glue import (
     window_pages,
 )
 
+from .sglang_pools import hybrid_swa_allocator
+
 
 @pytest.fixture(autouse=True)
 def _window() -> Iterator[None]:
@@ -56,18 +58,9 @@ def test_a_position_without_a_window_page_refuses_the_request() -> None:
 def _decoder(page_size: int = 1, window: int = 6) -> SimpleNamespace:
     """SGLang's own hybrid SWA pool, allocator and token rows on the CPU, in the shape of
     its decode prealloc queue (the attributes the hook reads)."""
-    import torch
-    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
-    size = 64
-    pool = SWAKVPool(
-        size=size, size_swa=size, page_size=page_size, dtype=torch.float16, head_num=1,
-        head_dim=4, swa_attention_layer_ids=[0], full_attention_layer_ids=[1],
-        device="cpu", enable_memory_saver=False,
-    )  # fmt: skip
-    allocator = SWATokenToKVPoolAllocator(size, size, page_size, torch.float16, "cpu", pool, False)
+    allocator = hybrid_swa_allocator(64, page_size)
     rows = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
     sliding_window_glue._Process.window = window
     return SimpleNamespace(

@@ -1,0 +1,21 @@
+"""SGLang's own KV pools and allocators on the CPU, small, for tests of the glue that
+wraps or reads them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def hybrid_swa_allocator(size: int, page_size: int) -> Any:
+    """SGLang's hybrid sliding-window allocator over its `SWAKVPool` (one sliding layer,
+    one full layer, a head of 4 elements), `size` tokens in each part."""
+    import torch
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    pool = SWAKVPool(
+        size=size, size_swa=size, page_size=page_size, dtype=torch.float16, head_num=1,
+        head_dim=4, swa_attention_layer_ids=[0], full_attention_layer_ids=[1],
+        device="cpu", enable_memory_saver=False,
+    )  # fmt: skip
+    return SWATokenToKVPoolAllocator(size, size, page_size, torch.float16, "cpu", pool, False)
