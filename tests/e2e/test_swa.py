@@ -71,7 +71,7 @@ PD_POOL = ["--max-total-tokens", "2048", "--swa-full-tokens-ratio", "1.0"]
 NEW_TOKENS = transformers_answers.NEW_TOKENS
 ROUNDS = 4  # rounds of all prompts at once: the numberings part after a few
 PD_ROUNDS = 2
-WRITE_DELAY_MS = 20  # per KV write batch: a long prompt streams for about a second
+WRITE_DELAY_MS = 60  # per KV write batch: a long prompt (15 chunks) streams for about a second
 LONG = 900  # tokens of the prompts aborted mid-transfer and sent after
 # shorter than the window (a few tokens) to several windows and chunks long
 PROMPTS: list[list[int]] = [
@@ -235,7 +235,7 @@ def abort_mid_transfer(cluster: PdCluster, patience: Patience) -> AbortRun:
     abort is tried earlier each time until one lands before the transfer ended)."""
     answer: requests.Response | None = None
     logged = ""
-    for attempt, wait_s in enumerate((1.0, 0.6, 0.3)):
+    for attempt, wait_s in enumerate((0.8, 0.5, 0.3, 0.1)):
         rid = f"swa-abort-{attempt}"
         body = {
             "rid": rid,
