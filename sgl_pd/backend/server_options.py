@@ -189,19 +189,17 @@ def unsupported_option(
     if first_token == "decode" and getattr(options, "enable_multi_layer_eagle", False):
         return MULTI_LAYER_EAGLE
     kinds = sorted({str(getattr(k, "value", k)).lower() for k in state_kinds})
+    spec = _speculative(options)
     if "mamba" in kinds:
         if not prefill and local_prefill_max_tokens > 0:
             return LOCAL_PREFILL_UNSERVED.format(tokens=local_prefill_max_tokens, what=MAMBA_STATE)
         for flag in ("enable_linear_replayssm", "enable_linear_replayssm_spec"):
             if getattr(options, flag, False):
                 return MAMBA_UNSERVED.format(what="--" + flag.replace("_", "-"))
-        spec = _speculative(options)
         if spec is not None:
             return MAMBA_UNSERVED.format(what=spec)
-    if "swa" in kinds:
-        spec = _speculative(options)
-        if spec is not None:
-            return SLIDING_WINDOW_UNSERVED.format(what=spec)
+    if "swa" in kinds and spec is not None:
+        return SLIDING_WINDOW_UNSERVED.format(what=spec)
     unmoved = [k for k in kinds if k not in MOVED_STATE_KINDS]
     if unmoved:
         plan = PLANS.get(unmoved[0])

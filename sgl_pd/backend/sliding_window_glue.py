@@ -31,7 +31,6 @@ logger = logging.getLogger("sgl_pd.sliding_window")
 
 class _Process:
     window: ClassVar[int | None] = None  # tokens; None: no hybrid SWA pool here
-    sliding_layers: ClassVar[frozenset[int]] = frozenset()  # the model's layer ids
 
 
 def after_load_model(result: Any, model_runner: Any, *args: Any, **kwargs: Any) -> Any:
@@ -39,10 +38,8 @@ def after_load_model(result: Any, model_runner: Any, *args: Any, **kwargs: Any) 
     and, with its hybrid SWA pool on, which layers keep their KV there."""
     if getattr(model_runner, "is_draft_worker", False):
         return result
-    layers = sliding_layers_of(model_runner)
-    if layers:
+    if sliding_layers_of(model_runner):
         _Process.window = int(model_runner.sliding_window_size)
-        _Process.sliding_layers = layers
     return result
 
 
@@ -59,11 +56,6 @@ def window() -> int | None:
     """This process's model's sliding window in tokens, where SGLang keeps its sliding
     layers in the hybrid SWA pool; else None."""
     return _Process.window
-
-
-def sliding_layers() -> frozenset[int]:
-    """The model's layer ids whose KV sits in the hybrid SWA pool (none without it)."""
-    return _Process.sliding_layers
 
 
 class NoWindowPage(SglPdError):
