@@ -227,6 +227,7 @@ class SglPdKVManager(BaseKVManager):
             bool(is_mla_backend),
             None if is_mla_backend else _kv_heads(args, server_args, parallel.attn_tp_size),
             sliding_window_glue.window(),
+            parallel.attn_tp_size,
         )
         if any(c.kind == "mamba" for c in self.pool.state):
             # what SGLang's environment makes of its element types, for the pair check

@@ -25,7 +25,7 @@ from typing import Any
 
 from sgl_pd.core.layout import KvLayout, PageLayout
 from sgl_pd.core.regions import Region, RegionTable
-from sgl_pd.core.wire import WINDOW_KINDS, StateSlots
+from sgl_pd.core.wire import WINDOW_KINDS, StateSlicing, StateSlots
 from sgl_pd.errors import ConfigError
 
 
@@ -49,13 +49,15 @@ def describe_pool(
     is_mla: bool,
     heads: tuple[int, int] | None = None,
     window: int | None = None,
+    tp_size: int = 1,
 ) -> PoolDescription:
     """Reads SGLang's ``KVArgs`` (duck-typed: it is SGLang's class, not ours).
 
     ``heads`` = (heads on this rank, heads in the model), for roles whose ``KVArgs``
     does not carry them (SGLang's decoder fills them in only for its staging mode).
     ``window``: the model's sliding window in tokens, where SGLang's hybrid SWA pool
-    keeps the sliding layers (`sliding_window_glue.window`).
+    keeps the sliding layers (`sliding_window_glue.window`). ``tp_size``: the attention
+    TP size this rank is one of.
     """
     ptrs: list[int] = list(kv_args.kv_data_ptrs)
     lens: list[int] = list(kv_args.kv_data_lens)
@@ -106,7 +108,10 @@ def describe_pool(
     num_pages = min(lens) // page_bytes
     kv = RegionTable.for_layout(layout, tuple(Region(ptrs[i], lens[i]) for i in order))
 
-    state = state_slots(kv_args, window)
+    # a window page splits as the KV heads do, when TP splits them (not replicated)
+    split = not is_mla and local_heads * tp_size == total_heads
+    window_pages = WindowPages(page_size, row_bytes, local_heads if split else 0)
+    state = state_slots(kv_args, window, window_pages)
     for component in state:
         if component.window and component.window < page_size:
             # (the decoder frees its slots before the window, `sliding_window_glue`: with
@@ -139,12 +144,24 @@ def state_kinds(kv_args: Any) -> list[str]:
     return [str(getattr(t, "name", t)).lower() for t in getattr(kv_args, "state_types", ())]
 
 
-def state_slots(kv_args: Any, window: int | None = None) -> tuple[StateSlots, ...]:
+@dataclass(frozen=True)
+class WindowPages:
+    """The main pool's page geometry, which SGLang's hybrid SWA pool shares."""
+
+    page_size: int  # tokens
+    row_bytes: int  # one token's K (or V) of one head
+    split_heads: int  # KV heads on this rank where TP splits them; 0: replicated (MLA, few heads)
+
+
+def state_slots(
+    kv_args: Any, window: int | None = None, pages: WindowPages | None = None
+) -> tuple[StateSlots, ...]:
     """SGLang's state lists as components, in its order: a Mamba pool (each layer's conv
     and recurrent state tensors, ``[slots, ...]`` each, a slot per request), a hybrid
     SWA pool (each sliding layer's K and V buffers, a slot per page; `window` tokens of
     them per request), ... (`core.state_components` plans each kind; the start-up check
-    refuses those sgl_pd does not move)."""
+    refuses those sgl_pd does not move). How TP splits each slot (`StateSlicing`) comes
+    from SGLang's lists for a Mamba pool, and from `pages` for window pages."""
     components = []
     for i, kind in enumerate(state_kinds(kv_args)):
         if kind in WINDOW_KINDS and not window:
@@ -161,9 +178,44 @@ def state_slots(kv_args: Any, window: int | None = None) -> tuple[StateSlots, ..
                 slot_bytes=tuple(items),
                 slots=min(n // item for n, item in zip(lens, items, strict=True)),
                 window=int(window or 0) if kind in WINDOW_KINDS else 0,
+                slicing=_slicing(kv_args, i, kind, items, pages),
             )
         )
     return tuple(components)
+
+
+def _slicing(
+    kv_args: Any, i: int, kind: str, items: list[int], pages: WindowPages | None
+) -> tuple[StateSlicing, ...]:
+    """How TP splits each region's slot of component `i`, or () where unknown (its
+    state then moves only between ranks of one TP size)."""
+    if kind == "mamba":
+        # SGLang's own lists (`setup_state_kv_args`): each tensor's sliced axis on this
+        # rank (0: replicated), rows before it, and GDN conv's [q | k | v] sub-blocks
+        dims = _listed(kv_args, "state_dim_per_tensor", i)
+        rows = _listed(kv_args, "state_slice_outer_counts", i) or [1] * len(dims)
+        groups = _listed(kv_args, "state_conv_shard_groups", i) or [None] * len(dims)
+        if len(dims) != len(items) or len(rows) != len(items) or len(groups) != len(items):
+            return ()
+        return tuple(
+            StateSlicing(units=int(d), outer=int(o), groups=tuple(int(g) for g in gs or ()))
+            for d, o, gs in zip(dims, rows, groups, strict=True)
+        )
+    if kind in WINDOW_KINDS and pages is not None and pages.split_heads:
+        # a page of one sliding layer's K or V: (page_size, heads, row) in NHD order,
+        # (heads, page_size, row) in HND
+        nhd = str(getattr(kv_args, "swa_kv_cache_layout", None) or "nhd").lower() == "nhd"
+        page = pages.page_size * pages.split_heads * pages.row_bytes  # bytes
+        if any(n != page for n in items):
+            return ()  # not the main pool's heads: how they split is unknown
+        outer = pages.page_size if nhd else 1
+        return tuple(StateSlicing(units=pages.split_heads, outer=outer) for _ in items)
+    return ()
+
+
+def _listed(kv_args: Any, name: str, i: int) -> list[Any]:
+    lists = getattr(kv_args, name, None) or []
+    return list(lists[i] or []) if i < len(lists) else []
 
 
 def _region_order(num_buffers: int, is_mla: bool) -> list[int]:

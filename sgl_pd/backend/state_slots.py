@@ -7,12 +7,14 @@ for it, and whether two ranks can move it. Two kinds (`core.wire.StateSlots`):
   a request names the pages of its window (`core.sliding_window`: the same positions
   on both roles, so the two lists pair up in order).
 
-Both roles keep pools of the same shape, so each prefill slot is copied whole into the
-decoder's, one write per region, with the metadata row
-(`prefill.writer.KvWriter.write_metadata`), behind every KV write of the request on the
-same queue and under the same count word: the decoder sees the request complete only
-once the state landed. The state is final then: SGLang names the slots in its last send,
-after the last chunk's forward (the prompt's first n - 1 tokens under the
+Each prefill rank writes its share of the decode rank's slots (`core.state_slices`: at
+one TP size its peer's whole slot, one write per region; at another the ranges where
+their shares of the sliced axis meet - heads, GDN conv's [q | k | v] channels, a window
+page's heads token by token), after the request's last chunk, on the same queue as its
+KV writes (`prefill.writer.KvWriter.write_metadata`), and counts it as one more group
+of its count word (`core.counting`): the decoder sees the request complete only once
+every writer's share landed. The state is final then: SGLang names the slots in its
+last send, after the last chunk's forward (the prompt's first n - 1 tokens under the
 decoder-sampled first token, whose decode step then reads token n - 1: the state and
 the window it needs).
 
@@ -25,9 +27,9 @@ failed before then read intact slots, and one that failed sends no count (its de
 hears the failure; the bytes that landed sit in its slots, held until nothing can land
 - the release rule, `decode.release` - and never read).
 
-Ranks of different TP sizes hold different slices of every layer's state (heads split
-by TP); moving slices between them is not served yet, so such a pair fails the request
-with the reason.
+A pair whose state cannot be split between its TP sizes (a server that does not say how
+TP splits a region, heads replicated over the ranks, sizes that do not divide) fails
+the request with the reason.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from sgl_pd.core.sharding import ShardingScheme
+from sgl_pd.core.state_slices import component_mismatch
 from sgl_pd.core.wire import StateSlots, state_named_wrong
 
 Slots = tuple[tuple[int, ...], ...]  # a request's slots, one list per state component
@@ -80,19 +83,21 @@ def slot_mismatch(
             f"the prefill server keeps {theirs} state besides the KV pages, the decoder"
             f" {mine}: serve one model on both"
         )
-    if decoder_scheme.tp_size != prefill_scheme.tp_size:
-        return (
-            f"the prefill server runs TP {prefill_scheme.tp_size} and the decoder TP"
-            f" {decoder_scheme.tp_size}: a model's {mine} state moves between servers"
-            " of one TP size only (for now)"
-        )
+    src_tp, dst_tp = prefill_scheme.tp_size, decoder_scheme.tp_size
     for d, p in zip(decoder, prefill, strict=True):
         if d.window != p.window:
             return (
                 f"the prefill server's sliding window is {p.window} tokens, the"
                 f" decoder's {d.window}: serve one model on both"
             )
-        if not d.same_shape(p):
+        split = component_mismatch(p, src_tp, d, dst_tp)
+        if src_tp != dst_tp and split is not None and d.dtypes == p.dtypes:
+            return (
+                f"the prefill server runs TP {src_tp} and the decoder TP {dst_tp}, and"
+                f" its {d.kind} state cannot be split between them ({split}): serve both"
+                " at one TP size"
+            )
+        if split is not None or d.dtypes != p.dtypes:
             advice = (
                 ", with the same SGLANG_MAMBA_CONV_DTYPE and SGLANG_MAMBA_SSM_DTYPE"
                 if d.kind == "mamba"

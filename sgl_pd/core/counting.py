@@ -8,6 +8,12 @@ request seed, the layer grouping and the chunk count:
 
     groups per chunk from one source = its links into this destination * num_layer_groups
 
+and, for a model with state besides the KV pages (a Mamba slot, a sliding window's
+pages), one *state group* from each source that writes some of the destination's state
+(`core.state_slices.writers_into`), after the request's last chunk: its count word then
+ends at chunks * groups per chunk + 1. A source may write state into a destination it
+sends no KV (TP splits state and KV heads apart): it then counts the state group alone.
+
 Count words. Each decoder rank keeps one slot of SLOT_WORDS 8-byte words per request in
 registered memory. Word METADATA_WORD holds the metadata word (D9), written once by the
 source `expectation_for` names. Word 1 + src_rank holds that source's *count*: how many of
@@ -30,7 +36,6 @@ chunks or layers: a prompt of any length fits.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sgl_pd.core.errors import (
@@ -115,14 +120,25 @@ class Expectation:
 
     per_chunk: tuple[tuple[int, int], ...]  # (source rank, groups per chunk), sorted
     metadata_source: int  # the source that writes the metadata word
+    state_writers: tuple[int, ...] = ()  # sources that count one state group, sorted
 
     @property
     def groups_per_chunk(self) -> int:
         return sum(n for _, n in self.per_chunk)
 
+    @property
+    def sources(self) -> tuple[int, ...]:
+        """Every source whose count word the destination reads, ascending."""
+        return tuple(sorted({src for src, _ in self.per_chunk} | set(self.state_writers)))
+
     def total(self, num_chunks: int) -> int:
         """Groups of the whole request (the metadata word not included)."""
-        return num_chunks * self.groups_per_chunk
+        return num_chunks * self.groups_per_chunk + len(self.state_writers)
+
+    def owed(self, src_rank: int, num_chunks: int) -> int:
+        """Groups `src_rank` counts in all for a request of `num_chunks` chunks."""
+        per_chunk = dict(self.per_chunk).get(src_rank, 0)
+        return num_chunks * per_chunk + (src_rank in self.state_writers)
 
 
 def expected_groups(
@@ -155,10 +171,10 @@ class CompletionCounter:
         """`expect_kv`: the request has KV to receive; False when the destination holds
         every token the prefiller computes (its prefix cache): then exactly zero chunks
         come, and only the metadata (or nothing)."""
-        for src, _ in expectation.per_chunk:
+        for src in expectation.sources:
             source_word_index(src)  # raises for a rank a slot cannot count
-        self._per_chunk: Mapping[int, int] = dict(expectation.per_chunk)
-        self._counts: dict[int, int] = dict.fromkeys(self._per_chunk, 0)
+        self._expectation = expectation
+        self._counts: dict[int, int] = dict.fromkeys(expectation.sources, 0)
         self._metadata_source = expectation.metadata_source
         self._num_chunks: int | None = None  # set by `seal`
         self._metadata_pending = expect_metadata
@@ -174,7 +190,7 @@ class CompletionCounter:
         """Total groups once sealed, else None."""
         if self._num_chunks is None:
             return None
-        return self._num_chunks * sum(self._per_chunk.values())
+        return self._expectation.total(self._num_chunks)
 
     @property
     def is_complete(self) -> bool:
@@ -191,7 +207,7 @@ class CompletionCounter:
         if self._num_chunks is not None and num_chunks != self._num_chunks:
             raise CountingError(f"sealed twice: {self._num_chunks} then {num_chunks} chunks")
         for src, count in self._counts.items():
-            total = num_chunks * self._per_chunk[src]
+            total = self._expectation.owed(src, num_chunks)
             if count > total:
                 raise CompletionOverflow(
                     f"source {src} counted {count} groups but {num_chunks} chunks hold {total}"
@@ -207,11 +223,10 @@ class CompletionCounter:
             )
         if count < last:
             raise CountingError(f"source {src_rank} count went down from {last} to {count}")
-        if self._num_chunks is not None and count > self._num_chunks * self._per_chunk[src_rank]:
-            raise CompletionOverflow(
-                f"source {src_rank} counted {count} groups, only"
-                f" {self._num_chunks * self._per_chunk[src_rank]} exist"
-            )
+        if self._num_chunks is not None and count > (
+            owed := self._expectation.owed(src_rank, self._num_chunks)
+        ):
+            raise CompletionOverflow(f"source {src_rank} counted {count} groups, only {owed} exist")
         self._counts[src_rank] = count
         return self.is_complete
 
@@ -220,11 +235,10 @@ class CompletionCounter:
         every group it owes (and the metadata, if it writes it) was counted."""
         if src_rank == self._metadata_source and self._metadata_pending:
             return False
-        per_chunk = self._per_chunk.get(src_rank)
-        if per_chunk is None:
+        if src_rank not in self._counts:
             return True
         return self._num_chunks is not None and self._counts[src_rank] == (
-            self._num_chunks * per_chunk
+            self._expectation.owed(src_rank, self._num_chunks)
         )
 
     def record_metadata(self, src_rank: int) -> bool:
@@ -251,13 +265,16 @@ def links_into(links: tuple[ShardLink, ...], dst_rank: int) -> tuple[ShardLink, 
     return into
 
 
-def expectation_for(links: tuple[ShardLink, ...], num_layer_groups: int) -> Expectation:
+def expectation_for(
+    links: tuple[ShardLink, ...], num_layer_groups: int, state_writers: tuple[int, ...] = ()
+) -> Expectation:
     """What one destination expects from `links` (all into it): groups per chunk per
-    source, and the source that writes its metadata (the one sending its first head)."""
+    source, the source that writes its metadata (the one sending its first head), and
+    the sources that write some of its state (`state_writers`, one group each)."""
     if not links or len({link.dst_rank for link in links}) != 1:
         raise CountingError("expectation_for takes the links of exactly one destination")
     per_src: dict[int, int] = {}
     for link in links:
         per_src[link.src_rank] = per_src.get(link.src_rank, 0) + num_layer_groups
     first = min(links, key=lambda link: (link.head_lo, link.src_rank))
-    return Expectation(tuple(sorted(per_src.items())), first.src_rank)
+    return Expectation(tuple(sorted(per_src.items())), first.src_rank, tuple(sorted(state_writers)))

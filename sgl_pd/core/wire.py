@@ -55,7 +55,9 @@ from sgl_pd.errors import SglPdError
 #     window page), StateSlots.window
 # 13: state in components, one per SGLang state type (ShardRegistration.state, and
 #     TransferRequest.state_slots a list per component)
-PROTOCOL_VERSION = 13
+# 14: how TP splits each state region (StateSlots.slicing): state moves between ranks of
+#     different TP sizes, each prefill rank's slice counted as one group of its count word
+PROTOCOL_VERSION = 14
 MAGIC = b"SGPD"
 MAX_BODY_BYTES = 64 << 20  # a 1M-token prompt with its page table stays far below this
 _HEADER = struct.Struct("<4sHHQII")
@@ -153,6 +155,17 @@ class MetadataBuffers(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise InvalidMessage("metadata rows do not fit their regions")
 
 
+class StateSlicing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How TP splits one region's slot (`core.state_slices`): `outer` rows of `units`
+    consecutive units of the sliced axis on this rank, the axis made of sub-blocks each
+    split on its own (`groups`: their full sizes in units; () for one). `units` 0: the
+    slot is the same on every rank."""
+
+    units: U32  # units of the sliced axis in one row of a slot on this rank
+    outer: Positive = 1  # rows per slot (a page's tokens in NHD order)
+    groups: tuple[Positive, ...] = ()  # full units of each sub-block ([q | k | v] conv)
+
+
 class StateSlots(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One component of a model's per-request state besides the paged KV (SGLang's state
     types, planned in `core.state_components`), in slots of several registered regions:
@@ -175,6 +188,9 @@ class StateSlots(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # (SGLang reads them from its environment: two servers may differ at equal sizes)
     dtypes: Annotated[str, msgspec.Meta(max_length=64)] = ""
     window: U32 = 0  # window kinds: the sliding window, in tokens (SGLang's)
+    # how TP splits each region's slot (one per region), for ranks of another TP size;
+    # () when the server cannot say: then only ranks of its own TP size take its state
+    slicing: tuple[StateSlicing, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.regions or len(self.regions) != len(self.slot_bytes):
@@ -186,11 +202,8 @@ class StateSlots(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             raise InvalidMessage(f"state of unknown kind {self.kind!r}")
         if (self.kind in WINDOW_KINDS) != (self.window > 0):
             raise InvalidMessage("a sliding window goes with window pages, and only there")
-
-    def same_shape(self, other: StateSlots) -> bool:
-        """Both hold the same state per request (a slot moves between them as is)."""
-        mine = (self.kind, self.slot_bytes, self.dtypes, self.window)
-        return mine == (other.kind, other.slot_bytes, other.dtypes, other.window)
+        if self.slicing and len(self.slicing) != len(self.regions):
+            raise InvalidMessage("state slicing needs one entry per region, or none")
 
     def named_wrong(self, slots: tuple[int, ...]) -> str | None:
         """Why a request cannot name `slots` of this state, or None."""

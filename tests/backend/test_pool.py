@@ -9,6 +9,7 @@ import pytest
 
 from sgl_pd.backend.pool import describe_pool
 from sgl_pd.core.layout import AttnKind
+from sgl_pd.core.wire import StateSlicing
 from sgl_pd.errors import ConfigError
 
 PAGE_BYTES = 64
@@ -85,3 +86,44 @@ def test_a_sliding_window_pool_is_described_as_window_pages() -> None:
 def test_a_window_shorter_than_a_page_is_refused_with_the_page_size_that_serves_it() -> None:
     with pytest.raises(ConfigError, match="--page-size 16 or less"):
         describe_pool(SimpleNamespace(**_swa_args(32)), is_mla=False, window=16)
+
+
+def test_window_pages_split_as_the_kv_heads_do_where_tp_splits_them() -> None:
+    """Two of four KV heads on this rank: a window page is (page_size, 2 heads, row)
+    in NHD order, (2 heads, page_size, row) in HND; heads replicated over the ranks
+    (one KV head, TP 2) say nothing, so only ranks of one TP size pair up."""
+    split = SimpleNamespace(**_swa_args(2) | {"kv_head_num": 2, "total_kv_head_num": 4})
+    (state,) = describe_pool(split, is_mla=False, window=16, tp_size=2).state
+    assert state.slicing == (StateSlicing(units=2, outer=2),) * 2
+    split.swa_kv_cache_layout = "hnd"
+    (state,) = describe_pool(split, is_mla=False, window=16, tp_size=2).state
+    assert state.slicing == (StateSlicing(units=2),) * 2
+    replicated = SimpleNamespace(**_swa_args(2))
+    (state,) = describe_pool(replicated, is_mla=False, window=16, tp_size=2).state
+    assert state.slicing == ()
+
+
+def test_a_mamba_pool_is_sliced_as_sglang_lists_it() -> None:
+    """SGLang's lists per tensor: the sliced axis on this rank (0: replicated), the rows
+    before it, and conv's [q | k | v] sub-blocks in full."""
+    args = _kv_args(
+        2,
+        0,
+        kv_head_num=1,
+        total_kv_head_num=1,
+        state_types=["MAMBA"],
+        state_data_ptrs=[[50_000, 60_000, 70_000]],
+        state_data_lens=[[96 * 4, 256 * 4, 8 * 4]],
+        state_item_lens=[[96, 256, 8]],
+        state_dim_per_tensor=[[32, 4, 0]],
+        state_slice_outer_counts=[[1, 1, 1]],
+        state_conv_shard_groups=[[[16, 16, 32], None, None]],
+    )
+    (state,) = describe_pool(args, is_mla=False, tp_size=2).state
+    assert state.slicing == (
+        StateSlicing(units=32, groups=(16, 16, 32)),
+        StateSlicing(units=4),
+        StateSlicing(units=0),
+    )
+    args.state_dim_per_tensor = [[]]  # an SGLang that does not list them
+    assert describe_pool(args, is_mla=False, tp_size=2).state[0].slicing == ()

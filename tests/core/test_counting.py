@@ -162,6 +162,29 @@ def test_a_full_prefix_hit_counts_no_chunk_and_completes_on_the_metadata() -> No
         CompletionCounter(EXP).seal(0)
 
 
+def test_state_groups_count_once_per_writer_after_the_chunks() -> None:
+    """Sources 0 and 3 send KV; 3 and 5 write some of the state (5 none of the KV):
+    each state writer's count ends one group past its chunks' - also with no chunk."""
+    exp = Expectation(((0, 2), (3, 1)), metadata_source=3, state_writers=(3, 5))
+    assert exp.sources == (0, 3, 5)
+    assert (exp.owed(0, 2), exp.owed(3, 2), exp.owed(5, 2)) == (4, 3, 1)
+    c = CompletionCounter(exp)
+    c.seal(2)
+    assert c.expected == 8
+    c.observe(0, 4)
+    c.observe(3, 2)  # its chunks, not its state
+    assert c.record_metadata(3) is False and not c.source_done(3)
+    assert not c.observe(5, 1) and c.source_done(5)
+    assert c.observe(3, 3) and c.source_done(3)
+    with pytest.raises(CompletionOverflow):
+        c.observe(5, 2)
+    held_all = CompletionCounter(exp, expect_kv=False)
+    held_all.seal(0)
+    held_all.record_metadata(3)
+    held_all.observe(3, 1)
+    assert not held_all.is_complete and held_all.observe(5, 1)
+
+
 def test_counter_is_complete_only_once_sealed() -> None:
     c = CompletionCounter(EXP, expect_metadata=False)
     c.observe(0, 2)

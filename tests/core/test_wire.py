@@ -466,7 +466,7 @@ def test_peer_text_fields_are_bounded() -> None:
 # sgl_pd version" instead of dropping each frame as malformed): bump PROTOCOL_VERSION,
 # then update this table.
 FIELDS_AT_VERSION = (
-    13,
+    14,
     {
         "abort": ("request_id", "reason", "decoder_instance", "detail", "reply_to"),
         "abort_ack": ("request_id", "prefill_rank", "prefill_instance"),
@@ -497,7 +497,7 @@ FIELDS_AT_VERSION = (
 
 # the fields of the structs messages carry, at the same version
 PARTS_AT_VERSION = (
-    13,
+    14,
     {
         "MetadataBuffers": ("regions", "row_bytes", "rows"),
         "RefusedSubmission": ("request_id", "message"),
@@ -505,7 +505,8 @@ PARTS_AT_VERSION = (
                            "repetition_penalty", "frequency_penalty", "presence_penalty",
                            "stop_token_ids", "ignore_eos", "seed", "json_schema", "regex"),
         "SlotArea": ("region", "slot_bytes", "num_slots"),
-        "StateSlots": ("kind", "regions", "slot_bytes", "slots", "dtypes", "window"),
+        "StateSlicing": ("units", "outer", "groups"),
+        "StateSlots": ("kind", "regions", "slot_bytes", "slots", "dtypes", "window", "slicing"),
     },
 )  # fmt: skip
 
@@ -560,7 +561,7 @@ def _schema_digest(message_types: tuple[type, ...]) -> str:
 
 # the digest of every message's schema at this version (types changed with names kept
 # are a new protocol too: an older peer would fail to decode the frame)
-SCHEMA_AT_VERSION = (13, "b546bdc974c67dba")
+SCHEMA_AT_VERSION = (14, "f8eb214c12c49a7b")
 
 
 def test_a_change_of_any_message_comes_with_a_new_protocol_version() -> None:

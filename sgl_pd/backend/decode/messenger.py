@@ -220,6 +220,7 @@ class DecodeMessenger:
             held_tokens=held_tokens,
             kv_tokens=kv_tokens,
             owner=owner,
+            state=my_registration.state,
         )
         self._grants.place(track, prefills[0].layout)
         if bootstrap is not None:

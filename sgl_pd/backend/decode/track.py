@@ -11,14 +11,15 @@ import numpy as np
 from sgl_pd.core.counting import CompletionCounter, expectation_for, links_into
 from sgl_pd.core.relayout import ReceivePlacement
 from sgl_pd.core.sharding import ShardingScheme, ShardLink, link_shards
-from sgl_pd.core.wire import ShardRegistration, TransferRequest
+from sgl_pd.core.state_slices import writers_into
+from sgl_pd.core.wire import ShardRegistration, StateSlots, TransferRequest
 
 
 @dataclass
 class Track:
     room: int
     slot: int
-    sources: tuple[int, ...]  # prefill ranks whose count words this rank reads
+    sources: tuple[int, ...]  # prefill ranks whose count words this rank reads (KV, state)
     counter: CompletionCounter
     metadata_source: int  # the prefill rank that writes word 0
     prefills: dict[int, str]  # every prefill rank asked -> its inbox (where aborts go)
@@ -70,18 +71,21 @@ def new_track(
     held_tokens: int,
     kv_tokens: int | None,
     owner: object | None,
+    state: tuple[StateSlots, ...] = (),
 ) -> Track:
     """The track of a request asked of `prefills` (every rank of its prefiller) into
     this rank, `to` (its scheme, its rank): the links into it and the count they owe.
-    `reply_to`: this rank's inbox. `now`: monotonic s."""
+    `reply_to`: this rank's inbox. `now`: monotonic s. `state`: this rank's state
+    besides the KV (whose writers count a group each)."""
     prefill = prefills[0]
     layer_groups = len(prefill.layout.layer_groups(prefill.layer_group_size))
     links = links_into(link_shards(prefill.layout, prefill.scheme, to[0], room), to[1])
-    expectation = expectation_for(links, layer_groups)
+    writers = writers_into(prefill.state, prefill.scheme.tp_size, state, to[0].tp_size, to[1])
+    expectation = expectation_for(links, layer_groups, writers)
     return Track(
         room,
         slot,
-        tuple(src for src, _ in expectation.per_chunk),
+        expectation.sources,
         CompletionCounter(expectation, expect_kv=len(dst_pages) > 0),
         expectation.metadata_source,
         {peer.rank: peer.inbox for peer in prefills},

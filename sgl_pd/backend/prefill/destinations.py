@@ -11,6 +11,7 @@ from sgl_pd.backend.state_slots import slot_mismatch
 from sgl_pd.core.counting import links_into
 from sgl_pd.core.layout import KvLayout
 from sgl_pd.core.sharding import ShardingScheme, link_shards
+from sgl_pd.core.state_slices import region_blocks
 from sgl_pd.core.wire import StateSlots, TransferRequest
 
 
@@ -61,13 +62,23 @@ def join(
     )
     mine = frozenset(i for i, link in enumerate(links) if link.src_rank == rank)
     first = min(links, key=lambda link: (link.head_lo, link.src_rank))
+    # this rank's share of each state component's slots, region by region (TP splits
+    # state as it splits heads, yet a few KV heads are replicated over the ranks: a
+    # rank may write some of a decode rank's state and none of its KV)
+    state_blocks = tuple(
+        region_blocks(c, scheme.tp_size, rank, d, decoder.scheme.tp_size, decoder.rank)
+        for c, d in zip(state, decoder.state, strict=True)
+    )
+    writes_state = any(any(regions) for regions in state_blocks)
     room.requests[decoder.rank] = request
     room.decoder_tp = decoder.scheme.tp_size
     room.held_tokens = request.held_tokens
     if not room.chunks:
         room.tokens_planned = request.held_tokens
-    if mine:
-        room.destinations[decoder.rank] = Destination(request, links, mine, first.src_rank == rank)
+    if mine or writes_state:
+        room.destinations[decoder.rank] = Destination(
+            request, links, mine, first.src_rank == rank, state_blocks if writes_state else ()
+        )
     return None
 
 

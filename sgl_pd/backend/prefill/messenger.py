@@ -307,10 +307,12 @@ class PrefillMessenger:
     # -- helpers ------------------------------------------------------------------------
 
     def _destinations(self, room_id: int) -> list[Destination]:
+        """The decode ranks this rank sends KV of the request to."""
         rooms = self.rooms.rooms_of([room_id])
         if not rooms or rooms[0].error is not None:
             return []
-        return [rooms[0].destinations[rank] for rank in sorted(rooms[0].destinations)]
+        dests = rooms[0].destinations
+        return [dests[rank] for rank in sorted(dests) if dests[rank].mine]
 
     def _queue_metadata(self, room_id: int) -> None:
         for dest in self.rooms.take_metadata_due(room_id):

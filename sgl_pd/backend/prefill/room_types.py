@@ -14,6 +14,7 @@ from typing import Any
 from sgl_pd.core.page_ids import PageIds
 from sgl_pd.core.plan import AddressedPlan, TokenRange
 from sgl_pd.core.sharding import ShardLink
+from sgl_pd.core.state_slices import Block
 from sgl_pd.core.states import MetadataWait
 from sgl_pd.core.wire import TransferRequest
 
@@ -36,12 +37,16 @@ class Chunk:
 
 @dataclass
 class Destination:
-    """One decode rank that a request's KV goes to from this prefill rank."""
+    """One decode rank that a request's KV (or state) goes to from this prefill rank."""
 
     request: TransferRequest
     links: tuple[ShardLink, ...]  # every link into that decode rank, in counting order
     mine: frozenset[int]  # indices into `links` of the ones this rank writes
     writes_metadata: bool  # this rank writes the decode rank's metadata row (D9)
+    # the blocks this rank writes of each slot of the decode rank's state besides the
+    # KV (its share of a Mamba slot, of each window page: `core.state_slices`), per
+    # component and region; () when it writes none. Counted as one group.
+    state_blocks: tuple[tuple[tuple[Block, ...], ...], ...] = ()
     groups_done: int = 0  # groups this rank finished into it: its count word (writer only)
     # chunk index -> its plan, addressed for every layer, until its last layers are written
     plans: dict[int, AddressedPlan] = field(default_factory=dict)  # (writer thread only)
@@ -51,6 +56,10 @@ class Destination:
     # --pd-kv-checksum: (regions,) int64 on the pool's device, the keyed sums of what this
     # rank wrote into the decode rank so far (`backend.kv_sums`; writer thread only)
     sums: Any = None
+
+    @property
+    def writes_state(self) -> bool:
+        return bool(self.state_blocks)
 
     @property
     def session(self) -> str:

@@ -33,7 +33,7 @@ from sgl_pd.core.failures import FailureCause
 from sgl_pd.core.plan import AddressedPlan, TransferPlan, plan_transfer
 from sgl_pd.core.regions import Region, RegionTable
 from sgl_pd.core.relayout import ReceivePlacement, Relayout, fragmented, receive_placement
-from sgl_pd.core.wire import ChunkNotice, Guarded, TransferRequest
+from sgl_pd.core.wire import ChunkNotice, Guarded
 from sgl_pd.errors import SglPdError
 from sgl_pd.messenger.keyed_workers import KeyedWorkers
 from sgl_pd.transfer.completion import CompletionWordWriter
@@ -271,16 +271,16 @@ class KvWriter:
         return placement, request.staging_base
 
     def write_metadata(self, dest: Destination, aux_index: int | None, room: Room) -> Sent:
-        """D9: the metadata row if this rank writes it - with the request's state slots
-        (a Mamba slot, the sliding window's pages) when the model keeps state besides
-        the KV: the same count word covers both (`backend.state_slots`) - then the last
-        chunk's notice."""
+        """After the last chunk: this rank's slice of the request's state besides the KV
+        (a Mamba slot, the sliding window's pages) if it writes some, then the metadata
+        row (D9) if it writes it, then the last chunk's notice."""
         request, decoder = dest.request, dest.request.decoder
         sent = Sent()
+        if dest.writes_state:
+            sent = self._write_state(dest, room)
         if dest.writes_metadata:
             if aux_index is None or decoder.metadata is None:
                 raise SglPdError(f"request {request.request_id}: no metadata row on one side")
-            state_src, state_dst, state_lengths = self._state_writes(request, room)
             row_src, row_dst, row_lengths = _row_writes(
                 self.pool.aux,
                 decoder.metadata.regions,
@@ -288,29 +288,11 @@ class KvWriter:
                 aux_index,
                 request.metadata_slot,
             )
-            writes = MetadataWrites.of(
-                state_src + row_src, state_dst + row_dst, state_lengths + row_lengths
-            )
-            if self.pool.state:
-                # SGLang frees the state slot once the request polls failed (its slot
-                # is not pinned, as its pages are): only a request still live once the
-                # batch landed read an intact state, and only then does its count go
-                self._engine.write(decoder.session, writes)
-                if room.error is not None:
-                    raise SglPdError(
-                        f"request {request.request_id} failed while its state was being"
-                        f" written ({room.error}): its count is not sent"
-                    )
-                writes_done: Writes = MetadataWrites.empty()
-            else:
-                writes_done = writes
+            writes = MetadataWrites.of(row_src, row_dst, row_lengths)
             self._words.send(
-                decoder.session,
-                writes_done,
-                self._slot_base(dest),
-                metadata_word(request.request_id),
+                decoder.session, writes, self._slot_base(dest), metadata_word(request.request_id)
             )
-            sent = Sent(writes.total_bytes, len(writes))
+            sent = Sent(sent.bytes + writes.total_bytes, sent.writes + len(writes))
         self._send(
             decoder.inbox,
             ChunkNotice(
@@ -327,16 +309,35 @@ class KvWriter:
         )
         return sent
 
-    def _state_writes(
-        self, request: TransferRequest, room: Room
-    ) -> tuple[list[int], list[int], list[int]]:
-        """(sources, destinations, lengths) of the request's state slots, one write per
-        region and slot: this rank's slots into the decode rank's, in order (same TP size
-        and slot shape: `destinations.join` refused any other; the same window
-        positions, `core.sliding_window`); nothing for a model without state."""
+    def _write_state(self, dest: Destination, room: Room) -> Sent:
+        """This rank's slice of the request's state into `dest`, then its count word one
+        group on (`core.counting`: the state group, after every chunk's)."""
+        request = dest.request
+        writes = self._state_writes(dest, room)
+        # SGLang frees the state slots once the request polls failed (they are not
+        # pinned, as its pages are): only a request still live once the batch landed
+        # read an intact state, and only then does its count go
+        if len(writes):
+            self._engine.write(request.decoder.session, writes)
+        if room.error is not None:
+            raise SglPdError(
+                f"request {request.request_id} failed while its state was being"
+                f" written ({room.error}): its count is not sent"
+            )
+        dest.groups_done += 1
+        word = (self._slot_base(dest) + source_word_offset(self.rank),
+                count_word(request.request_id, dest.groups_done))  # fmt: skip
+        self._words.send_many(request.decoder.session, MetadataWrites.empty(), [word])
+        return Sent(writes.total_bytes, len(writes))
+
+    def _state_writes(self, dest: Destination, room: Room) -> Writes:
+        """This rank's blocks of the request's state slots into the decode rank's, slot
+        pair by slot pair in order (the same window positions on both sides,
+        `core.sliding_window`), region by region: a whole slot per region at one TP size,
+        this rank's share of the sliced axis at another (`core.state_slices`;
+        `destinations.join` refused pairs that cannot be split, and chose the blocks)."""
+        request = dest.request
         mine, theirs = self.pool.state, request.decoder.state
-        if not mine and not theirs:
-            return [], [], []
         if len(mine) != len(theirs) or len(request.state_slots) != len(theirs):
             raise SglPdError(f"request {request.request_id}: the two sides' state differs")
         if room.state_slots is None:
@@ -344,8 +345,8 @@ class KvWriter:
         sources: list[int] = []
         destinations: list[int] = []
         lengths: list[int] = []
-        for component, target, src_slots, dst_slots in zip(
-            mine, theirs, room.state_slots, request.state_slots, strict=True
+        for component, target, src_slots, dst_slots, blocks in zip(
+            mine, theirs, room.state_slots, request.state_slots, dest.state_blocks, strict=True
         ):
             if len(src_slots) != len(dst_slots):
                 raise SglPdError(
@@ -353,13 +354,21 @@ class KvWriter:
                     f" {component.kind} state slots and the decoder {len(dst_slots)}"
                 )
             for src_slot, dst_slot in zip(src_slots, dst_slots, strict=True):
-                src, dst, n = _row_writes(
-                    component.regions, target.regions, component.slot_bytes, src_slot, dst_slot
-                )
-                sources += src
-                destinations += dst
-                lengths += n
-        return sources, destinations, lengths
+                for region, dst_region, item, dst_item, region_blocks_ in zip(
+                    component.regions,
+                    target.regions,
+                    component.slot_bytes,
+                    target.slot_bytes,
+                    blocks,
+                    strict=True,
+                ):
+                    src_at = region.base + src_slot * item
+                    dst_at = dst_region.base + dst_slot * dst_item
+                    for src_off, dst_off, n in region_blocks_:
+                        sources.append(src_at + src_off)
+                        destinations.append(dst_at + dst_off)
+                        lengths.append(n)
+        return MetadataWrites.of(sources, destinations, lengths)
 
     def _sum_layers(self, dest: Destination, chunk: Chunk, layers: range) -> None:
         """Adds `layers` of `chunk`, on every link this rank writes into `dest`, to the
