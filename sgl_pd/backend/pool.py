@@ -108,9 +108,10 @@ def describe_pool(
     num_pages = min(lens) // page_bytes
     kv = RegionTable.for_layout(layout, tuple(Region(ptrs[i], lens[i]) for i in order))
 
-    # a window page splits as the KV heads do, when TP splits them (not replicated)
+    # a window page splits as the KV heads do, when TP splits them (not replicated); an
+    # MLA page is the same on every rank
     split = not is_mla and local_heads * tp_size == total_heads
-    window_pages = WindowPages(page_size, row_bytes, local_heads if split else 0)
+    window_pages = WindowPages(page_size, row_bytes, local_heads if split else 0, is_mla)
     state = state_slots(kv_args, window, window_pages)
     for component in state:
         if component.window and component.window < page_size:
@@ -150,7 +151,8 @@ class WindowPages:
 
     page_size: int  # tokens
     row_bytes: int  # one token's K (or V) of one head
-    split_heads: int  # KV heads on this rank where TP splits them; 0: replicated (MLA, few heads)
+    split_heads: int  # KV heads on this rank where TP splits them; 0: not split
+    same_on_every_rank: bool = False  # MLA: a page holds the whole latent on every rank
 
 
 def state_slots(
@@ -197,10 +199,17 @@ def _slicing(
         groups = _listed(kv_args, "state_conv_shard_groups", i) or [None] * len(dims)
         if len(dims) != len(items) or len(rows) != len(items) or len(groups) != len(items):
             return ()
+        if not any(groups):
+            # SGLang names the conv axis's sub-blocks only where it knows them (GDN's
+            # [q | k | v], KDA's): a Mamba2 conv is [x | B | C] split block by block
+            # all the same, so without them the axis cannot be cut right
+            return ()
         return tuple(
             StateSlicing(units=int(d), outer=int(o), groups=tuple(int(g) for g in gs or ()))
             for d, o, gs in zip(dims, rows, groups, strict=True)
         )
+    if kind in WINDOW_KINDS and pages is not None and pages.same_on_every_rank:
+        return tuple(StateSlicing(units=0) for _ in items)  # moved whole, from one rank
     if kind in WINDOW_KINDS and pages is not None and pages.split_heads:
         # a page of one sliding layer's K or V: (page_size, heads, row) in NHD order,
         # (heads, page_size, row) in HND

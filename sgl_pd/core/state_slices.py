@@ -26,13 +26,18 @@ count words to read (`writers_into`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Hashable, Sequence
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 Block = tuple[int, int, int]  # (source offset, destination offset, bytes) inside one slot
+I64 = npt.NDArray[np.int64]
 
 
-class StateSlicing(Protocol):
+class StateSlicing(Hashable, Protocol):
     """How TP splits one region's slot (`wire.StateSlicing`)."""
 
     @property
@@ -43,11 +48,19 @@ class StateSlicing(Protocol):
     def groups(self) -> tuple[int, ...]: ...  # full units of each sub-block (): one
 
 
-class StateSlots(Protocol):
-    """One state component of a rank (`wire.StateSlots`), as far as slicing needs."""
+class Based(Protocol):
+    @property
+    def base(self) -> int: ...  # absolute address, bytes
+
+
+class StateSlots(Hashable, Protocol):
+    """One state component of a rank (`wire.StateSlots`), as far as slicing needs.
+    Hashable (the functions below keep their answers per pair of components)."""
 
     @property
     def kind(self) -> str: ...
+    @property
+    def regions(self) -> Sequence[Based]: ...
     @property
     def slot_bytes(self) -> tuple[int, ...]: ...  # one slot of each region
     @property
@@ -146,6 +159,7 @@ def component_mismatch(src: StateSlots, src_tp: int, dst: StateSlots, dst_tp: in
     )
 
 
+@functools.lru_cache(maxsize=256)
 def region_blocks(
     src: StateSlots, src_tp: int, src_rank: int, dst: StateSlots, dst_tp: int, dst_rank: int
 ) -> tuple[tuple[Block, ...], ...]:
@@ -161,6 +175,7 @@ def region_blocks(
     )
 
 
+@functools.lru_cache(maxsize=256)
 def writers_into(
     src: tuple[StateSlots, ...],
     src_tp: int,
@@ -184,3 +199,42 @@ def writers_into(
             for s, d in zip(src, dst, strict=True)
         )
     )
+
+
+def slot_writes(
+    src: StateSlots,
+    dst: StateSlots,
+    blocks: tuple[tuple[Block, ...], ...],
+    src_slots: Sequence[int],
+    dst_slots: Sequence[int],
+) -> tuple[I64, I64, I64]:
+    """(sources, destinations, lengths), absolute: `blocks` (`region_blocks`) of slot
+    `src_slots[i]` of every region of `src` into slot `dst_slots[i]` of `dst`'s, slot
+    pair after slot pair. Columns of (pairs * blocks,) int64: a window of thousands of
+    pages cut token by token is hundreds of thousands of writes."""
+    src_at, dst_at, src_item, dst_item, lengths = _block_columns(src, dst, blocks)
+    src_slot = np.asarray(src_slots, dtype=np.int64)[:, None]
+    dst_slot = np.asarray(dst_slots, dtype=np.int64)[:, None]
+    pairs = len(src_slots)
+    return (
+        (src_at + src_slot * src_item).reshape(-1),
+        (dst_at + dst_slot * dst_item).reshape(-1),
+        np.broadcast_to(lengths, (pairs, lengths.size)).reshape(-1),
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _block_columns(
+    src: StateSlots, dst: StateSlots, blocks: tuple[tuple[Block, ...], ...]
+) -> tuple[I64, I64, I64, I64, I64]:
+    """Per block of slot 0, in region order: its source and destination address, the
+    slot sizes of its regions (the stride to the next slot), and its length."""
+    columns: list[tuple[int, int, int, int, int]] = [
+        (s_region.base + s, d_region.base + d, s_item, d_item, n)
+        for s_region, d_region, s_item, d_item, region in zip(
+            src.regions, dst.regions, src.slot_bytes, dst.slot_bytes, blocks, strict=True
+        )
+        for s, d, n in region
+    ]
+    table = np.asarray(columns, dtype=np.int64).reshape(-1, 5)
+    return table[:, 0], table[:, 1], table[:, 2], table[:, 3], table[:, 4]

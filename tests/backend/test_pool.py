@@ -127,3 +127,29 @@ def test_a_mamba_pool_is_sliced_as_sglang_lists_it() -> None:
     )
     args.state_dim_per_tensor = [[]]  # an SGLang that does not list them
     assert describe_pool(args, is_mla=False, tp_size=2).state[0].slicing == ()
+
+
+def test_a_mamba2_conv_without_its_sub_blocks_moves_between_equal_tp_sizes_only() -> None:
+    """Mamba2's conv axis is [x | B | C], each split by TP on its own, yet SGLang names
+    sub-blocks for GDN and KDA only: cut as one axis, TP 2 -> TP 1 would put B where x
+    goes. Such a pool says nothing of its slicing (one TP size only)."""
+    args = _kv_args(
+        2,
+        0,
+        kv_head_num=1,
+        total_kv_head_num=1,
+        state_types=["MAMBA"],
+        state_data_ptrs=[[50_000, 60_000]],
+        state_data_lens=[[96 * 4, 256 * 4]],
+        state_item_lens=[[96, 256]],
+        state_dim_per_tensor=[[16, 4]],
+        state_slice_outer_counts=[[1, 1]],
+        state_conv_shard_groups=[[None, None]],
+    )
+    assert describe_pool(args, is_mla=False, tp_size=2).state[0].slicing == ()
+
+
+def test_mla_window_pages_are_whole_on_every_rank() -> None:
+    args = SimpleNamespace(**_swa_args(2))
+    (state,) = describe_pool(args, is_mla=True, window=16, tp_size=4).state
+    assert state.slicing == (StateSlicing(units=0),) * 2

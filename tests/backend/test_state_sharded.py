@@ -14,6 +14,9 @@ from sgl_pd.core.layout import KvLayout, PageLayout
 from .sharded_rig import STATE_SLOTS, Cluster, StateModel, StateRegion
 
 GQA8 = dict(num_layers=3, num_kv_heads=8, head_dim=8, elem_bytes=1, page_layout=PageLayout.NHD)
+# two KV heads: at TP 4 and 8 they are replicated over the ranks, so some prefill ranks
+# send a decode rank state and no KV
+GQA2 = dict(GQA8, num_kv_heads=2)
 PAGE = 2
 
 
@@ -78,6 +81,32 @@ def test_each_decode_rank_gets_its_heads_of_the_window_pages(
     c = Cluster(KvLayout.gqa(page_size=PAGE, **GQA8), ptp, dtp, layerwise=layerwise, state=model)
     slots = (((6, 2, 4),), ((1, 7, 3),))  # window pages, paired in order
     results = c.run(room=22, tokens=13, chunk_tokens=5, state_slots=slots)
+    assert all(ok for ok, _ in results), results
+    _check_state(c, model, list(slots))
+
+
+@pytest.mark.parametrize("ptp,dtp", [(4, 2), (4, 1), (8, 2), (2, 4), (8, 8)])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["after-forward", "layerwise"])
+def test_a_rank_that_sends_only_state_counts_it(ptp: int, dtp: int, layerwise: bool) -> None:
+    model = _gdn()
+    c = Cluster(KvLayout.gqa(page_size=PAGE, **GQA2), ptp, dtp, layerwise=layerwise, state=model)
+    slots = (((3,),), ((5,),))
+    results = c.run(room=24, tokens=13, chunk_tokens=5, state_slots=slots)
+    assert all(ok for ok, _ in results), results
+    _check_state(c, model, list(slots))
+
+
+@pytest.mark.parametrize("ptp,dtp", [(4, 2), (2, 4), (2, 2)])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["after-forward", "layerwise"])
+def test_a_decoder_holding_every_page_still_gets_the_state(
+    ptp: int, dtp: int, layerwise: bool
+) -> None:
+    """No chunk comes (the decoder's cache holds all 6 pages): each writer's count is
+    its state group alone."""
+    model = _gdn()
+    c = Cluster(KvLayout.gqa(page_size=PAGE, **GQA2), ptp, dtp, layerwise=layerwise, state=model)
+    slots = (((3,),), ((5,),))
+    results = c.run(room=25, tokens=12, chunk_tokens=6, held_pages=6, state_slots=slots)
     assert all(ok for ok, _ in results), results
     _check_state(c, model, list(slots))
 

@@ -16,8 +16,9 @@ write per layer and tensor - into the decoder's slot with the request's metadata
 the full-attention layer's KV layer by layer and one sending after the forward, answer
 every prompt with the monolithic server's tokens, all at once and round after round;
 so do conversations whose later turns the decoder's prefix cache holds part of (its
-pages; the state still moves whole), and so does a TP2 prefill server feeding a TP2
-decoder, each rank's slice of every state going rank to rank. Local prefill on the
+pages; the state still moves whole), and so do a TP2 prefill server and a TP1 one
+feeding a TP2 decoder: each TP2 rank's slice of every state goes rank to rank, and the
+TP1 rank writes each decode rank's share of its slots. Local prefill on the
 decoder, on by default with its prefix cache, is off for such a model (an extend there
 would start the linear-attention layers from a state the decoder's cache does not
 keep); asked for by flag, the decoder refuses to start with one line that says so.
@@ -35,7 +36,13 @@ import pytest
 
 from sgl_pd.cluster.conversations import Reply, replay, wrong_turns
 from sgl_pd.cluster.local import Patience, monolithic_server, pd_cluster, start_side_by_side
-from sgl_pd.cluster.logs import PoolStates, pools_idle, timing_lines, wait_pools_idle
+from sgl_pd.cluster.logs import (
+    PoolStates,
+    decode_failures,
+    pools_idle,
+    timing_lines,
+    wait_pools_idle,
+)
 from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids
 from sgl_pd.models import TINY_QWEN3_NEXT_PATH
 
@@ -191,7 +198,10 @@ def test_through_pd_conversations_hold_prefixes_and_match(pd: PdRun) -> None:
 class Tp2Run:
     answers: list[list[int]]
     replies: list[list[Reply]]
-    ranks_sent: int  # timing lines the prefill's ranks wrote: one per rank and request
+    # timing lines of the TP2 prefill server's ranks (one per rank and request), and of
+    # the TP1 one's (one per request)
+    sent: tuple[int, int]
+    failures: dict[str, str]  # rid -> why the decoder failed its transfer
     pools: PoolStates | None
 
 
@@ -199,9 +209,11 @@ class Tp2Run:
 def tp2(
     tmp_path_factory: pytest.TempPathFactory, patience: Patience, mono: MonoRun, pd: PdRun
 ) -> Iterator[Tp2Run]:
-    """A TP2 prefill server streaming layer by layer into a TP2 decoder: each rank holds
-    half of every layer's heads, of its state too, and writes its slice rank to rank.
-    (Once the servers above answered: four ranks take the two cores.)"""
+    """A TP2 decoder behind the router with two prefill servers, taken in turn: a TP2 one
+    streaming layer by layer, each rank writing its slice of every state rank to rank,
+    and a TP1 one after the forward, whose one rank cuts each decode rank's share out of
+    its slots (the conv state's [q | k | v] channels each in two). (Once the servers
+    above answered: five ranks take the two cores.)"""
     with pytest.MonkeyPatch.context() as patch:
         for name, value in ENV.items():
             patch.setenv(name, value)
@@ -209,6 +221,7 @@ def tp2(
             tmp_path_factory.mktemp("qwen3-next-tp2"),
             model=TINY_QWEN3_NEXT_PATH,
             prefill_extra=[*COMMON_ARGS, "--tp", "2", "--pd-kv-send", "layerwise"],
+            more_prefills=[[*COMMON_ARGS, "--pd-kv-send", "after-forward"]],
             decode_extra=[*COMMON_ARGS, "--tp", "2", *DECODE_LOCAL_PREFILL],
             patience=patience,
         ) as cluster:
@@ -216,19 +229,28 @@ def tp2(
             replies = replay(cluster.router_url, mono.conversations, concurrency=2)
             servers = {"prefill": cluster.prefill, "decode": cluster.decode}
             states = wait_pools_idle(servers, patience.seconds(90))
+            (tp1,) = cluster.more_prefills
             yield Tp2Run(
                 answers,
                 replies,
-                len(timing_lines(cluster.prefill.process.log_path)),
+                (
+                    len(timing_lines(cluster.prefill.process.log_path)),
+                    len(timing_lines(tp1.process.log_path)),
+                ),
+                decode_failures([cluster.decode.process.log_path]),
                 None if pools_idle(servers, states) else states,
             )
 
 
-def test_tp2_to_tp2_moves_each_ranks_slice_of_the_state(mono: MonoRun, tp2: Tp2Run) -> None:
+def test_tp2_and_tp1_prefill_servers_feed_a_tp2_decoders_state(mono: MonoRun, tp2: Tp2Run) -> None:
     assert not mismatches(mono.rounds[0], tp2.answers), mismatches(mono.rounds[0], tp2.answers)
     assert not wrong_turns(tp2.replies), tp2.replies
     turns = sum(len(r) for r in tp2.replies)
-    assert tp2.ranks_sent == 2 * (len(PROMPTS) + turns), tp2.ranks_sent
+    tp2_lines, tp1_lines = tp2.sent
+    # each server sent some of the requests (the router takes them in turn), all of them
+    assert tp2_lines % 2 == 0 and tp2_lines > 0 and tp1_lines > 0, tp2.sent
+    assert tp2_lines // 2 + tp1_lines == len(PROMPTS) + turns, tp2.sent
+    assert not tp2.failures, tp2.failures
     assert tp2.pools is None, tp2.pools
 
 

@@ -11,11 +11,12 @@ tokens aside).
 
 Through PD, with the hybrid pool on both servers as small and as often evicted: the
 full-attention layer's KV moves as pages, the sliding layers' window as pages of the
-sliding pool (`sgl_pd.backend.sliding_window_glue`), from two prefill servers behind the
-router, one layer-wise and one after the forward. Tokens equal the monolithic server's,
-over rounds of prompts shorter and longer than the window (chunked), in conversations
-whose later turns hold a prefix on the decoder (hits before and inside the window), and
-both pools (both page spaces) are idle after.
+sliding pool (`sgl_pd.backend.sliding_window_glue`), from three prefill servers behind
+the router: one layer-wise, one after the forward, and a TP2 one whose ranks each write
+their KV head of every page, window pages included, into the TP1 decoder. Tokens equal
+the monolithic server's, over rounds of prompts shorter and longer than the window
+(chunked), in conversations whose later turns hold a prefix on the decoder (hits
+before and inside the window), and both pools (both page spaces) are idle after.
 
 Gemma 3 SGLang always serves with the hybrid pool off: every layer's KV sits in one
 pool and moves as pages, the window applied in attention only. Through PD, its answers
@@ -44,7 +45,13 @@ from sgl_pd.cluster.local import (
     pd_cluster,
     start_side_by_side,
 )
-from sgl_pd.cluster.logs import PoolStates, decode_failures, pools_idle, wait_pools_idle
+from sgl_pd.cluster.logs import (
+    PoolStates,
+    decode_failures,
+    pools_idle,
+    timing_lines,
+    wait_pools_idle,
+)
 from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids
 from sgl_pd.models import TINY_GEMMA3_PATH, TINY_MELLUM_PATH
 from sgl_pd.models.train_tiny_moe import SLIDING_WINDOW
@@ -105,6 +112,8 @@ class PdRun:
     rounds: list[list[list[int]]]  # the answers to PROMPTS, round after round
     truncated: list[list[int]]  # the answers to TRUNCATED, after the rounds
     replies: list[list[Reply]]
+    tp2_sent: int  # timing lines of the TP2 prefill server: one per rank and request
+    failures: dict[str, str]  # rid -> why the decoder failed its transfer (aborts aside)
     pools: PoolStates | None  # None: both pools idle with no leak
 
 
@@ -166,8 +175,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterat
         transformers_answers.ask_all(mellum.router_url, CUT_SOURCES, 1)
         truncated = ask_all(mellum.router_url, TRUNCATED)
         replies = replay(mellum.router_url, mono.conversations, concurrency=2)
+        failures = decode_failures([mellum.decode.process.log_path])
+        tp2_sent = len(timing_lines(mellum.more_prefills[-1].process.log_path))
         aborted = abort_mid_transfer(mellum, patience)
-        pd = PdRun(rounds, truncated, replies, idle_pools(mellum, patience))
+        pools = idle_pools(mellum, patience)
+        pd = PdRun(rounds, truncated, replies, tp2_sent, failures, pools)
         yield Runs(mono, pd, aborted, gemma_run(gemma, patience))
 
 
@@ -216,15 +228,20 @@ def router_pd(
 ) -> contextlib.AbstractContextManager[PdCluster]:
     """A prefill and a decode server of `model` (the decoder with its prefix cache, every
     prompt's KV sent) behind the router, all with `extra`, the prefill servers also with
-    `prefill_only`; `both_sends`: a second prefill server, the first sending layer-wise
-    and the second after the forward."""
+    `prefill_only`; `both_sends`: two more prefill servers, the first sending layer-wise,
+    the second after the forward, the third a TP2 one layer-wise (the router takes them
+    in turn)."""
     args = [*COMMON_ARGS, *extra]
     prefill = [*args, *(prefill_only or [])]
+    more = [
+        [*prefill, "--pd-kv-send", "after-forward"],
+        [*prefill, "--tp", "2", "--pd-kv-send", "layerwise"],
+    ]
     return pd_cluster(
         tmp_path_factory.mktemp(model.name),
         model=model,
         prefill_extra=[*prefill, "--pd-kv-send", "layerwise"] if both_sends else prefill,
-        more_prefills=[[*prefill, "--pd-kv-send", "after-forward"]] if both_sends else [],
+        more_prefills=more if both_sends else [],
         decode_extra=[*args, *DECODE_PREFIX_CACHE],
         patience=patience,
     )
@@ -276,7 +293,15 @@ def test_through_pd_with_the_hybrid_pool_tokens_are_monolithic(mono: MonoRun, pd
     # later turns hold the earlier ones on the decoder: prefixes ending before and
     # inside the last window of the prompt
     assert not wrong_turns(pd.replies), pd.replies
+    assert not pd.failures, pd.failures
     assert pd.pools is None, pd.pools
+
+
+def test_a_tp2_prefill_server_feeds_the_tp1_decoders_window(pd: PdRun) -> None:
+    """The router's third prefill server runs TP2: each of its ranks holds one of the two
+    KV heads, and writes that head of every token of the window pages (and of the full
+    layer's pages) into the TP1 decoder's, which gathers both (answers checked above)."""
+    assert pd.tp2_sent > 0 and pd.tp2_sent % 2 == 0, pd.tp2_sent
 
 
 # -- a Gemma-3-style model: SGLang keeps its hybrid SWA pool off ----------------------------

@@ -33,6 +33,7 @@ from sgl_pd.core.failures import FailureCause
 from sgl_pd.core.plan import AddressedPlan, TransferPlan, plan_transfer
 from sgl_pd.core.regions import Region, RegionTable
 from sgl_pd.core.relayout import ReceivePlacement, Relayout, fragmented, receive_placement
+from sgl_pd.core.state_slices import slot_writes
 from sgl_pd.core.wire import ChunkNotice, Guarded
 from sgl_pd.errors import SglPdError
 from sgl_pd.messenger.keyed_workers import KeyedWorkers
@@ -342,9 +343,7 @@ class KvWriter:
             raise SglPdError(f"request {request.request_id}: the two sides' state differs")
         if room.state_slots is None:
             raise SglPdError(f"request {request.request_id}: SGLang named no state slots")
-        sources: list[int] = []
-        destinations: list[int] = []
-        lengths: list[int] = []
+        parts = []
         for component, target, src_slots, dst_slots, blocks in zip(
             mine, theirs, room.state_slots, request.state_slots, dest.state_blocks, strict=True
         ):
@@ -353,22 +352,10 @@ class KvWriter:
                     f"request {request.request_id}: the prefill named {len(src_slots)}"
                     f" {component.kind} state slots and the decoder {len(dst_slots)}"
                 )
-            for src_slot, dst_slot in zip(src_slots, dst_slots, strict=True):
-                for region, dst_region, item, dst_item, region_blocks_ in zip(
-                    component.regions,
-                    target.regions,
-                    component.slot_bytes,
-                    target.slot_bytes,
-                    blocks,
-                    strict=True,
-                ):
-                    src_at = region.base + src_slot * item
-                    dst_at = dst_region.base + dst_slot * dst_item
-                    for src_off, dst_off, n in region_blocks_:
-                        sources.append(src_at + src_off)
-                        destinations.append(dst_at + dst_off)
-                        lengths.append(n)
-        return MetadataWrites.of(sources, destinations, lengths)
+            if src_slots and any(blocks):
+                columns = slot_writes(component, target, blocks, src_slots, dst_slots)
+                parts.append(MetadataWrites.of(*columns))
+        return MetadataWrites.concat(parts) if parts else MetadataWrites.empty()
 
     def _sum_layers(self, dest: Destination, chunk: Chunk, layers: range) -> None:
         """Adds `layers` of `chunk`, on every link this rank writes into `dest`, to the
