@@ -29,7 +29,11 @@ leak check), and the p99 TTFT and ITL of the last tenth of the run over the firs
 (target <= 1.2). A plot of memory and tables over the soak.
 
     python benchmarks/bench_load.py [--quick] [--concurrency N ...] [--tp2] [--soak MIN]
-        [--trace FILE] [--out DIR]
+        [--trace FILE] [--model llama|mellum|qwen3-next] [--out DIR]
+
+`--model mellum` serves the tiny Mellum (sliding-window layers in SGLang's hybrid SWA
+pool: each request's window moves as state), `--model qwen3-next` the tiny Qwen3-Next
+(gated DeltaNet: its Mamba slot moves as state); the default, the tiny Llama.
 
 Quick: 16 and 128 in flight, no TP2, a 3-minute soak; full: 16, 64, 256 and 512, TP2,
 a 60-minute soak. The last line is JSON: max_concurrency, wrong_tokens, errors,
@@ -74,7 +78,7 @@ from sgl_pd.cluster.soak import (
 )
 from sgl_pd.cluster.streaming import Answer, judge, send
 from sgl_pd.config import SglPdConfig
-from sgl_pd.models import TINY_LLAMA_PATH
+from sgl_pd.models import TINY_LLAMA_PATH, TINY_MELLUM_PATH, TINY_QWEN3_NEXT_PATH
 
 INPUT_TOKENS, OUTPUT_TOKENS = 200, 64
 PROBES = 8  # greedy probe requests per point, judged against the monolithic server
@@ -104,6 +108,23 @@ class Point:
         return self.stats.completed / self.stats.duration_s
 
 
+# the bundled models a sweep can serve (--model): a dense one, one with sliding-window
+# layers in SGLang's hybrid SWA pool (their window moves as state), a gated-DeltaNet
+# hybrid (its Mamba slot moves as state)
+MODELS = {
+    "llama": TINY_LLAMA_PATH,
+    "mellum": TINY_MELLUM_PATH,
+    "qwen3-next": TINY_QWEN3_NEXT_PATH,
+}
+
+
+def model_args(model: Path, requests: int) -> list[str]:
+    """What `model` needs beside the common flags to hold `requests` at once."""
+    if model == TINY_QWEN3_NEXT_PATH:
+        return ["--max-mamba-cache-size", str(requests)]  # a state slot per request
+    return []
+
+
 def probe_requests(vocab_size: int, count: int, seed: int) -> list[Request]:
     rng = random.Random(seed)
     return [
@@ -116,8 +137,10 @@ def probe_requests(vocab_size: int, count: int, seed: int) -> list[Request]:
     ]
 
 
-def serving_argv(url: str, workload: Workload, out: Path, trace: Path | None) -> list[str]:
-    argv = bench_serving_argv(url, TINY_LLAMA_PATH, workload, out)
+def serving_argv(
+    url: str, model: Path, workload: Workload, out: Path, trace: Path | None
+) -> list[str]:
+    argv = bench_serving_argv(url, model, workload, out)
     if trace is None:
         return argv
     # SGLang's mooncake dataset replays the trace's sessions (its `hash_ids` as blocks)
@@ -127,8 +150,8 @@ def serving_argv(url: str, workload: Workload, out: Path, trace: Path | None) ->
 
 
 def run_point(
-    url: str, workload: Workload, probes: list[Request], out: Path, label: str, timeout_s: float,
-    trace: Path | None,
+    url: str, model: Path, workload: Workload, probes: list[Request], out: Path, label: str,
+    timeout_s: float, trace: Path | None,
 ) -> tuple[dict[str, Any], list[Answer]]:  # fmt: skip
     """SGLang's serving benchmark against `url`, the probes sent meanwhile; its detailed
     result and the probes' answers."""
@@ -145,7 +168,7 @@ def run_point(
     prober.start()
     with log_file.open("w") as log:
         proc = subprocess.run(
-            serving_argv(url, workload, result_file, trace),
+            serving_argv(url, model, workload, result_file, trace),
             stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False,
         )  # fmt: skip
     prober.join(timeout_s)
@@ -157,13 +180,15 @@ def run_point(
 
 
 @contextlib.contextmanager
-def setup(name: str, work: Path, room: list[str]) -> Iterator[tuple[str, dict[str, object]]]:
-    """(entry URL, {server name: Server}) of one setup, stopped afterwards."""
+def setup(
+    name: str, work: Path, room: list[str], model: Path
+) -> Iterator[tuple[str, dict[str, object]]]:
+    """(entry URL, {server name: Server}) of one setup serving `model`, stopped afterwards."""
     patience = local_patience()
     # (info: the servers log their pools' idle check, which the soak reads)
     common = ["--log-level", "info", "--enable-metrics", *room]
     if name == "mono":
-        with monolithic_server(work / name, extra=common, patience=patience) as server:
+        with monolithic_server(work / name, model=model, extra=common, patience=patience) as server:
             yield server.url, {"server": server}
         return
     decode = [*common, "--disaggregation-decode-enable-radix-cache"]
@@ -171,6 +196,7 @@ def setup(name: str, work: Path, room: list[str]) -> Iterator[tuple[str, dict[st
         decode += ["--tp", "2"]
     with pd_cluster(
         work / name,
+        model=model,
         prefill_extra=[*common, "--pd-kv-send", "layerwise"],
         decode_extra=decode,
         patience=patience,
@@ -322,22 +348,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-s", type=float, help="seconds between soak samples")
     parser.add_argument("--trace", type=Path, help="a Mooncake-format trace to replay")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    parser.add_argument(
+        "--model", choices=sorted(MODELS), default="llama", help="the bundled model served"
+    )
     args = parser.parse_args(argv)
+    model = MODELS[args.model]
     points = args.concurrency or ([16, 128] if args.quick else [16, 64, 256, 512])
     tp2 = args.tp2 if args.tp2 is not None else not args.quick
     soak_minutes = args.soak if args.soak is not None else (3.0 if args.quick else 60.0)
     sample_s = args.sample_s or (10.0 if args.quick else 30.0)
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench_load_"))
-    vocab = json.loads((TINY_LLAMA_PATH / "config.json").read_text())["vocab_size"]
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     top = max(points)
     room = [
         "--max-running-requests", str(top + 32),
         # SGLang's decoder reserves 512 tokens of pool for each running request
         "--max-total-tokens", str(max(32768, 640 * (top + 32))),
+        *model_args(model, top + 32),
     ]  # fmt: skip
     setups = ["mono", "pd", *(["pd_tp2"] if tp2 else [])]
-    print(f"[bench] load sweep {points} in flight, {', '.join(setups)}; logs in {work}")
+    print(
+        f"[bench] load sweep of {args.model}: {points} in flight, {', '.join(setups)};"
+        f" logs in {work}"
+    )
     timeout_s = local_patience().seconds(3600)
     probes = {c: probe_requests(vocab, PROBES, seed=c) for c in points}
     reference: dict[str, Answer] = {}
@@ -346,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     soaked: Soak | None = None
     for name in setups:
         results[name] = {}
-        with setup(name, work, room) as (url, servers):
+        with setup(name, work, room, model) as (url, servers):
             if name == "mono":  # the reference: each probe alone, with its top logprobs
                 for request in (r for c in points for r in probes[c]):
                     reference[request.key] = send(
@@ -364,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     profiler.start()
                 result, answers = run_point(  # (SGLang's details stay with the logs)
-                    url, workload, probes[c], work, f"{name}-{c}", timeout_s, args.trace
+                    url, model, workload, probes[c], work, f"{name}-{c}", timeout_s, args.trace
                 )
                 if profiler is not None:
                     profiler.join(PROFILE_S * 3 + 300)
@@ -377,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
             if name == "pd" and soak_minutes > 0:
                 print(f"[bench] soak: {soak_minutes:g} min at {min(points)} in flight", flush=True)
                 soaked = soak(url, servers, soak_minutes, min(points), sample_s, vocab)
-    return report(results, points, shares, soaked, args.out)
+    return report(results, points, shares, soaked, args.out, args.model)
 
 
 def report(
@@ -386,6 +420,7 @@ def report(
     shares: dict[str, Share],
     soaked: Soak | None,
     out: Path,
+    model: str = "llama",
 ) -> int:
     print(
         f"\n{'setup':<8}{'in flight':>10}{'req/s':>8}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}"
@@ -415,6 +450,7 @@ def report(
         for frame, n in share.frames:
             print(f"  {n:>6}  {frame}")
     headline: dict[str, object] = {
+        "model": model,
         "max_concurrency": top,
         "wrong_tokens": sum(p.verdicts["wrong_tokens"] for p in _all(results)),
         "errors": sum(p.errors for p in _all(results)),

@@ -73,8 +73,9 @@ COMMON_ARGS = ["--log-level", "info", "--dtype", "float32", "--chunked-prefill-s
 # a pool a few prompts fill, with a sliding part as large as the full one: slots are
 # reused soon, in each numbering its own way
 SMALL_POOL = ["--max-total-tokens", "640", "--swa-full-tokens-ratio", "1.0"]
-# through PD: room for the decoder's reservation of decode tokens beside every prompt
-PD_POOL = ["--max-total-tokens", "2048", "--swa-full-tokens-ratio", "1.0"]
+# through PD: room for the decoder's reservation of decode tokens beside every prompt;
+# pages of 4 tokens, so that windows and held prefixes start and end inside pages
+PD_POOL = ["--max-total-tokens", "2048", "--swa-full-tokens-ratio", "1.0", "--page-size", "4"]
 NEW_TOKENS = transformers_answers.NEW_TOKENS
 ROUNDS = 4  # rounds of all prompts at once: the numberings part after a few
 PD_ROUNDS = 2
