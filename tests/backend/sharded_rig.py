@@ -159,6 +159,27 @@ def _pool(layout, lh, engine, fill, draft=0, state=()):
     return pool, (kv, aux)
 
 
+def _registration(
+    role, rank, scheme, engine, pool, instance, layer_group_size, completion=None, staging=None
+):
+    return ShardRegistration(
+        role=role,
+        rank=rank,
+        scheme=scheme,
+        session=engine.session_id,
+        inbox=f"{role.value}-{rank}",
+        instance=instance,
+        layout=pool.layout,
+        num_pages=NUM_PAGES,
+        kv_regions=pool.kv.regions,
+        layer_group_size=layer_group_size,
+        metadata=MetadataBuffers(regions=pool.aux, row_bytes=(AUX_ITEM,), rows=AUX_ROWS),
+        completion=completion,
+        staging=staging,
+        state=pool.state,
+    )
+
+
 class Cluster:
     def __init__(
         self, layout, ptp, dtp, layerwise=False, gather=0, recv=0, draft=0, sums=True, state=None
@@ -198,22 +219,7 @@ class Cluster:
             )
             self.prefills.append(m)
             self.pregs.append(
-                ShardRegistration(
-                    role=Role.PREFILL,
-                    rank=r,
-                    scheme=ps,
-                    session=eng.session_id,
-                    inbox=f"prefill-{r}",
-                    instance=100 + r,
-                    layout=layout,
-                    num_pages=NUM_PAGES,
-                    kv_regions=pool.kv.regions,
-                    layer_group_size=m.layer_group_size,
-                    metadata=MetadataBuffers(
-                        regions=pool.aux, row_bytes=(AUX_ITEM,), rows=AUX_ROWS
-                    ),
-                    state=comps,
-                )
+                _registration(Role.PREFILL, r, ps, eng, pool, 100 + r, m.layer_group_size)
             )
         ds = ShardingScheme(dtp)
         for r in range(dtp):
@@ -244,24 +250,7 @@ class Cluster:
             )
             self.decoders.append(m)
             self.dregs.append(
-                ShardRegistration(
-                    role=Role.DECODE,
-                    rank=r,
-                    scheme=ds,
-                    session=eng.session_id,
-                    inbox=f"decode-{r}",
-                    instance=200 + r,
-                    layout=layout,
-                    num_pages=NUM_PAGES,
-                    kv_regions=pool.kv.regions,
-                    layer_group_size=1,
-                    metadata=MetadataBuffers(
-                        regions=pool.aux, row_bytes=(AUX_ITEM,), rows=AUX_ROWS
-                    ),
-                    completion=m.completion_area,
-                    staging=sreg,
-                    state=comps,
-                )
+                _registration(Role.DECODE, r, ds, eng, pool, 200 + r, 1, m.completion_area, sreg)
             )
 
     def _to_decoder(self, inbox, message):
