@@ -11,9 +11,9 @@ tokens aside).
 
 Through PD, with the hybrid pool on both servers as small and as often evicted: the
 full-attention layer's KV moves as pages, the sliding layers' window as pages of the
-sliding pool (`sgl_pd.backend.sliding_window_glue`), from three prefill servers behind
-the router: one layer-wise, one after the forward, and a TP2 one whose ranks each write
-their KV head of every page, window pages included, into the TP1 decoder. Tokens equal
+sliding pool (`sgl_pd.backend.sliding_window_glue`), from two prefill servers behind
+the router: one layer-wise, and a TP2 one after the forward whose ranks each write their
+KV head of every page, window pages included, into the TP1 decoder. Tokens equal
 the monolithic server's, over rounds of prompts shorter and longer than the window
 (chunked), in conversations whose later turns hold a prefix on the decoder (hits
 before and inside the window), and both pools (both page spaces) are idle after.
@@ -229,15 +229,11 @@ def router_pd(
 ) -> contextlib.AbstractContextManager[PdCluster]:
     """A prefill and a decode server of `model` (the decoder with its prefix cache, every
     prompt's KV sent) behind the router, all with `extra`, the prefill servers also with
-    `prefill_only`; `both_sends`: two more prefill servers, the first sending layer-wise,
-    the second after the forward, the third a TP2 one layer-wise (the router takes them
-    in turn)."""
+    `prefill_only`; `both_sends`: a second prefill server, the first sending layer-wise
+    and the second, a TP2 one, after the forward (the router takes them in turn)."""
     args = [*COMMON_ARGS, *extra]
     prefill = [*args, *(prefill_only or [])]
-    more = [
-        [*prefill, "--pd-kv-send", "after-forward"],
-        [*prefill, "--tp", "2", "--pd-kv-send", "layerwise"],
-    ]
+    more = [[*prefill, "--tp", "2", "--pd-kv-send", "after-forward"]]
     return pd_cluster(
         tmp_path_factory.mktemp(model.name),
         model=model,
@@ -299,7 +295,7 @@ def test_through_pd_with_the_hybrid_pool_tokens_are_monolithic(mono: MonoRun, pd
 
 
 def test_a_tp2_prefill_server_feeds_the_tp1_decoders_window(pd: PdRun) -> None:
-    """The router's third prefill server runs TP2: each of its ranks holds one of the two
+    """The router's second prefill server runs TP2: each of its ranks holds one of the two
     KV heads, and writes that head of every token of the window pages (and of the full
     layer's pages) into the TP1 decoder's, which gathers both (answers checked above)."""
     assert pd.tp2_sent > 0 and pd.tp2_sent % 2 == 0, pd.tp2_sent
