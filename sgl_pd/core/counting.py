@@ -177,6 +177,8 @@ class CompletionCounter:
         self._counts: dict[int, int] = dict.fromkeys(expectation.sources, 0)
         self._metadata_source = expectation.metadata_source
         self._num_chunks: int | None = None  # set by `seal`
+        # source -> the groups it counts in all, once sealed (read at every observed count)
+        self._owed: dict[int, int] = {}
         self._metadata_pending = expect_metadata
         self._expect_kv = expect_kv
 
@@ -206,13 +208,13 @@ class CompletionCounter:
             )
         if self._num_chunks is not None and num_chunks != self._num_chunks:
             raise CountingError(f"sealed twice: {self._num_chunks} then {num_chunks} chunks")
+        owed = {src: self._expectation.owed(src, num_chunks) for src in self._counts}
         for src, count in self._counts.items():
-            total = self._expectation.owed(src, num_chunks)
-            if count > total:
+            if count > owed[src]:
                 raise CompletionOverflow(
-                    f"source {src} counted {count} groups but {num_chunks} chunks hold {total}"
+                    f"source {src} counted {count} groups but {num_chunks} chunks hold {owed[src]}"
                 )
-        self._num_chunks = num_chunks
+        self._num_chunks, self._owed = num_chunks, owed
 
     def observe(self, src_rank: int, count: int) -> bool:
         """Takes the latest count read from `src_rank`'s word; returns `is_complete`."""
@@ -223,10 +225,10 @@ class CompletionCounter:
             )
         if count < last:
             raise CountingError(f"source {src_rank} count went down from {last} to {count}")
-        if self._num_chunks is not None and count > (
-            owed := self._expectation.owed(src_rank, self._num_chunks)
-        ):
-            raise CompletionOverflow(f"source {src_rank} counted {count} groups, only {owed} exist")
+        if self._num_chunks is not None and count > self._owed[src_rank]:
+            raise CompletionOverflow(
+                f"source {src_rank} counted {count} groups, only {self._owed[src_rank]} exist"
+            )
         self._counts[src_rank] = count
         return self.is_complete
 
@@ -237,9 +239,7 @@ class CompletionCounter:
             return False
         if src_rank not in self._counts:
             return True
-        return self._num_chunks is not None and self._counts[src_rank] == (
-            self._expectation.owed(src_rank, self._num_chunks)
-        )
+        return self._num_chunks is not None and self._counts[src_rank] == self._owed[src_rank]
 
     def record_metadata(self, src_rank: int) -> bool:
         if src_rank != self._metadata_source:

@@ -184,7 +184,7 @@ def writers_into(
     dst_rank: int,
 ) -> tuple[int, ...]:
     """The prefill ranks that write some of decode rank `dst_rank`'s state (each once per
-    request, counted as one group of its count word: `core.counting`), ascending. None
+    request, counted as one group of its count word: `core.counting`), ascending; ()
     for state the two cannot move (`component_mismatch`): the prefill refuses such a
     pair (`backend.state_slots.slot_mismatch`), so the request fails with the reason."""
     if len(src) != len(dst) or any(
@@ -237,4 +237,5 @@ def _block_columns(
         for s, d, n in region
     ]
     table = np.asarray(columns, dtype=np.int64).reshape(-1, 5)
+    table.flags.writeable = False  # (kept for every later request of the pair)
     return table[:, 0], table[:, 1], table[:, 2], table[:, 3], table[:, 4]

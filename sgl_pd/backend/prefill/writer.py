@@ -120,7 +120,7 @@ class KvWriter:
 
     def write_layers(self, dest: Destination, chunk: Chunk, layers: range) -> Sent:
         """Writes `layers` of `chunk` on this rank's links into `dest`."""
-        request, decoder = dest.request, dest.request.decoder
+        decoder = dest.request.decoder
         addressed = self._addressed(dest, chunk)
         ungathered = dest.ungathered.get(chunk.index)
         writes, groups = layer_writes(addressed, layers)
@@ -132,9 +132,7 @@ class KvWriter:
         if self._sums is not None:
             self._sum_layers(dest, chunk, layers)
         # the count covers every group of this batch, written once they all completed
-        dest.groups_done += groups
-        word = (self._slot_base(dest) + source_word_offset(self.rank),
-                count_word(request.request_id, dest.groups_done))  # fmt: skip
+        word = self._count_word(dest, groups)
         if _gathers(addressed.plan, addressed.sending):
             # one link per (source, destination) rank pair: it is the job's only one
             (link_index,) = addressed.sending
@@ -325,9 +323,7 @@ class KvWriter:
                 f"request {request.request_id} failed while its state was being"
                 f" written ({room.error}): its count is not sent"
             )
-        dest.groups_done += 1
-        word = (self._slot_base(dest) + source_word_offset(self.rank),
-                count_word(request.request_id, dest.groups_done))  # fmt: skip
+        word = self._count_word(dest, 1)
         self._words.send_many(request.decoder.session, MetadataWrites.empty(), [word])
         return Sent(writes.total_bytes, len(writes))
 
@@ -355,7 +351,7 @@ class KvWriter:
             if src_slots and any(blocks):
                 columns = slot_writes(component, target, blocks, src_slots, dst_slots)
                 parts.append(MetadataWrites.of(*columns))
-        return MetadataWrites.concat(parts) if parts else MetadataWrites.empty()
+        return MetadataWrites.concat(parts)
 
     def _sum_layers(self, dest: Destination, chunk: Chunk, layers: range) -> None:
         """Adds `layers` of `chunk`, on every link this rank writes into `dest`, to the
@@ -382,6 +378,13 @@ class KvWriter:
         if dest.sums is None:
             return (0,) * self.layout.num_regions
         return self._sums.read(dest.sums)
+
+    def _count_word(self, dest: Destination, groups: int) -> tuple[int, int]:
+        """(address, value) of this rank's count word in `dest` once `groups` more groups
+        finished: the count only grows, on the destination's one writer thread."""
+        dest.groups_done += groups
+        address = self._slot_base(dest) + source_word_offset(self.rank)
+        return address, count_word(dest.request.request_id, dest.groups_done)
 
     def _slot_base(self, dest: Destination) -> int:
         area = dest.request.decoder.completion
