@@ -187,19 +187,13 @@ class Cluster:
         """`sums`: every rank runs --pd-kv-checksum; `state`: a `StateModel` whose
         slots every rank holds (`state_memory[role][rank]`: its buffers)."""
         self.layout, self.fabric, self.clock = layout, FakeFabric(), ManualClock()
-        self.state = state
         self.state_memory: dict[str, list] = {"prefill": [], "decode": []}
         self.keep = []
         self.prefills, self.pregs, self.decoders, self.dregs = [], [], [], []
         ps = ShardingScheme(ptp)
         for r in range(ptp):
             eng = FakeTransferEngine(self.fabric)
-            comps, bufs = state.make(eng, r, ptp, fill=True) if state else ((), [])
-            self.state_memory["prefill"].append(bufs)
-            pool, mem = _pool(
-                layout, local_heads(layout, ps), eng, fill=100 + r, draft=draft, state=comps
-            )
-            self.keep.append(mem)
+            pool = self._memory("prefill", eng, r, ps, draft, state)
             staging = None
             if gather:
                 staging = Staging(StagingArea(gather, "cpu", eng), PoolCopies(pool, "cpu"))
@@ -224,12 +218,7 @@ class Cluster:
         ds = ShardingScheme(dtp)
         for r in range(dtp):
             eng = FakeTransferEngine(self.fabric)
-            comps, bufs = state.make(eng, r, dtp, fill=False) if state else ((), [])
-            self.state_memory["decode"].append(bufs)
-            pool, mem = _pool(
-                layout, local_heads(layout, ds), eng, fill=None, draft=draft, state=comps
-            )
-            self.keep.append(mem)
+            pool = self._memory("decode", eng, r, ds, draft, state)
             staging, sreg = None, None
             if recv:
                 area = StagingArea(recv, "cpu", eng)
@@ -252,6 +241,17 @@ class Cluster:
             self.dregs.append(
                 _registration(Role.DECODE, r, ds, eng, pool, 200 + r, 1, m.completion_area, sreg)
             )
+
+    def _memory(self, role, engine, rank, scheme, draft, state):
+        """A rank's pool (a prefill's filled, a decoder's zeroed), its buffers kept."""
+        prefill = role == "prefill"
+        comps, bufs = state.make(engine, rank, scheme.tp_size, prefill) if state else ((), [])
+        self.state_memory[role].append(bufs)
+        fill = 100 + rank if prefill else None
+        heads = local_heads(self.layout, scheme)
+        pool, mem = _pool(self.layout, heads, engine, fill=fill, draft=draft, state=comps)
+        self.keep.append(mem)
+        return pool
 
     def _to_decoder(self, inbox, message):
         d = self.decoders[int(inbox.split("-")[1])]

@@ -56,6 +56,23 @@ def _check_state(c: Cluster, model: StateModel, pairs: list[tuple[tuple[int, ...
                         assert not any(got), (rank, comp, reg, slot)
 
 
+def _moved(
+    model: StateModel,
+    heads: dict,  # the KV layout's arguments
+    ptp: int,
+    dtp: int,
+    layerwise: bool,
+    slots: tuple[tuple[tuple[int, ...], ...], ...],
+    **run: int,
+) -> None:
+    """Runs one request naming `slots` (the prefill's, the decoder's) through a cluster
+    of `model`: every decode rank completes (its KV verified) and holds its share."""
+    c = Cluster(KvLayout.gqa(page_size=PAGE, **heads), ptp, dtp, layerwise=layerwise, state=model)
+    results = c.run(state_slots=slots, **run)
+    assert all(ok for ok, _ in results), results
+    _check_state(c, model, list(slots))
+
+
 SPLITS = [(1, 2), (2, 1), (4, 2), (2, 4), (2, 2), (1, 8), (8, 1)]
 
 
@@ -64,12 +81,8 @@ SPLITS = [(1, 2), (2, 1), (4, 2), (2, 4), (2, 2), (1, 8), (8, 1)]
 def test_each_decode_rank_gets_its_share_of_a_mamba_slot(
     ptp: int, dtp: int, layerwise: bool
 ) -> None:
-    model = _gdn()
-    c = Cluster(KvLayout.gqa(page_size=PAGE, **GQA8), ptp, dtp, layerwise=layerwise, state=model)
     slots = (((3,),), ((5,),))
-    results = c.run(room=21, tokens=13, chunk_tokens=5, state_slots=slots)
-    assert all(ok for ok, _ in results), results
-    _check_state(c, model, list(slots))
+    _moved(_gdn(), GQA8, ptp, dtp, layerwise, slots, room=21, tokens=13, chunk_tokens=5)
 
 
 @pytest.mark.parametrize("ptp,dtp", SPLITS)
@@ -77,23 +90,15 @@ def test_each_decode_rank_gets_its_share_of_a_mamba_slot(
 def test_each_decode_rank_gets_its_heads_of_the_window_pages(
     ptp: int, dtp: int, layerwise: bool
 ) -> None:
-    model = _window()
-    c = Cluster(KvLayout.gqa(page_size=PAGE, **GQA8), ptp, dtp, layerwise=layerwise, state=model)
     slots = (((6, 2, 4),), ((1, 7, 3),))  # window pages, paired in order
-    results = c.run(room=22, tokens=13, chunk_tokens=5, state_slots=slots)
-    assert all(ok for ok, _ in results), results
-    _check_state(c, model, list(slots))
+    _moved(_window(), GQA8, ptp, dtp, layerwise, slots, room=22, tokens=13, chunk_tokens=5)
 
 
 @pytest.mark.parametrize("ptp,dtp", [(4, 2), (4, 1), (8, 2), (2, 4), (8, 8)])
 @pytest.mark.parametrize("layerwise", [False, True], ids=["after-forward", "layerwise"])
 def test_a_rank_that_sends_only_state_counts_it(ptp: int, dtp: int, layerwise: bool) -> None:
-    model = _gdn()
-    c = Cluster(KvLayout.gqa(page_size=PAGE, **GQA2), ptp, dtp, layerwise=layerwise, state=model)
     slots = (((3,),), ((5,),))
-    results = c.run(room=24, tokens=13, chunk_tokens=5, state_slots=slots)
-    assert all(ok for ok, _ in results), results
-    _check_state(c, model, list(slots))
+    _moved(_gdn(), GQA2, ptp, dtp, layerwise, slots, room=24, tokens=13, chunk_tokens=5)
 
 
 @pytest.mark.parametrize("ptp,dtp", [(4, 2), (2, 4), (2, 2)])
@@ -103,12 +108,9 @@ def test_a_decoder_holding_every_page_still_gets_the_state(
 ) -> None:
     """No chunk comes (the decoder's cache holds all 6 pages): each writer's count is
     its state group alone."""
-    model = _gdn()
-    c = Cluster(KvLayout.gqa(page_size=PAGE, **GQA2), ptp, dtp, layerwise=layerwise, state=model)
     slots = (((3,),), ((5,),))
-    results = c.run(room=25, tokens=12, chunk_tokens=6, held_pages=6, state_slots=slots)
-    assert all(ok for ok, _ in results), results
-    _check_state(c, model, list(slots))
+    _moved(_gdn(), GQA2, ptp, dtp, layerwise, slots, room=25, tokens=12, chunk_tokens=6,
+           held_pages=6)  # fmt: skip
 
 
 def test_a_state_that_cannot_be_split_fails_the_request_with_the_reason() -> None:
