@@ -228,6 +228,7 @@ class SglPdKVManager(BaseKVManager):
             None if is_mla_backend else _kv_heads(args, server_args, parallel.attn_tp_size),
             sliding_window_glue.window(),
             parallel.attn_tp_size,
+            sliding_window_glue.sliding_layers(),
         )
         if any(c.kind == "mamba" for c in self.pool.state):
             # what SGLang's environment makes of its element types, for the pair check

@@ -42,6 +42,9 @@ class PoolDescription:
     # per-request state besides the KV pages, a component per SGLang state type (Mamba
     # slots, sliding-window pages, ...)
     state: tuple[StateSlots, ...] = ()
+    # the model layer id of each region of each state component (`state_region_layers`);
+    # () for a component whose layers are unknown: its state goes after the forward
+    state_layers: tuple[tuple[int, ...], ...] = ()
 
 
 def describe_pool(
@@ -50,6 +53,7 @@ def describe_pool(
     heads: tuple[int, int] | None = None,
     window: int | None = None,
     tp_size: int = 1,
+    sliding_layers: frozenset[int] = frozenset(),
 ) -> PoolDescription:
     """Reads SGLang's ``KVArgs`` (duck-typed: it is SGLang's class, not ours).
 
@@ -57,7 +61,8 @@ def describe_pool(
     does not carry them (SGLang's decoder fills them in only for its staging mode).
     ``window``: the model's sliding window in tokens, where SGLang's hybrid SWA pool
     keeps the sliding layers (`sliding_window_glue.window`). ``tp_size``: the attention
-    TP size this rank is one of.
+    TP size this rank is one of. ``sliding_layers``: the model layers SGLang keeps in
+    that pool (`sliding_window_glue.sliding_layers_of`).
     """
     ptrs: list[int] = list(kv_args.kv_data_ptrs)
     lens: list[int] = list(kv_args.kv_data_lens)
@@ -136,6 +141,7 @@ def describe_pool(
         aux_item_bytes=aux_items,
         aux_rows=aux_rows,
         state=state,
+        state_layers=state_region_layers(kv_args, state, sliding_layers),
     )
 
 
@@ -184,6 +190,29 @@ def state_slots(
             )
         )
     return tuple(components)
+
+
+def state_region_layers(
+    kv_args: Any, state: tuple[StateSlots, ...], sliding_layers: frozenset[int]
+) -> tuple[tuple[int, ...], ...]:
+    """The model layer each region of each state component holds, for layer-wise
+    streaming (`core.layer_steps`): a Mamba pool lists its regions tensor by tensor, each
+    over its layers, and says which (``state_layer_ids``); a hybrid SWA pool lists every
+    sliding layer's K, then every one's V (an MLA one: a buffer per layer), the layers in
+    model order (its ``layers_mapping``). () for a component where that does not add up."""
+    layers: list[tuple[int, ...]] = []
+    sliding = sorted(sliding_layers)
+    for i, component in enumerate(state):
+        count = len(component.regions)
+        ids: list[int] = []
+        if component.kind == "mamba":
+            ids = [int(n) for n in _listed(kv_args, "state_layer_ids", i)]
+        elif component.kind in WINDOW_KINDS and sliding and count % len(sliding) == 0:
+            ids = [sliding[r % len(sliding)] for r in range(count)]
+            if count // len(sliding) not in (1, 2):  # neither K and V, nor one latent
+                ids = []
+        layers.append(tuple(ids) if len(ids) == count else ())
+    return tuple(layers)
 
 
 def _slicing(

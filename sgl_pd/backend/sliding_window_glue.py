@@ -5,7 +5,9 @@ A model with sliding-window layers (Mellum, GPT-OSS, Gemma 4, ...) served with S
 hybrid SWA pool keeps those layers' KV in pages of their own; the main pool holds the
 full-attention layers only. sgl_pd moves the full layers' pages as any KV and the
 sliding layers' window as state slots (`backend.state_slots`): the pages of positions
-`core.sliding_window.window_tokens`, written with the metadata after the last chunk.
+`core.sliding_window.window_tokens`, written after the last chunk's forward with the
+metadata, or layer-wise during it, each sliding layer's as it finishes
+(`core.layer_steps`).
 
 SGLang's decoder names its window from the whole prompt, n tokens; when this decoder
 samples the first token (`backend.first_token`) the KV it receives ends at c = n - 1,
@@ -31,6 +33,7 @@ logger = logging.getLogger("sgl_pd.sliding_window")
 
 class _Process:
     window: ClassVar[int | None] = None  # tokens; None: no hybrid SWA pool here
+    layers: ClassVar[frozenset[int]] = frozenset()  # the model layers kept in that pool
 
 
 def after_load_model(result: Any, model_runner: Any, *args: Any, **kwargs: Any) -> Any:
@@ -38,8 +41,10 @@ def after_load_model(result: Any, model_runner: Any, *args: Any, **kwargs: Any) 
     and, with its hybrid SWA pool on, which layers keep their KV there."""
     if getattr(model_runner, "is_draft_worker", False):
         return result
-    if sliding_layers_of(model_runner):
+    layers = sliding_layers_of(model_runner)
+    if layers:
         _Process.window = int(model_runner.sliding_window_size)
+        _Process.layers = layers
     return result
 
 
@@ -56,6 +61,11 @@ def window() -> int | None:
     """This process's model's sliding window in tokens, where SGLang keeps its sliding
     layers in the hybrid SWA pool; else None."""
     return _Process.window
+
+
+def sliding_layers() -> frozenset[int]:
+    """The model layers this process's hybrid SWA pool keeps (none without one)."""
+    return _Process.layers
 
 
 class NoWindowPage(SglPdError):

@@ -10,13 +10,16 @@ for it, and whether two ranks can move it. Two kinds (`core.wire.StateSlots`):
 Each prefill rank writes its share of the decode rank's slots (`core.state_slices`: at
 one TP size its peer's whole slot, one write per region; at another the ranges where
 their shares of the sliced axis meet - heads, GDN conv's [q | k | v] channels, a window
-page's heads token by token), after the request's last chunk, on the same queue as its
-KV writes (`prefill.writer.KvWriter.write_metadata`), and counts it as one more group
-of its count word (`core.counting`): the decoder sees the request complete only once
-every writer's share landed. The state is final then: SGLang names the slots in its
-last send, after the last chunk's forward (the prompt's first n - 1 tokens under the
-decoder-sampled first token, whose decode step then reads token n - 1: the state and
-the window it needs).
+page's heads token by token), on the same queue as its KV writes, and counts it as one
+more group of its count word once all of it landed (`core.counting`): the decoder sees
+the request complete only once every writer's share landed. The state is final when it
+goes: after the forward, SGLang names the slots in its last send, after the last
+chunk's forward (`prefill.writer.KvWriter.write_metadata`); layer-wise, the slots are
+read before that forward and each state layer's regions go once the forward reports
+that layer (`core.layer_steps`), the rest after it - and SGLang's names must then equal
+the slots read, or the request fails. Either way the state covers the prompt's first
+n - 1 tokens under the decoder-sampled first token, whose decode step then reads token
+n - 1: the state and the window it needs.
 
 The prefill's slots are not pinned (as its KV pages are): SGLang keeps a request's
 slots until its sender polls done (only once every write landed) or failed (at once,

@@ -27,7 +27,7 @@ count words to read (`writers_into`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -207,12 +207,23 @@ def slot_writes(
     blocks: tuple[tuple[Block, ...], ...],
     src_slots: Sequence[int],
     dst_slots: Sequence[int],
+    regions: Collection[int] | None = None,
 ) -> tuple[I64, I64, I64]:
     """(sources, destinations, lengths), absolute: `blocks` (`region_blocks`) of slot
-    `src_slots[i]` of every region of `src` into slot `dst_slots[i]` of `dst`'s, slot
-    pair after slot pair. Columns of (pairs * blocks,) int64: a window of thousands of
-    pages cut token by token is hundreds of thousands of writes."""
-    src_at, dst_at, src_item, dst_item, lengths = _block_columns(src, dst, blocks)
+    `src_slots[i]` of every region of `src` (or of `regions` only) into slot
+    `dst_slots[i]` of `dst`'s, slot pair after slot pair. Columns of (pairs * blocks,)
+    int64: a window of thousands of pages cut token by token is hundreds of thousands
+    of writes."""
+    src_at, dst_at, src_item, dst_item, lengths, region = _block_columns(src, dst, blocks)
+    if regions is not None:
+        keep = np.isin(region, np.fromiter(regions, dtype=np.int64, count=len(regions)))
+        src_at, dst_at, src_item, dst_item = (
+            src_at[keep],
+            dst_at[keep],
+            src_item[keep],
+            dst_item[keep],
+        )
+        lengths = lengths[keep]
     src_slot = np.asarray(src_slots, dtype=np.int64)[:, None]
     dst_slot = np.asarray(dst_slots, dtype=np.int64)[:, None]
     pairs = len(src_slots)
@@ -226,16 +237,16 @@ def slot_writes(
 @functools.lru_cache(maxsize=256)
 def _block_columns(
     src: StateSlots, dst: StateSlots, blocks: tuple[tuple[Block, ...], ...]
-) -> tuple[I64, I64, I64, I64, I64]:
+) -> tuple[I64, I64, I64, I64, I64, I64]:
     """Per block of slot 0, in region order: its source and destination address, the
-    slot sizes of its regions (the stride to the next slot), and its length."""
-    columns: list[tuple[int, int, int, int, int]] = [
-        (s_region.base + s, d_region.base + d, s_item, d_item, n)
-        for s_region, d_region, s_item, d_item, region in zip(
-            src.regions, dst.regions, src.slot_bytes, dst.slot_bytes, blocks, strict=True
+    slot sizes of its regions (the stride to the next slot), its length and region."""
+    columns: list[tuple[int, int, int, int, int, int]] = [
+        (s_region.base + s, d_region.base + d, s_item, d_item, n, r)
+        for r, (s_region, d_region, s_item, d_item, region) in enumerate(
+            zip(src.regions, dst.regions, src.slot_bytes, dst.slot_bytes, blocks, strict=True)
         )
         for s, d, n in region
     ]
-    table = np.asarray(columns, dtype=np.int64).reshape(-1, 5)
+    table = np.asarray(columns, dtype=np.int64).reshape(-1, 6)
     table.flags.writeable = False  # (kept for every later request of the pair)
-    return table[:, 0], table[:, 1], table[:, 2], table[:, 3], table[:, 4]
+    return tuple(table[:, i] for i in range(6))  # type: ignore[return-value]

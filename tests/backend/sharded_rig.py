@@ -14,9 +14,11 @@ from sgl_pd.backend.kv_sums import KvSums
 from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.prefill.messenger import PrefillMessenger
+from sgl_pd.backend.prefill.room_types import StreamedState
 from sgl_pd.backend.relayout_copies import PoolCopies
 from sgl_pd.backend.staging_area import Staging, StagingArea
 from sgl_pd.core.clock import ManualClock
+from sgl_pd.core.layer_steps import LayerSteps
 from sgl_pd.core.page_ids import PageIds
 from sgl_pd.core.regions import Region, RegionTable
 from sgl_pd.core.sharding import ShardingScheme, local_heads
@@ -89,6 +91,10 @@ class StateModel:
 
     components: tuple[tuple[str, tuple[StateRegion, ...]], ...]
     window: int = 0  # for "swa"
+    # layer-wise: the model layer of each region of each component, and of each KV layer
+    # (`core.layer_steps`); () streams no state layer by layer
+    layers: tuple[tuple[int, ...], ...] = ()
+    kv_layers: tuple[int, ...] = ()
     seed: int = 7
     wholes: dict[tuple[int, int, int], np.ndarray] = field(default_factory=dict)
 
@@ -134,7 +140,7 @@ class StateModel:
         return regions[region].shard(whole, rank, tp).tobytes()
 
 
-def _pool(layout, lh, engine, fill, draft=0, state=()):
+def _pool(layout, lh, engine, fill, draft=0, state=(), state_layers=()):
     rng = np.random.default_rng(fill)
     size = NUM_PAGES * layout.page_size * lh * layout.row_bytes
     kv = [
@@ -155,6 +161,7 @@ def _pool(layout, lh, engine, fill, draft=0, state=()):
         aux_item_bytes=(AUX_ITEM,),
         aux_rows=AUX_ROWS,
         state=state,
+        state_layers=state_layers,
     )
     return pool, (kv, aux)
 
@@ -187,6 +194,7 @@ class Cluster:
         """`sums`: every rank runs --pd-kv-checksum; `state`: a `StateModel` whose
         slots every rank holds (`state_memory[role][rank]`: its buffers)."""
         self.layout, self.fabric, self.clock = layout, FakeFabric(), ManualClock()
+        self.state = state
         self.state_memory: dict[str, list] = {"prefill": [], "decode": []}
         self.keep = []
         self.prefills, self.pregs, self.decoders, self.dregs = [], [], [], []
@@ -249,9 +257,22 @@ class Cluster:
         self.state_memory[role].append(bufs)
         fill = 100 + rank if prefill else None
         heads = local_heads(self.layout, scheme)
-        pool, mem = _pool(self.layout, heads, engine, fill=fill, draft=draft, state=comps)
+        layers = state.layers if state else ()
+        pool, mem = _pool(
+            self.layout, heads, engine, fill=fill, draft=draft, state=comps, state_layers=layers
+        )
         self.keep.append(mem)
         return pool
+
+    def _steps(self, num_kv_layers: int) -> LayerSteps | None:
+        """The forward's steps where the state model places its regions in layers."""
+        if self.state is None or not self.state.layers:
+            return None
+        kv = self.state.kv_layers or tuple(range(num_kv_layers))
+        assert len(kv) == num_kv_layers
+        # (a region placed in layer -1 is in a layer no step reports)
+        state = {layer for ids in self.state.layers for layer in ids if layer >= 0}
+        return LayerSteps.of(kv, state)
 
     def _to_decoder(self, inbox, message):
         d = self.decoders[int(inbox.split("-")[1])]
@@ -281,11 +302,18 @@ class Cluster:
         dst_order=None,
         state_slots=((), ()),
         check=True,
+        named_state=None,
+        before_last_send=None,
     ):
         """Runs one request through every rank; `state_slots`: (the prefill's, the
         decoder's) slots of its state, a list per component. Returns each decode rank's
         (hand-off verdict, error); `check`: each must complete first (else the ranks'
-        (state, error))."""
+        (state, error)).
+
+        Layer-wise with a state model that places its regions in layers, the prefill
+        reads its slots before the last chunk's forward and the forward reports one
+        step at a time (`core.layer_steps`); SGLang's last send then names
+        `named_state` (default: the same slots), after `before_last_send(rank)` ran."""
         src_state, dst_state = state_slots
         L = self.layout
         ps = L.page_size
@@ -311,24 +339,35 @@ class Cluster:
             p.expect(room, npages - held_pages, aux_index=room % AUX_ROWS)
             if p.layerwise:
                 target = range(L.num_layers - p.draft_layers)
+                steps = self._steps(len(target))
                 sent_pages = held_pages
                 for start in range(0, tokens, chunk_tokens):
                     end = min(start + chunk_tokens, tokens)
                     last = end == tokens
                     endp = -(-end // ps)
-                    c = p.notice_chunk(room, PageIds.ready(src_all[:endp]), end, last)
+                    read = None
+                    if last and steps is not None and src_state:
+                        ids = PageIds.ready([i for slots in src_state for i in slots])
+                        read = StreamedState(ids, tuple(len(slots) for slots in src_state))
+                    c = p.notice_chunk(room, PageIds.ready(src_all[:endp]), end, last, read)
                     chunks = [] if c is None else [c]
-                    p.write_layers(chunks, target)
+                    if steps is None:
+                        p.write_layers(chunks, target)
+                    else:
+                        for step in range(len(steps)):
+                            one = range(step, step + 1)
+                            p.write_layers(chunks, steps.kv_layers(one), steps.state_layers(one))
                     p.forward_done(chunks)
+                    if last and before_last_send is not None:
+                        before_last_send(p.rank)
                     # SGLang sends whole pages except at the end
                     upto = endp if last else end // ps
                     upto = max(upto, held_pages)
                     part = np.asarray(src_all[sent_pages:upto], np.int64)
                     sent_pages = max(sent_pages, upto)
+                    named = src_state if named_state is None else named_state
                     if len(part) or last:
-                        p.submit_chunk(
-                            room, part, len(part), state_slots=src_state if last else None
-                        )
+                        p.submit_chunk(room, part, len(part), state_slots=named if last else None)
             else:
                 sent_tok = held_pages * ps
                 for start in range(0, tokens, chunk_tokens):

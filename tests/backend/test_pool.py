@@ -153,3 +153,29 @@ def test_mla_window_pages_are_whole_on_every_rank() -> None:
     args = SimpleNamespace(**_swa_args(2))
     (state,) = describe_pool(args, is_mla=True, window=16, tp_size=4).state
     assert state.slicing == (StateSlicing(units=0),) * 2
+
+
+def test_each_state_region_names_the_model_layer_it_holds() -> None:
+    """For layer-wise streaming: a Mamba pool's regions in the layers SGLang lists
+    (``state_layer_ids``, tensor-major); a hybrid SWA pool's K then V buffers over its
+    sliding layers in model order; a component whose lists do not add up names none."""
+    mamba = _kv_args(
+        2,
+        0,
+        kv_head_num=1,
+        total_kv_head_num=1,
+        state_types=["MAMBA"],
+        state_data_ptrs=[[50_000, 60_000, 70_000, 80_000]],
+        state_data_lens=[[96 * 4] * 4],
+        state_item_lens=[[96] * 4],
+        state_layer_ids=[[0, 2, 0, 2]],
+    )
+    assert describe_pool(mamba, is_mla=False).state_layers == ((0, 2, 0, 2),)
+    mamba.state_layer_ids = [[0, 2]]  # not one per region
+    assert describe_pool(mamba, is_mla=False).state_layers == ((),)
+    window = SimpleNamespace(**_swa_args(1))  # one sliding layer's K and V
+    pool = describe_pool(window, is_mla=False, window=16, sliding_layers=frozenset({5}))
+    assert pool.state_layers == ((5, 5),)
+    pool = describe_pool(window, is_mla=False, window=16, sliding_layers=frozenset({1, 5}))
+    assert pool.state_layers == ((1, 5),)  # (an MLA pool's: one latent buffer a layer)
+    assert describe_pool(window, is_mla=False, window=16).state_layers == ((),)

@@ -7,8 +7,14 @@ be split fails the request with the reason."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import re
+import time
+
 import pytest
 
+from sgl_pd.backend.prefill.messenger import TIMING_LINE_PREFIX
 from sgl_pd.core.layout import KvLayout, PageLayout
 
 from .sharded_rig import STATE_SLOTS, Cluster, StateModel, StateRegion
@@ -121,3 +127,120 @@ def test_a_state_that_cannot_be_split_fails_the_request_with_the_reason() -> Non
     results = c.run(room=23, tokens=9, chunk_tokens=9, state_slots=(((2,),), ((3,),)), check=False)
     for _, error in results:
         assert error is not None and "serve both at one TP size" in error, results
+
+
+# layer-wise, the state's layers interleave with the KV layers: model layers 0 and 2
+# hold state, 1, 3 and 4 are KV layers 0..2 (`core.layer_steps`)
+KV_LAYERS = (1, 3, 4)
+
+
+def _streamed(model: StateModel, layers: tuple[int, ...]) -> StateModel:
+    return dataclasses.replace(model, layers=(layers,), kv_layers=KV_LAYERS)
+
+
+def _landed(c: Cluster, model: StateModel, slots: tuple, regions: set[int]) -> bool:
+    """Every decode rank's named slots of `regions` (of component 0) hold their share."""
+    src, dst = slots
+    dtp = len(c.decoders)
+    _, specs = model.components[0]
+    for rank, buffers in enumerate(c.state_memory["decode"]):
+        for reg in regions:
+            item = specs[reg].item(dtp)
+            for d, s in zip(dst[0], src[0], strict=True):
+                got = buffers[0][reg][d * item : (d + 1) * item].tobytes()
+                if got != model.expected(0, reg, s, rank, dtp):
+                    return False
+    return True
+
+
+def _wait(ready, timeout_s: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ready():
+            return True
+        time.sleep(0.005)
+    return ready()
+
+
+def _state_after(caplog: pytest.LogCaptureFixture) -> list[int]:
+    """Each prefill rank's state bytes written after the last chunk's forward, from its
+    per-request timing line."""
+    lines = [r.getMessage() for r in caplog.records if TIMING_LINE_PREFIX in r.getMessage()]
+    return [int(re.search(r"state_after=(\d+)", line).group(1)) for line in lines]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("ptp,dtp", [(1, 1), (1, 2), (2, 1), (2, 4)])
+@pytest.mark.parametrize(
+    "model,layers,slots",
+    [
+        (_gdn(), (0, 0, 0, 2, 2), (((3,),), ((5,),))),
+        (_window(), (0, 2, 0, 2), (((6, 2, 4),), ((1, 7, 3),))),
+    ],
+    ids=["mamba", "window"],
+)
+def test_layerwise_the_state_of_each_layer_lands_before_the_last_send(
+    ptp: int,
+    dtp: int,
+    model: StateModel,
+    layers: tuple[int, ...],
+    slots: tuple,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The slots read before the last chunk's forward carry each state layer's share
+    as the forward reports it: every rank's share has landed before the last prefill
+    rank's last send (the metadata job, the after-forward path, waits for a rank's
+    last send), and no rank wrote state after its forward; the request completes."""
+    caplog.set_level(logging.INFO, logger="sgl_pd.prefill")
+    streamed = _streamed(model, layers)
+    c = Cluster(KvLayout.gqa(page_size=PAGE, **GQA8), ptp, dtp, layerwise=True, state=streamed)
+    every = set(range(len(layers)))
+    seen: list[bool] = []
+
+    def look(rank: int) -> None:
+        if rank == ptp - 1:
+            seen.append(_wait(lambda: _landed(c, streamed, slots, every)))
+
+    results = c.run(room=31, tokens=13, chunk_tokens=5, state_slots=slots, before_last_send=look)
+    assert seen == [True]
+    assert all(ok for ok, _ in results), results
+    _check_state(c, streamed, list(slots))
+    assert _state_after(caplog) == [0] * ptp
+
+
+def test_layerwise_a_region_in_a_layer_no_step_reports_goes_after_the_forward(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Region 4 sits in a layer without a step (its output projection was not found):
+    it is not written during the forward, and still lands with the metadata."""
+    caplog.set_level(logging.INFO, logger="sgl_pd.prefill")
+    streamed = _streamed(_gdn(), (0, 0, 0, 2, -1))
+    slots = (((3,),), ((5,),))
+    c = Cluster(KvLayout.gqa(page_size=PAGE, **GQA8), 1, 2, layerwise=True, state=streamed)
+    before: list[tuple[bool, bool]] = []
+
+    def look(_rank: int) -> None:
+        _wait(lambda: _landed(c, streamed, slots, {0, 1, 2, 3}))
+        before.append((_landed(c, streamed, slots, {0, 1, 2, 3}), _landed(c, streamed, slots, {4})))
+
+    results = c.run(room=32, tokens=13, chunk_tokens=5, state_slots=slots, before_last_send=look)
+    assert before == [(True, False)]
+    assert all(ok for ok, _ in results), results
+    _check_state(c, streamed, list(slots))
+    recurrent = 8 * 16  # region 4's slot: 8 heads of 16 bytes, half on each decode rank
+    assert _state_after(caplog) == [recurrent]
+
+
+def test_layerwise_slots_named_after_the_forward_unlike_those_read_before_fail_the_request() -> (
+    None
+):
+    """SGLang's last send names other slots than were read before the forward: the
+    state written layer by layer came from the wrong slots, and the request fails with
+    the reason rather than complete."""
+    streamed = _streamed(_gdn(), (0, 0, 0, 2, 2))
+    c = Cluster(KvLayout.gqa(page_size=PAGE, **GQA8), 1, 1, layerwise=True, state=streamed)
+    results = c.run(
+        room=33, tokens=13, chunk_tokens=5, state_slots=(((3,),), ((5,),)),
+        named_state=((4,),), check=False,
+    )  # fmt: skip
+    for _, error in results:
+        assert error is not None and "differ from those SGLang named" in error, results

@@ -17,6 +17,7 @@ from sgl_pd.core.state_slices import (
     region_blocks,
     slicing_mismatch,
     slot_blocks,
+    slot_writes,
     writers_into,
 )
 from sgl_pd.core.wire import StateSlicing, StateSlots
@@ -146,3 +147,41 @@ def _component(regions: tuple[tuple[int, StateSlicing | None], ...]) -> StateSlo
         slots=4,
         slicing=slicing,
     )
+
+
+@given(st.sampled_from(TPS), st.sampled_from(TPS), st.sets(st.integers(0, 2)), st.data())
+def test_writes_of_some_regions_are_the_whole_slots_writes_of_those_regions(
+    src_tp: int, dst_tp: int, some: set[int], data: st.DataObject
+) -> None:
+    """Layer-wise streaming writes a slot region by region as the forward finishes
+    their layers: any split of the regions writes exactly the whole slot's writes."""
+    heads, rows = 8, 2
+    regions = ((heads, rows), (heads * 2, 1), (0, 1))  # (sliced units, rows); 0: replicated
+
+    def side(tp: int) -> StateSlots:
+        slicing = tuple(
+            StateSlicing(units=n // tp, outer=o) if n else StateSlicing(units=0) for n, o in regions
+        )
+        items = tuple(4 * (o * n // tp if n else 3) for n, o in regions)
+        return StateSlots(
+            kind="mamba",
+            regions=tuple(Region(0x10000 * (i + 1), 8 * n) for i, n in enumerate(items)),
+            slot_bytes=items,
+            slots=8,
+            slicing=slicing,
+        )
+
+    src, dst = side(src_tp), side(dst_tp)
+    src_rank = data.draw(st.integers(0, src_tp - 1))
+    dst_rank = data.draw(st.integers(0, dst_tp - 1))
+    blocks = region_blocks(src, src_tp, src_rank, dst, dst_tp, dst_rank)
+    src_slots, dst_slots = [3, 1], [5, 0]
+    whole = slot_writes(src, dst, blocks, src_slots, dst_slots)
+    rest = set(range(len(regions))) - some
+    parts = [slot_writes(src, dst, blocks, src_slots, dst_slots, part) for part in (some, rest)]
+
+    def rows(columns: tuple[np.ndarray, ...]) -> set[tuple[int, int, int]]:
+        return set(zip(*(c.tolist() for c in columns), strict=True))
+
+    assert rows(parts[0]) | rows(parts[1]) == rows(whole)
+    assert len(parts[0][0]) + len(parts[1][0]) == len(whole[0])

@@ -83,6 +83,8 @@ class PdRun:
     modes: set[str]  # the send modes the prefill servers used
     decode_log: str
     pools: PoolStates | None  # None: every pool idle with no leak
+    # (mode, chunks, state bytes written after the last chunk's forward) per request
+    state_after: list[tuple[str, int, int]]
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +135,10 @@ def runs(
                 {str(line["mode"]) for line in lines},
                 cluster.decode.process.log_path.read_text(errors="replace"),
                 None if pools_idle(servers, states) else states,
+                [
+                    (str(line["mode"]), int(line["chunks"]), int(line["state_after"]))
+                    for line in lines
+                ],
             ),
         )
 
@@ -185,6 +191,16 @@ def test_through_pd_the_state_moves_and_tokens_are_monolithic(mono: MonoRun, pd:
     assert pd.modes == {"layerwise", "after_forward"}, pd.modes
     assert "local prefill on" not in pd.decode_log
     assert pd.pools is None, pd.pools
+
+
+def test_layerwise_each_linear_attention_layers_state_goes_during_the_forward(pd: PdRun) -> None:
+    """The layer-wise prefill server writes each gated-DeltaNet layer's conv and
+    recurrent state as its output projection ran: none after the forward, where a chunk
+    carried it (a decoder holding every page gets the state after the forward)."""
+    layerwise = [after for mode, chunks, after in pd.state_after if mode == "layerwise" and chunks]
+    after_forward = [after for mode, _chunks, after in pd.state_after if mode == "after_forward"]
+    assert layerwise and not any(layerwise), pd.state_after
+    assert after_forward and all(after_forward), pd.state_after
 
 
 def test_through_pd_conversations_hold_prefixes_and_match(pd: PdRun) -> None:

@@ -116,6 +116,9 @@ class PdRun:
     tp2_sent: int  # timing lines of the TP2 prefill server: one per rank and request
     failures: dict[str, str]  # rid -> why the decoder failed its transfer (aborts aside)
     pools: PoolStates | None  # None: both pools idle with no leak
+    # the layer-wise prefill server's (chunks, window bytes written after the last
+    # chunk's forward) per request
+    state_after: list[tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -178,9 +181,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterat
         replies = replay(mellum.router_url, mono.conversations, concurrency=2)
         failures = decode_failures([mellum.decode.process.log_path])
         tp2_sent = len(timing_lines(mellum.more_prefills[-1].process.log_path))
+        after = [
+            (int(line["chunks"]), int(line["state_after"]))
+            for line in timing_lines(mellum.prefill.process.log_path)
+        ]
         aborted = abort_mid_transfer(mellum, patience)
         pools = idle_pools(mellum, patience)
-        pd = PdRun(rounds, truncated, replies, tp2_sent, failures, pools)
+        pd = PdRun(rounds, truncated, replies, tp2_sent, failures, pools, after)
         yield Runs(mono, pd, aborted, gemma_run(gemma, patience))
 
 
@@ -292,6 +299,13 @@ def test_through_pd_with_the_hybrid_pool_tokens_are_monolithic(mono: MonoRun, pd
     assert not wrong_turns(pd.replies), pd.replies
     assert not pd.failures, pd.failures
     assert pd.pools is None, pd.pools
+
+
+def test_layerwise_each_sliding_layers_window_goes_during_the_forward(pd: PdRun) -> None:
+    """The layer-wise prefill server writes each sliding layer's window pages as its
+    attention output projection ran: none after the forward, where a chunk carried it."""
+    carried = [after for chunks, after in pd.state_after if chunks]
+    assert carried and not any(carried), pd.state_after
 
 
 def test_a_tp2_prefill_server_feeds_the_tp1_decoders_window(pd: PdRun) -> None:

@@ -25,14 +25,19 @@ class FakeMessenger:
     num_layers: int  # the KV layout's, draft layers included
     draft_layers: int = 0
     written: list[tuple[object, range]] = field(default_factory=list)
+    state_written: list[tuple[object, frozenset[int]]] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
     def layout(self) -> SimpleNamespace:
         return SimpleNamespace(num_layers=self.num_layers, page_size=1)
 
-    def write_layers(self, payload: object, layers: range) -> None:
+    def write_layers(
+        self, payload: object, layers: range, state_layers: frozenset[int] = frozenset()
+    ) -> None:
         self.written.append((payload, layers))
+        if state_layers:
+            self.state_written.append((payload, state_layers))
 
     def forward_done(self, payload: object) -> None:
         self.done.set()
@@ -325,12 +330,49 @@ def test_a_hybrid_models_attention_layers_count_as_the_pools_layers_in_order(
     process: glue._Process,
 ) -> None:
     """SGLang's pool of a hybrid model holds the attention layers' KV only, the i-th
-    attention layer as KV layer i: the hooks number them so."""
+    attention layer as KV layer i; the linear-attention layers are steps of their own,
+    whose state is final once their output projection ran (`core.layer_steps`)."""
     model = _hybrid({3, 7}, 8)
     counter = glue.install_progress_hooks(model, HostProgress)
-    assert counter.num_layers == 2
+    assert counter.num_layers == 8
+    steps = process.steps
+    assert steps is not None and steps.num_kv_layers == 2
+    assert steps.kv_layers(range(0, 4)) == range(0, 1)  # layer 3 is KV layer 0
+    assert steps.state_layers(range(0, 4)) == {0, 1, 2}
     assert [m for _, (m, _h) in sorted(process.hooks.items())] == [
+        *(model.layers[i].linear_attn.out_proj for i in (0, 1, 2)),
         model.layers[3].o_proj,
+        *(model.layers[i].linear_attn.out_proj for i in (4, 5, 6)),
         model.layers[7].o_proj,
     ]
-    assert _one_forward(model, counter, 1) == 2
+    assert _one_forward(model, counter, 1) == 8
+
+
+def test_the_streamer_hands_over_kv_layers_and_state_layers_as_the_forward_reports_them(
+    process: glue._Process,
+) -> None:
+    """A hybrid model's forward, hooked: the messenger hears KV layers 0..1 and the
+    linear-attention layers' ids, in the ranges the counter jumped by."""
+    model = _hybrid({3, 7}, 8)
+    counter = process.counter = glue.install_progress_hooks(model, HostProgress)
+    messenger = FakeMessenger(num_layers=2)
+    streamer = glue.attach_messenger(messenger, layerwise=True)
+    assert streamer is not None
+    streamer.submit(ForwardJob(1, "chunks"))
+    _one_forward(model, counter, 1)
+    assert messenger.done.wait(WAIT_S)
+    assert [i for _, r in messenger.written for i in r] == [0, 1]
+    assert set().union(*(s for _, s in messenger.state_written)) == {0, 1, 2, 4, 5, 6}
+
+
+def test_a_sliding_window_models_sliding_layers_are_state_steps(process: glue._Process) -> None:
+    """With SGLang's hybrid SWA pool, the sliding layers' KV is window state: their
+    attention output projections report state layers, the others KV layers."""
+    process.sliding_layers = frozenset({0, 2})
+    model = _model(4)
+    counter = glue.install_progress_hooks(model, HostProgress)
+    steps = process.steps
+    assert counter.num_layers == 4 and steps is not None
+    assert steps.kv_layers(range(4)) == range(0, 2)
+    assert steps.state_layers(range(0, 2)) == {0}
+    assert steps.state_model_layers == {0, 2}

@@ -1,12 +1,16 @@
 """SGLang hooks for layer-wise KV streaming on a prefill server (D6, D7, D8).
 
 - After the model loads, a forward hook on every layer's attention output projection
-  records the layers done into a progress counter (`sgl_pd.layerwise.progress`). On a GPU
-  the record is a device-to-pinned-host copy enqueued on the forward stream, so it is
-  captured into CUDA graphs and replays with them; no Python runs inside a graph.
+  (and, on a model with state besides the KV, on each sliding-window or linear-attention
+  layer's output projection: `core.layer_steps`) records the layers done into a
+  progress counter (`sgl_pd.layerwise.progress`). On a GPU the record is a
+  device-to-pinned-host copy enqueued on the forward stream, so it is captured into CUDA
+  graphs and replays with them; no Python runs inside a graph.
 - Before a prefill batch runs, the scheduler tells the messenger which requests, token
   ranges and pages the batch covers (chunk notices) and hands them to the layer streamer
   under a new forward generation, published on the stream the forward will run on.
+  Before a request's last chunk, its state slots are read too (a Mamba slot, the
+  sliding window's pages): each state layer's share goes as that layer finishes.
 - The streamer's thread polls the counter and writes each newly finished layer of every
   chunk; after the last layer of a request's last chunk, the metadata follows (D9).
 
@@ -22,8 +26,10 @@ import time
 from typing import Any
 
 from sgl_pd.backend import sliding_window_glue
+from sgl_pd.backend.prefill.room_types import StreamedState
 from sgl_pd.config import SglPdConfig, sgl_pd_role
 from sgl_pd.core.clock import SystemClock
+from sgl_pd.core.layer_steps import LayerSteps
 from sgl_pd.core.page_ids import PageIds
 from sgl_pd.errors import ConfigError
 from sgl_pd.layerwise.progress import CudaProgress, HostProgress, ProgressCounter
@@ -35,18 +41,22 @@ logger = logging.getLogger("sgl_pd.layerwise")
 # projection, after which the layer's KV entries are written and TP ranks are in step);
 # Qwen3-Next's full-attention layers hold theirs directly ("model.layers.3.o_proj")
 _O_PROJ = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:(?:self_attn|attn|attention)\.)?o_proj$")
+# a linear-attention layer's output projection, after which its conv and recurrent state
+# are final (Qwen3-Next's gated DeltaNet: "model.layers.0.linear_attn.out_proj")
+_STATE_OUT = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:linear_attn|mamba|mixer)\.out_proj$")
 
 
 class _Process:
     """This process's layer-wise state: one model, one counter, one streamer."""
 
     counter: ProgressCounter | None = None
+    steps: LayerSteps | None = None  # what each count of the counter reports
     streamer: LayerStreamer | None = None
     messenger: Any = None  # PrefillMessenger, once the KV manager exists
     generation = 0
     hooks: dict[int, tuple[Any, Any]] = {}  # noqa: RUF012  # layer -> (module, handle)
-    # the model's layers whose KV sits in SGLang's hybrid SWA pool: not hooked (their
-    # window moves with the metadata, `sliding_window_glue`)
+    # the model's layers whose KV sits in SGLang's hybrid SWA pool: not KV layers, but
+    # state layers (their window moves as state slots, `sliding_window_glue`)
     sliding_layers: frozenset[int] = frozenset()
     # the next forward's end, between `before_run_batch` and `after_run_batch`
     forward_end: ForwardEnd | None = None
@@ -70,24 +80,30 @@ def layerwise_enabled(server_args: Any) -> bool:
 _TOWERS = ("vision", "visual", "audio", "image", "encoder", "mm_projector")
 
 
-def _o_proj_modules(model: Any, skip: frozenset[int] = frozenset()) -> dict[int, Any]:
-    """KV-cache layer -> the module now at its attention output projection's path (after
-    a swap, e.g. SGLang's LoRA wrapper, the wrapper: the base module inside it is named
-    ``...o_proj.base_layer`` and may not run through its own forward). Layers are
-    numbered within their stack (``<stack>.layers.<i>``): a multimodal model's vision or
-    audio tower numbers its own from 0, and is not the language model whose KV is sent.
+def _hook_modules(
+    model: Any, sliding: frozenset[int] = frozenset()
+) -> tuple[LayerSteps, list[Any]]:
+    """The forward's steps (`core.layer_steps`) and, per step, the module now at its
+    output projection's path (after a swap, e.g. SGLang's LoRA wrapper, the wrapper: the
+    base module inside it is named ``...o_proj.base_layer`` and may not run through its
+    own forward). Layers are numbered within their stack (``<stack>.layers.<i>``): a
+    multimodal model's vision or audio tower numbers its own from 0, and is not the
+    language model whose KV is sent.
 
-    A hybrid model (gated DeltaNet, Mamba) has attention in some layers only, and SGLang's
-    pool holds their KV in model order, the i-th attention layer as KV layer i
-    (``full_attention_layer_id_mapping``): the found layers are numbered so, and
-    `check_layer_counts` holds them to the pool's count. So are a sliding-window model's
-    full-attention layers, with its hybrid SWA pool on: the layers of `skip`, whose KV
-    sits in that pool, are left out."""
-    stacks: dict[str, dict[int, Any]] = {}
+    KV layers: the layers with an attention output projection, except `sliding` (the
+    layers whose KV SGLang keeps in its hybrid SWA pool). SGLang's pool holds their KV in
+    model order, the i-th as KV layer i (``full_attention_layer_id_mapping`` on a hybrid
+    model): `check_layer_counts` holds them to the pool's count. State layers: the
+    `sliding` layers' attention output projections, and linear-attention layers' (gated
+    DeltaNet, Mamba), whose per-request state is final once they ran."""
+    stacks: dict[str, tuple[dict[int, Any], dict[int, Any]]] = {}
     for name, module in model.named_modules():
-        match = _O_PROJ.search(name)
-        if match:
-            stacks.setdefault(name[: match.start()], {})[int(match.group(1))] = module
+        for which, pattern in enumerate((_O_PROJ, _STATE_OUT)):
+            match = pattern.search(name)
+            if match:
+                stack = stacks.setdefault(name[: match.start()], ({}, {}))
+                stack[which][int(match.group(1))] = module
+    stacks = {k: v for k, v in stacks.items() if v[0]}  # a stack with attention
     if len(stacks) > 1:
         stacks = {k: v for k, v in stacks.items() if not any(t in k.lower() for t in _TOWERS)}
     if len(stacks) != 1:
@@ -96,35 +112,43 @@ def _o_proj_modules(model: Any, skip: frozenset[int] = frozenset()) -> dict[int,
             f" {len(stacks) or 'no'} layer stacks ({', '.join(sorted(stacks)) or '-'});"
             " serve this model with --pd-kv-send after-forward"
         )
-    (found,) = stacks.values()
-    kept = sorted(layer for layer in found if layer not in skip)
-    return {kv_layer: found[layer] for kv_layer, layer in enumerate(kept)}
+    ((attention, linear),) = stacks.values()
+    modules = {**linear, **attention}
+    steps = LayerSteps.of(
+        sorted(layer for layer in attention if layer not in sliding),
+        [layer for layer in modules if layer in sliding or layer not in attention],
+    )
+    return steps, [modules[layer] for layer in steps.model_layers]
 
 
 def attach_progress_hooks(model: Any, counter: ProgressCounter) -> None:
-    """Hooks each layer's o_proj, as the model holds it now, to record into `counter`;
-    a layer whose module was replaced since (LoRA) moves its hook to the new one."""
-    found = _o_proj_modules(model, _process.sliding_layers)
+    """Hooks each step's output projection, as the model holds it now, to record into
+    `counter`; a step whose module was replaced since (LoRA) moves its hook to the new
+    one."""
+    _steps, found = _hook_modules(model, _process.sliding_layers)
     if len(found) != counter.num_layers:
         raise RuntimeError(
             f"the model's attention output projections changed from {counter.num_layers}"
             f" to {len(found)} layers"
         )
-    for layer, module in found.items():
-        held = _process.hooks.get(layer)
+    for step, module in enumerate(found):
+        held = _process.hooks.get(step)
         if held is not None and held[0] is module:
             continue
         if held is not None:
             held[1].remove()
         handle = module.register_forward_hook(
-            lambda _m, _inputs, _output, layer=layer: counter.record_layer(layer)
+            lambda _m, _inputs, _output, step=step: counter.record_layer(step)
         )
-        _process.hooks[layer] = (module, handle)
+        _process.hooks[step] = (module, handle)
 
 
 def install_progress_hooks(model: Any, counter_for: Any) -> ProgressCounter:
-    """Registers a forward hook on each layer's o_proj; returns the counter they feed."""
-    counter: ProgressCounter = counter_for(len(_o_proj_modules(model, _process.sliding_layers)))
+    """Registers a forward hook on each step's output projection; returns the counter
+    they feed (one count per step, `_process.steps`)."""
+    steps, _found = _hook_modules(model, _process.sliding_layers)
+    counter: ProgressCounter = counter_for(len(steps))
+    _process.steps = steps
     _process.hooks = {}
     attach_progress_hooks(model, counter)
     return counter
@@ -148,9 +172,13 @@ def after_load_model(result: Any, model_runner: Any, *args: Any, **kwargs: Any) 
     if not on_cpu:
         warm_page_id_copies(model_runner.device)
     _process.poll_interval_s = 500e-6 if on_cpu else 20e-6
+    steps = _process.steps
+    assert steps is not None
     logger.info(
-        "layer-wise KV streaming: progress counter on %d layers (%s)",
-        _process.counter.num_layers,
+        "layer-wise KV streaming: progress counter on %d layers, %d of them with state"
+        " besides the KV (%s)",
+        len(steps),
+        len(steps) - steps.num_kv_layers,
         "host" if on_cpu else "pinned host memory, CUDA-graph safe",
     )
     return result
@@ -232,12 +260,13 @@ def attach_messenger(messenger: Any, layerwise: bool) -> LayerStreamer | None:
         return None
     if _process.counter is None:
         raise RuntimeError("layer-wise streaming needs the progress hooks installed first")
-    check_layer_counts(
-        _process.counter.num_layers, messenger.layout.num_layers - messenger.draft_layers
-    )
+    steps = _process.steps or LayerSteps.kv_only(_process.counter.num_layers)
+    check_layer_counts(steps.num_kv_layers, messenger.layout.num_layers - messenger.draft_layers)
     streamer = LayerStreamer(
         _process.counter,
-        lambda job, layers: messenger.write_layers(job.payload, layers),
+        lambda job, done: messenger.write_layers(
+            job.payload, steps.kv_layers(done), steps.state_layers(done)
+        ),
         lambda job: messenger.forward_done(job.payload),
         clock=SystemClock(),
         on_silent_layers=silent_layers,
@@ -292,7 +321,12 @@ def page_ids_of(tokens: Any, page_size: int) -> PageIds:
     forward in flight under the overlap scheduler. The copy lands before the coming
     forward starts, since the forward stream waits for the schedule stream; readers
     (`PageIds.array`) wait on its event. On CPU they are known at once."""
-    ids = tokens[::page_size] // page_size
+    return host_ids(tokens[::page_size] // page_size)
+
+
+def host_ids(ids: Any) -> PageIds:
+    """`ids`, a 1-D integer tensor on SGLang's device, on their way to the host as
+    `page_ids_of` copies them: known at once on CPU, without waiting on a GPU."""
     if ids.device.type != "cuda":
         return PageIds.ready(ids.numpy())
     import torch
@@ -309,19 +343,59 @@ def page_ids_of(tokens: Any, page_size: int) -> PageIds:
     return PageIds.later(fetch)
 
 
+def state_slots_before_forward(
+    scheduler: Any, req: Any, kinds: list[str], page_size: int
+) -> StreamedState | None:
+    """The state slots SGLang will name for `req` in its last send (its ``_send_kv_chunk``
+    state payloads for the kinds sgl_pd moves: the Mamba slot; the sliding window's pages
+    of the KV it sends, translated into the SWA pool), read before the last chunk's
+    forward: SGLang allocated them, for every token of the chunk, before it. None when a
+    kind is read in another way here (its state then goes after the forward)."""
+    import torch
+
+    if not kinds:
+        return None
+    parts = []
+    seq_len = min(int(req.extend_end), len(req.origin_input_ids))
+    for kind in kinds:
+        if kind == "mamba":
+            pool = scheduler.req_to_token_pool
+            slot = pool.req_index_to_mamba_index_mapping[req.kv.req_pool_idx]
+            parts.append(pool.translate_mamba_indices(slot).reshape(-1))
+        elif kind == "swa":
+            allocator = scheduler.token_to_kv_pool_allocator
+            window = sliding_window_glue.window()
+            if window is None or getattr(allocator.get_kvcache(), "request_window", None):
+                return None
+            start = max(int(req.disagg_decode_prefix_len), seq_len - window)
+            start -= start % page_size
+            row = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:seq_len]
+            slots = allocator.translate_swa_indices_for_transfer(row)
+            parts.append(slots[::page_size] // page_size)
+        else:
+            return None
+    lengths = tuple(int(p.numel()) for p in parts)
+    ids = torch.cat([p.to(torch.int64) for p in parts])
+    return StreamedState(host_ids(ids), lengths)
+
+
 def _chunk_notices(scheduler: Any, batch: Any, messenger: Any) -> list[Any]:
-    """Tells the messenger the token range and pages of each of our requests in `batch`;
-    returns the chunks it will stream (D7)."""
+    """Tells the messenger the token range and pages of each of our requests in `batch`
+    (and, before a last chunk, its state slots); returns the chunks it will stream (D7)."""
     page_size = messenger.layout.page_size
+    kinds = [c.kind for c in messenger.rooms.state_slots]
     chunks = []
     for req in _our_requests(batch):
         end = int(req.extend_end)
         tokens = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :end]
+        is_last = end >= len(req.origin_input_ids)
+        state = state_slots_before_forward(scheduler, req, kinds, page_size) if is_last else None
         chunk = messenger.notice_chunk(
             int(req.disagg_kv_sender.bootstrap_room),
             page_ids_of(tokens, page_size),
             end,
-            is_last=end >= len(req.origin_input_ids),
+            is_last=is_last,
+            state=state,
         )
         if chunk is not None:
             chunks.append(chunk)

@@ -34,7 +34,7 @@ from sgl_pd.backend.metrics import TransferMetrics
 from sgl_pd.backend.pool import PoolDescription
 from sgl_pd.backend.pool_report import note_live
 from sgl_pd.backend.prefill.drain import FAILED_BATCH_QUARANTINE_S
-from sgl_pd.backend.prefill.room_types import Chunk, Destination, Room
+from sgl_pd.backend.prefill.room_types import Chunk, Destination, Room, StreamedState
 from sgl_pd.backend.prefill.rooms import PrefillRooms
 from sgl_pd.backend.prefill.writer import DestinationWriters, KvWriter, LayersJob, MetadataJob
 from sgl_pd.backend.staging_area import Staging
@@ -189,9 +189,14 @@ class PrefillMessenger:
             self.fail(room_id, why, FailureCause.REFUSED)
 
     def notice_chunk(
-        self, room_id: int, src_pages: PageIds, end_token: int, is_last: bool
+        self,
+        room_id: int,
+        src_pages: PageIds,
+        end_token: int,
+        is_last: bool,
+        state: StreamedState | None = None,
     ) -> Chunk | None:
-        return self.rooms.notice_chunk(room_id, src_pages, end_token, is_last)
+        return self.rooms.notice_chunk(room_id, src_pages, end_token, is_last, state)
 
     def submit_chunk(
         self,
@@ -204,6 +209,11 @@ class PrefillMessenger:
         """`ready`: an event (``synchronize()``) the KV of this send is complete after;
         the writer waits on it, never the scheduler. `state_slots`: the request's state
         slots (a Mamba slot, the sliding window's pages), named in the last send."""
+        if state_slots is not None:
+            why = self._streamed_state_differs(room_id, state_slots)
+            if why is not None:
+                self.fail(room_id, why)
+                return
         writes = self.rooms.submit_chunk(room_id, pages, num_tokens, state_slots)
         for chunk, layers in writes:
             for dest in self._destinations(room_id):
@@ -211,6 +221,30 @@ class PrefillMessenger:
         # only now may the metadata follow them on the destinations' queues
         self.rooms.writes_queued(room_id, writes)
         self._queue_metadata(room_id)
+
+    def _streamed_state_differs(
+        self, room_id: int, named: tuple[tuple[int, ...], ...]
+    ) -> str | None:
+        """Why the state slots SGLang names after the last chunk's forward are not those
+        read before it, whose layers went during the forward; None when they are (or
+        none were read). The slots are SGLang's; a difference would be a misreading of
+        its tables here, and the request fails rather than have the decoder read state
+        from other slots."""
+        rooms = self.rooms.rooms_of([room_id])
+        streamed = rooms[0].streamed_state if rooms else None
+        if streamed is None:
+            return None
+        read = streamed.slots()
+        same = len(read) == len(named) and all(
+            np.array_equal(r, np.asarray(n, dtype=np.int64))
+            for r, n in zip(read, named, strict=True)
+        )
+        if same:
+            return None
+        return (
+            f"request {room_id}: the state slots read before the last chunk's forward"
+            " differ from those SGLang named after it"
+        )
 
     def abort(self, room_id: int, reason: str) -> None:
         """SGLang's own abort: the writes stop, and the decoders hear at once (SGLang may
@@ -235,11 +269,18 @@ class PrefillMessenger:
 
     # -- layer streamer thread ----------------------------------------------------------
 
-    def write_layers(self, chunks: list[Chunk], layers: range) -> None:
-        """Layer-wise mode: the forward has finished `layers`; queue them for every chunk."""
+    def write_layers(
+        self, chunks: list[Chunk], layers: range, state_layers: frozenset[int] = frozenset()
+    ) -> None:
+        """Layer-wise mode: the forward has finished KV `layers` and the model layers
+        `state_layers` with state besides the KV; queue them for every chunk (the state
+        of a request's last chunk only: final then, `core.layer_steps`)."""
         for chunk in chunks:
+            state = state_layers if chunk.is_last else frozenset()
+            if not layers and not state:
+                continue
             for dest in self._destinations(chunk.room):
-                self.writers.put(LayersJob(dest, chunk, layers))
+                self.writers.put(LayersJob(dest, chunk, layers, state_layers=state))
 
     def forward_done(self, chunks: list[Chunk]) -> None:
         """Layer-wise mode: the device finished the forward of these chunks."""
@@ -396,9 +437,12 @@ class PrefillMessenger:
         """One line per request: what layer-wise streaming hides is visible here."""
         exposed = "" if room.forward_end_s is None else f" forward_end={room.forward_end_s:.6f}"
         exposed += f" last_send={room.last_send_s or 0.0:.6f}"
+        # the state besides the KV written after the last chunk's forward (layer-wise,
+        # each state layer's share goes during it where a step reports that layer)
+        state_after = sum(d.state_bytes_after for d in room.destinations.values())
         logger.info(
             "%s room=%d rank=%d mode=%s tokens=%d held=%d chunks=%d bytes=%d writes=%d "
-            "first_write=%.6f last_chunk_first_write=%.6f%s done=%.6f",
+            "state_after=%d first_write=%.6f last_chunk_first_write=%.6f%s done=%.6f",
             TIMING_LINE_PREFIX,
             room.room,
             self.rank,
@@ -408,6 +452,7 @@ class PrefillMessenger:
             room.chunks,
             room.bytes_sent,
             room.writes_posted,
+            state_after,
             room.first_write_s or 0.0,
             room.last_chunk_first_write_s or 0.0,
             exposed,

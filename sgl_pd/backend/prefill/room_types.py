@@ -8,8 +8,11 @@ as the writer thread's, which only the destination's writer thread touches.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from sgl_pd.core.page_ids import PageIds
 from sgl_pd.core.plan import AddressedPlan, TokenRange
@@ -35,6 +38,23 @@ class Chunk:
     src_first_page: int = 0  # after-forward: SGLang sends no page of a held prefix
 
 
+@dataclass(frozen=True)
+class StreamedState:
+    """A request's state slots on this rank, read before its last chunk's forward, for
+    layer-wise streaming: each state layer's share goes once the forward finished that
+    layer (`core.layer_steps`). SGLang names the same slots in its last send, after the
+    forward; `PrefillRooms.submit_chunk` holds the two to each other."""
+
+    ids: PageIds  # every component's slots, concatenated (may still be on their way)
+    lengths: tuple[int, ...]  # slots of each component
+
+    def slots(self) -> tuple[np.ndarray, ...]:
+        """(slots,) int64 per component; the first call may wait for their copy."""
+        ids = self.ids.array()
+        cuts = np.cumsum((0, *self.lengths))
+        return tuple(ids[a:b] for a, b in itertools.pairwise(cuts))
+
+
 @dataclass
 class Destination:
     """One decode rank that a request's KV (or state) goes to from this prefill rank."""
@@ -47,6 +67,10 @@ class Destination:
     # KV (its share of a Mamba slot, of each window page: `core.state_slices`), per
     # component and region; () when it writes none. Counted as one group.
     state_blocks: tuple[tuple[tuple[Block, ...], ...], ...] = ()
+    # the regions of each component whose share was written already, layer by layer
+    # during the last chunk's forward (writer thread only); the rest go after it
+    state_written: dict[int, set[int]] = field(default_factory=dict)
+    state_bytes_after: int = 0  # of its state, written after that forward (writer only)
     groups_done: int = 0  # groups this rank finished into it: its count word (writer only)
     # chunk index -> its plan, addressed for every layer, until its last layers are written
     plans: dict[int, AddressedPlan] = field(default_factory=dict)  # (writer thread only)
@@ -80,6 +104,8 @@ class Room:
     # this rank's state slots, one list per component (a Mamba slot, the sliding
     # window's pages, ...), from the last send; None until then
     state_slots: tuple[tuple[int, ...], ...] | None = None
+    # layer-wise: the same slots, read before the last chunk's forward; None: not read
+    streamed_state: StreamedState | None = None
     # the prompt's first tokens every decode rank holds already (their prefix caches):
     # no chunk covers them, and SGLang's sends start after them
     held_tokens: int = 0

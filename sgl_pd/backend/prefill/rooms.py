@@ -26,7 +26,7 @@ import numpy as np
 from sgl_pd.backend.prefill import destinations, ends, retention
 from sgl_pd.backend.prefill.drain import FAILED_BATCH_QUARANTINE_S
 from sgl_pd.backend.prefill.room_table import RoomTable
-from sgl_pd.backend.prefill.room_types import Chunk, Destination, Room, WriteEnd
+from sgl_pd.backend.prefill.room_types import Chunk, Destination, Room, StreamedState, WriteEnd
 from sgl_pd.backend.prefill.writes_due import Writes, WritesDue
 from sgl_pd.core.clock import Clock
 from sgl_pd.core.layout import KvLayout
@@ -164,13 +164,21 @@ class PrefillRooms:
     # -- chunks -----------------------------------------------------------------------------
 
     def notice_chunk(
-        self, room_id: int, src_pages: PageIds, end_token: int, is_last: bool
+        self,
+        room_id: int,
+        src_pages: PageIds,
+        end_token: int,
+        is_last: bool,
+        state: StreamedState | None = None,
     ) -> Chunk | None:
-        """Layer-wise mode, before the forward (D7). None when nothing is to be sent."""
+        """Layer-wise mode, before the forward (D7). None when nothing is to be sent.
+        `state`: the request's state slots, read before its last chunk's forward."""
         with self._lock:
             room = self._rooms.get(room_id)
             if room is None or room.error is not None:
                 return None
+            if is_last and state is not None:
+                room.streamed_state = state
             chunk = self._due.notice(room, src_pages, end_token, is_last)
             if chunk is None:
                 return None

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from sgl_pd.backend.failure_cause import cause_of
 from sgl_pd.backend.kv_sums import KvSums, token_slots
 from sgl_pd.backend.pool import PoolDescription
@@ -57,6 +59,9 @@ class LayersJob:
     # an event the chunk's KV is complete after (SGLang's early send under the overlap
     # scheduler: a CUDA event on the forward stream); the writer synchronizes on it
     ready: Any = None
+    # layer-wise, a request's last chunk: the model layers whose state besides the KV
+    # the forward finished, written with these layers (`core.layer_steps`)
+    state_layers: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -118,8 +123,26 @@ class KvWriter:
         self._staging = staging  # gather blocks for strided source slices; None: per slot
         self._sums = sums  # --pd-kv-checksum: what this rank writes is summed as it goes
 
-    def write_layers(self, dest: Destination, chunk: Chunk, layers: range) -> Sent:
-        """Writes `layers` of `chunk` on this rank's links into `dest`."""
+    def write_layers(
+        self,
+        dest: Destination,
+        chunk: Chunk,
+        layers: range,
+        room: Room | None = None,
+        state_layers: frozenset[int] = frozenset(),
+    ) -> Sent:
+        """Writes `layers` of `chunk` on this rank's links into `dest`, after this rank's
+        share of the state of `state_layers` (model layer ids) of `room`, if any: that
+        state is counted with the metadata (`_write_state`), not here."""
+        state = Sent()
+        if state_layers and room is not None and dest.writes_state:
+            state = self._write_streamed_state(dest, room, state_layers)
+        if not layers:
+            return state
+        kv = self._write_kv_layers(dest, chunk, layers)
+        return Sent(state.bytes + kv.bytes, state.writes + kv.writes)
+
+    def _write_kv_layers(self, dest: Destination, chunk: Chunk, layers: range) -> Sent:
         decoder = dest.request.decoder
         addressed = self._addressed(dest, chunk)
         ungathered = dest.ungathered.get(chunk.index)
@@ -308,11 +331,44 @@ class KvWriter:
         )
         return sent
 
+    def _write_streamed_state(
+        self, dest: Destination, room: Room, state_layers: frozenset[int]
+    ) -> Sent:
+        """Layer-wise, during the last chunk's forward: this rank's share of the state
+        regions of `state_layers` into `dest`, from the slots read before the forward
+        (`Room.streamed_state`). Nothing when none were read: then all of it goes after
+        the forward."""
+        streamed = room.streamed_state
+        if streamed is None:
+            return Sent()
+        regions = self._regions_of(state_layers)
+        writes = self._state_writes(dest, streamed.slots(), regions)
+        if len(writes):
+            self._engine.write(dest.request.decoder.session, writes)
+        return Sent(writes.total_bytes, len(writes))
+
+    def _regions_of(self, state_layers: frozenset[int]) -> tuple[frozenset[int], ...]:
+        """Per state component, its regions that hold a layer of `state_layers`."""
+        layers_of = self.pool.state_layers or ((),) * len(self.pool.state)
+        return tuple(
+            frozenset(r for r, layer in enumerate(ids) if layer in state_layers)
+            for ids in layers_of
+        )
+
     def _write_state(self, dest: Destination, room: Room) -> Sent:
-        """This rank's slice of the request's state into `dest`, then its count word one
-        group on (`core.counting`: the state group, after every chunk's)."""
+        """After the last chunk's forward: this rank's share of the request's state
+        regions not written during it, then its count word one group on
+        (`core.counting`: the state group, after every chunk's, which covers the
+        regions written layer by layer too: they landed on this thread before)."""
         request = dest.request
-        writes = self._state_writes(dest, room)
+        if room.state_slots is None:
+            raise SglPdError(f"request {request.request_id}: SGLang named no state slots")
+        remaining = tuple(
+            frozenset(range(len(c.regions))) - dest.state_written.get(i, set())
+            for i, c in enumerate(self.pool.state)
+        )
+        writes = self._state_writes(dest, room.state_slots, remaining)
+        dest.state_bytes_after += writes.total_bytes
         # SGLang frees the state slots once the request polls failed (they are not
         # pinned, as its pages are): only a request still live once the batch landed
         # read an intact state, and only then does its count go
@@ -327,29 +383,41 @@ class KvWriter:
         self._words.send_many(request.decoder.session, MetadataWrites.empty(), [word])
         return Sent(writes.total_bytes, len(writes))
 
-    def _state_writes(self, dest: Destination, room: Room) -> Writes:
-        """This rank's blocks of the request's state slots into the decode rank's, slot
-        pair by slot pair in order (the same window positions on both sides,
-        `core.sliding_window`), region by region: a whole slot per region at one TP size,
-        this rank's share of the sliced axis at another (`core.state_slices`;
-        `destinations.join` refused pairs that cannot be split, and chose the blocks)."""
+    def _state_writes(
+        self,
+        dest: Destination,
+        src_state: Sequence[Sequence[int] | np.ndarray],
+        regions: tuple[frozenset[int], ...],
+    ) -> Writes:
+        """This rank's blocks of `regions` (per component) of the request's state slots
+        `src_state` into the decode rank's, slot pair by slot pair in order (the same
+        window positions on both sides, `core.sliding_window`), region by region: a whole
+        slot per region at one TP size, this rank's share of the sliced axis at another
+        (`core.state_slices`; `destinations.join` refused pairs that cannot be split, and
+        chose the blocks). Marks them written into `dest`."""
         request = dest.request
         mine, theirs = self.pool.state, request.decoder.state
         if len(mine) != len(theirs) or len(request.state_slots) != len(theirs):
             raise SglPdError(f"request {request.request_id}: the two sides' state differs")
-        if room.state_slots is None:
-            raise SglPdError(f"request {request.request_id}: SGLang named no state slots")
+        if len(src_state) != len(mine):
+            raise SglPdError(f"request {request.request_id}: SGLang named other state slots")
         parts = []
-        for component, target, src_slots, dst_slots, blocks in zip(
-            mine, theirs, room.state_slots, request.state_slots, dest.state_blocks, strict=True
-        ):
+        for i, (component, target, src_slots, dst_slots, blocks, wanted) in enumerate(
+            zip(
+                mine, theirs, src_state, request.state_slots, dest.state_blocks, regions,
+                strict=True,
+            )
+        ):  # fmt: skip
             if len(src_slots) != len(dst_slots):
                 raise SglPdError(
                     f"request {request.request_id}: the prefill named {len(src_slots)}"
                     f" {component.kind} state slots and the decoder {len(dst_slots)}"
                 )
-            if src_slots and any(blocks):
-                columns = slot_writes(component, target, blocks, src_slots, dst_slots)
+            if not wanted:
+                continue
+            dest.state_written.setdefault(i, set()).update(wanted)
+            if len(src_slots) and any(blocks[r] for r in wanted):
+                columns = slot_writes(component, target, blocks, src_slots, dst_slots, wanted)
                 parts.append(MetadataWrites.of(*columns))
         return MetadataWrites.concat(parts)
 
@@ -467,7 +535,9 @@ class DestinationWriters:
                     if self._rooms.frozen():  # stopped while waiting
                         self._fail_frozen(room_id)
                         return
-                sent = self._writer.write_layers(job.destination, job.chunk, job.layers)
+                sent = self._writer.write_layers(
+                    job.destination, job.chunk, job.layers, room, job.state_layers
+                )
             else:
                 sent = self._writer.write_metadata(job.destination, room.aux_index, room)
                 done = True
