@@ -2,8 +2,9 @@
 # Everything in sgl_pd that needs an NVIDIA GPU, in one command (about 5 minutes on one
 # H200): the GPU tests (tests/gpu), the progress-counter benchmark (D8), Mooncake writes
 # between GPU buffers through sgl_pd's transfer layer, and a cuMem export/import between
-# two processes (D11), and the KV checksums' cost on CUDA (the GPUDirect write flush is
-# in tests/gpu). Runs from the checkout's root with the machine's python3 (CUDA,
+# two processes (D11), the KV checksums' cost on CUDA (the GPUDirect write flush is
+# in tests/gpu), and DeepSeek-V4's and DSA's state components moved between device
+# buffers of their shapes as planned (SGLang itself does not fit the machine). Runs from the checkout's root with the machine's python3 (CUDA,
 # PyTorch, numpy, pytest); packages it lacks come from benchmarks/gpu/wheels and Debian
 # libraries from benchmarks/gpu/debs (fetch_wheels.sh makes both; no network needed).
 # Ends with one JSON line: every check's result.
@@ -59,6 +60,7 @@ run progress_counter 150 "$py" benchmarks/gpu/bench_progress_counter.py --quick
 run transfer_gpu 90 "$py" benchmarks/gpu/transfer_gpu.py
 run cumem 60 "$py" benchmarks/gpu/cumem_check.py
 run kv_checksum 120 "$py" benchmarks/bench_checksum.py --quick --device cuda
+run state_components 90 "$py" benchmarks/gpu/state_components_gpu.py
 
 joined="$(IFS=,; echo "${results[*]}")"
 echo "{\"gpu_check\": {${joined}}}"
