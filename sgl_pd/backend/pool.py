@@ -141,7 +141,7 @@ def describe_pool(
         aux_item_bytes=aux_items,
         aux_rows=aux_rows,
         state=state,
-        state_layers=state_region_layers(kv_args, state, sliding_layers),
+        state_layers=state_region_layers(kv_args, state, sliding_layers, is_mla),
     )
 
 
@@ -193,7 +193,7 @@ def state_slots(
 
 
 def state_region_layers(
-    kv_args: Any, state: tuple[StateSlots, ...], sliding_layers: frozenset[int]
+    kv_args: Any, state: tuple[StateSlots, ...], sliding_layers: frozenset[int], is_mla: bool
 ) -> tuple[tuple[int, ...], ...]:
     """The model layer each region of each state component holds, for layer-wise
     streaming (`core.layer_steps`): a Mamba pool lists its regions tensor by tensor, each
@@ -207,10 +207,8 @@ def state_region_layers(
         ids: list[int] = []
         if component.kind == "mamba":
             ids = [int(n) for n in _listed(kv_args, "state_layer_ids", i)]
-        elif component.kind in WINDOW_KINDS and sliding and count % len(sliding) == 0:
+        elif component.kind in WINDOW_KINDS and count == len(sliding) * (1 if is_mla else 2):
             ids = [sliding[r % len(sliding)] for r in range(count)]
-            if count // len(sliding) not in (1, 2):  # neither K and V, nor one latent
-                ids = []
         layers.append(tuple(ids) if len(ids) == count else ())
     return tuple(layers)
 

@@ -16,10 +16,11 @@ the request complete only once every writer's share landed. The state is final w
 goes: after the forward, SGLang names the slots in its last send, after the last
 chunk's forward (`prefill.writer.KvWriter.write_metadata`); layer-wise, the slots are
 read before that forward and each state layer's regions go once the forward reports
-that layer (`core.layer_steps`), the rest after it - and SGLang's names must then equal
-the slots read, or the request fails. Either way the state covers the prompt's first
-n - 1 tokens under the decoder-sampled first token, whose decode step then reads token
-n - 1: the state and the window it needs.
+that layer (`core.layer_steps`), the rest after it; where SGLang then names other slots
+(its prefix cache swapped a window page for the tree's, of the same KV), every region
+goes again from those, after the forward, before the count. Either way the state
+covers the prompt's first n - 1 tokens under the decoder-sampled first token, whose
+decode step then reads token n - 1: the state and the window it needs.
 
 The prefill's slots are not pinned (as its KV pages are): SGLang keeps a request's
 slots until its sender polls done (only once every write landed) or failed (at once,

@@ -4,6 +4,7 @@ through (KV under re-layout, checksums, state slices besides the KV)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -166,6 +167,35 @@ def _pool(layout, lh, engine, fill, draft=0, state=(), state_layers=()):
     return pool, (kv, aux)
 
 
+def _drained(messenger: PrefillMessenger):  # type: ignore[no-untyped-def]
+    """Counts `messenger`'s write jobs from `put` to their end; returns a wait for none
+    left (each job, its state writes included, then landed)."""
+    writers = messenger.writers
+    pending, cond = [0], threading.Condition()
+    put, execute = writers.put, writers._execute
+
+    def counted_put(job):  # type: ignore[no-untyped-def]
+        with cond:
+            pending[0] += 1
+        put(job)
+
+    def counted_execute(job):  # type: ignore[no-untyped-def]
+        try:
+            execute(job)
+        finally:
+            with cond:
+                pending[0] -= 1
+                cond.notify_all()
+
+    writers.put, writers._execute = counted_put, counted_execute
+
+    def wait() -> None:
+        with cond:
+            assert cond.wait_for(lambda: pending[0] == 0, timeout=10), "write jobs did not end"
+
+    return wait
+
+
 def _registration(
     role, rank, scheme, engine, pool, instance, layer_group_size, completion=None, staging=None
 ):
@@ -198,6 +228,7 @@ class Cluster:
         self.state_memory: dict[str, list] = {"prefill": [], "decode": []}
         self.keep = []
         self.prefills, self.pregs, self.decoders, self.dregs = [], [], [], []
+        self._drains = []  # per prefill rank: waits for its write jobs to end
         ps = ShardingScheme(ptp)
         for r in range(ptp):
             eng = FakeTransferEngine(self.fabric)
@@ -220,6 +251,7 @@ class Cluster:
                 staging=staging,
             )
             self.prefills.append(m)
+            self._drains.append(_drained(m))
             self.pregs.append(
                 _registration(Role.PREFILL, r, ps, eng, pool, 100 + r, m.layer_group_size)
             )
@@ -263,6 +295,42 @@ class Cluster:
         )
         self.keep.append(mem)
         return pool
+
+    def _last_forward(self, p, chunks, steps: LayerSteps, src_state) -> None:  # type: ignore[no-untyped-def]
+        """The last chunk's forward as the state sees it: each state region of the
+        request's slots holds zeros (the decoders' starting bytes) until the step of its
+        layer, when the layer "computes" its bytes; every write job then drains before
+        the next step, so a region written before its layer ran lands zeros."""
+        assert self.state is not None
+        buffers = self.state_memory["prefill"][p.rank]
+        final: dict[tuple[int, int], dict[int, bytes]] = {}
+        for comp, layers in enumerate(self.state.layers):
+            for reg in range(len(layers)):
+                buf, item = buffers[comp][reg], p.rooms.state_slots[comp].slot_bytes[reg]
+                final[comp, reg] = {
+                    slot: buf[slot * item : (slot + 1) * item].tobytes() for slot in src_state[comp]
+                }
+                for slot in src_state[comp]:
+                    buf[slot * item : (slot + 1) * item] = 0
+
+        def compute(layer: int | None) -> None:
+            for (comp, reg), slots in final.items():
+                if layer is None or self.state.layers[comp][reg] == layer:
+                    item = p.rooms.state_slots[comp].slot_bytes[reg]
+                    for slot, data in slots.items():
+                        buffers[comp][reg][slot * item : (slot + 1) * item] = np.frombuffer(
+                            data, np.uint8
+                        )
+
+        drained = self._drains[p.rank]
+        for step in range(len(steps)):
+            one = range(step, step + 1)
+            state_layers = steps.state_layers(one)
+            for layer in state_layers:
+                compute(layer)
+            p.write_layers(chunks, steps.kv_layers(one), state_layers)
+            drained()
+        compute(None)  # regions in layers no step reports: final once the forward ended
 
     def _steps(self, num_kv_layers: int) -> LayerSteps | None:
         """The forward's steps where the state model places its regions in layers."""
@@ -353,10 +421,12 @@ class Cluster:
                     chunks = [] if c is None else [c]
                     if steps is None:
                         p.write_layers(chunks, target)
-                    else:
+                    elif not last:
                         for step in range(len(steps)):
                             one = range(step, step + 1)
                             p.write_layers(chunks, steps.kv_layers(one), steps.state_layers(one))
+                    else:
+                        self._last_forward(p, chunks, steps, src_state)
                     p.forward_done(chunks)
                     if last and before_last_send is not None:
                         before_last_send(p.rank)

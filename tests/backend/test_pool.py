@@ -176,6 +176,10 @@ def test_each_state_region_names_the_model_layer_it_holds() -> None:
     window = SimpleNamespace(**_swa_args(1))  # one sliding layer's K and V
     pool = describe_pool(window, is_mla=False, window=16, sliding_layers=frozenset({5}))
     assert pool.state_layers == ((5, 5),)
+    # two buffers over two sliding layers: an MLA pool's latent per layer; an MHA pool
+    # that holds other layers than the model's sliding ones says nothing
+    pool = describe_pool(window, is_mla=True, window=16, sliding_layers=frozenset({1, 5}))
+    assert pool.state_layers == ((1, 5),)
     pool = describe_pool(window, is_mla=False, window=16, sliding_layers=frozenset({1, 5}))
-    assert pool.state_layers == ((1, 5),)  # (an MLA pool's: one latent buffer a layer)
+    assert pool.state_layers == ((),)
     assert describe_pool(window, is_mla=False, window=16).state_layers == ((),)

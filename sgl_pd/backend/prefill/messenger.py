@@ -209,11 +209,8 @@ class PrefillMessenger:
         """`ready`: an event (``synchronize()``) the KV of this send is complete after;
         the writer waits on it, never the scheduler. `state_slots`: the request's state
         slots (a Mamba slot, the sliding window's pages), named in the last send."""
-        if state_slots is not None:
-            why = self._streamed_state_differs(room_id, state_slots)
-            if why is not None:
-                self.fail(room_id, why)
-                return
+        if state_slots is not None and self._streamed_state_differs(room_id, state_slots):
+            self.rooms.state_renamed(room_id)
         writes = self.rooms.submit_chunk(room_id, pages, num_tokens, state_slots)
         for chunk, layers in writes:
             for dest in self._destinations(room_id):
@@ -222,28 +219,20 @@ class PrefillMessenger:
         self.rooms.writes_queued(room_id, writes)
         self._queue_metadata(room_id)
 
-    def _streamed_state_differs(
-        self, room_id: int, named: tuple[tuple[int, ...], ...]
-    ) -> str | None:
-        """Why the state slots SGLang names after the last chunk's forward are not those
-        read before it, whose layers went during the forward; None when they are (or
-        none were read). The slots are SGLang's; a difference would be a misreading of
-        its tables here, and the request fails rather than have the decoder read state
-        from other slots."""
+    def _streamed_state_differs(self, room_id: int, named: tuple[tuple[int, ...], ...]) -> bool:
+        """Whether the state slots SGLang names after the last chunk's forward differ
+        from those read before it, whose layers went during the forward. They may: a
+        window page whose KV SGLang's prefix cache already held is swapped for the
+        tree's after the forward (its duplicate freed), so SGLang names the tree's
+        page, of the same KV, and this request's may be reused at once."""
         rooms = self.rooms.rooms_of([room_id])
         streamed = rooms[0].streamed_state if rooms else None
         if streamed is None:
-            return None
+            return False
         read = streamed.slots()
-        same = len(read) == len(named) and all(
+        return len(read) != len(named) or not all(
             np.array_equal(r, np.asarray(n, dtype=np.int64))
             for r, n in zip(read, named, strict=True)
-        )
-        if same:
-            return None
-        return (
-            f"request {room_id}: the state slots read before the last chunk's forward"
-            " differ from those SGLang named after it"
         )
 
     def abort(self, room_id: int, reason: str) -> None:

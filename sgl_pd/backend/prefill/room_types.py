@@ -42,8 +42,9 @@ class Chunk:
 class StreamedState:
     """A request's state slots on this rank, read before its last chunk's forward, for
     layer-wise streaming: each state layer's share goes once the forward finished that
-    layer (`core.layer_steps`). SGLang names the same slots in its last send, after the
-    forward; `PrefillRooms.submit_chunk` holds the two to each other."""
+    layer (`core.layer_steps`). SGLang names the slots again in its last send, after the
+    forward; where it names others (`PrefillMessenger._streamed_state_differs`), every
+    region goes again from those (`Room.state_renamed`)."""
 
     ids: PageIds  # every component's slots, concatenated (may still be on their way)
     lengths: tuple[int, ...]  # slots of each component
@@ -106,6 +107,10 @@ class Room:
     state_slots: tuple[tuple[int, ...], ...] | None = None
     # layer-wise: the same slots, read before the last chunk's forward; None: not read
     streamed_state: StreamedState | None = None
+    # SGLang named other slots after that forward (its prefix cache swapped the
+    # request's pages for the tree's, of the same KV): every region is written again
+    # from those, after the forward
+    state_renamed: bool = False
     # the prompt's first tokens every decode rank holds already (their prefix caches):
     # no chunk covers them, and SGLang's sends start after them
     held_tokens: int = 0

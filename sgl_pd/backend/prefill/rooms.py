@@ -214,6 +214,14 @@ class PrefillRooms:
                 room.last_send_s = self._clock.monotonic()
             return due
 
+    def state_renamed(self, room_id: int) -> None:
+        """SGLang's last send named other state slots than those read before the last
+        chunk's forward: every region goes again, after it (`KvWriter._write_state`)."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+            if room is not None:
+                room.state_renamed = True
+
     def writes_queued(self, room_id: int, writes: Writes) -> None:
         """The writes `submit_chunk` returned are queued for every destination."""
         with self._lock:

@@ -363,8 +363,12 @@ class KvWriter:
         request = dest.request
         if room.state_slots is None:
             raise SglPdError(f"request {request.request_id}: SGLang named no state slots")
+        # every region again where SGLang named other slots than those streamed from:
+        # this job follows every streamed one on this thread, so its bytes are the last
+        renamed = room.state_renamed
         remaining = tuple(
-            frozenset(range(len(c.regions))) - dest.state_written.get(i, set())
+            frozenset(range(len(c.regions)))
+            - (set() if renamed else dest.state_written.get(i, set()))
             for i, c in enumerate(self.pool.state)
         )
         writes = self._state_writes(dest, room.state_slots, remaining)
