@@ -30,12 +30,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
 from sgl_pd.cluster.conversations import Reply, replay, wrong_turns
-from sgl_pd.cluster.local import Patience, monolithic_server, pd_cluster, start_side_by_side
+from sgl_pd.cluster.local import (
+    Patience,
+    PdCluster,
+    monolithic_server,
+    pd_cluster,
+    start_side_by_side,
+)
 from sgl_pd.cluster.logs import (
     PoolStates,
     decode_failures,
@@ -52,7 +57,7 @@ from .transformers_answers import (
     answer_monolithic,
     ask_all,
     mismatches,
-    refused_decoder_log,
+    refusing_decoder,
     transformers_reference,
     until_eos,
     wrong_answers,
@@ -87,17 +92,34 @@ class PdRun:
     state_after: list[tuple[str, int, int]]
 
 
+@dataclass(frozen=True)
+class Tp2Run:
+    answers: list[list[int]]
+    replies: list[list[Reply]]
+    sent: int  # timing lines of the prefill server: one per request
+    failures: dict[str, str]  # rid -> why the decoder failed its transfer
+    pools: PoolStates | None
+
+
+@dataclass(frozen=True)
+class Runs:
+    mono: MonoRun
+    pd: PdRun
+    tp2: Tp2Run
+    refused_log: str  # a decoder asked for local prefill: its log, once it exited
+
+
 @pytest.fixture(scope="module")
-def runs(
-    tmp_path_factory: pytest.TempPathFactory, patience: Patience
-) -> Iterator[tuple[MonoRun, PdRun]]:
-    """A monolithic server and a PD cluster (a decoder with its prefix cache, and two
-    prefill servers: layer-wise and after the forward) start side by side, then answer
-    one after the other."""
+def runs(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterator[Runs]:
+    """A monolithic server, a PD cluster (a decoder with its prefix cache, and two
+    prefill servers: layer-wise and after the forward), a TP1 prefill server streaming
+    layer by layer into a TP2 decoder, and a decoder asked for local prefill (which
+    refuses) start side by side, then answer one after the other."""
     with pytest.MonkeyPatch.context() as patch, contextlib.ExitStack() as stack:
         for name, value in ENV.items():
             patch.setenv(name, value)
-        server, cluster = start_side_by_side(
+        refusal = [*COMMON_ARGS, *DECODE_LOCAL_PREFILL, "--pd-local-prefill-max-tokens", "64"]
+        server, cluster, tp2_cluster, refused_log = start_side_by_side(
             stack,
             monolithic_server(
                 tmp_path_factory.mktemp("qwen3-next-mono"),
@@ -113,44 +135,75 @@ def runs(
                 decode_extra=[*COMMON_ARGS, *DECODE_LOCAL_PREFILL],
                 patience=patience,
             ),
+            pd_cluster(
+                tmp_path_factory.mktemp("qwen3-next-tp2"),
+                model=TINY_QWEN3_NEXT_PATH,
+                prefill_extra=[*COMMON_ARGS, "--pd-kv-send", "layerwise"],
+                decode_extra=[*COMMON_ARGS, "--tp", "2", *DECODE_LOCAL_PREFILL],
+                patience=patience,
+            ),
+            refusing_decoder(
+                TINY_QWEN3_NEXT_PATH, refusal, tmp_path_factory.mktemp("refused"), patience
+            ),
         )
         mono = answer_monolithic(
             server, prompts=PROMPTS, rounds=ROUNDS, openers=CONVERSATION_OPENERS
         )
-        rounds = [ask_all(cluster.router_url, PROMPTS) for _ in range(2)]
-        replies = replay(cluster.router_url, mono.conversations, concurrency=2)
-        servers = {"prefill": cluster.prefill, "decode": cluster.decode}
-        states = wait_pools_idle(servers, patience.seconds(60))
-        lines = [
-            line
-            for prefill in (cluster.prefill, *cluster.more_prefills)
-            for line in timing_lines(prefill.process.log_path)
-        ]
-        yield (
-            mono,
-            PdRun(
-                rounds,
-                replies,
-                [(int(line["tokens"]), int(line["held"])) for line in lines],
-                {str(line["mode"]) for line in lines},
-                cluster.decode.process.log_path.read_text(errors="replace"),
-                None if pools_idle(servers, states) else states,
-                [
-                    (str(line["mode"]), int(line["chunks"]), int(line["state_after"]))
-                    for line in lines
-                ],
-            ),
-        )
+        yield Runs(mono, _pd_run(cluster, mono, patience), _tp2_run(tp2_cluster, mono, patience),
+                   refused_log())  # fmt: skip
+
+
+def _pd_run(cluster: PdCluster, mono: MonoRun, patience: Patience) -> PdRun:
+    rounds = [ask_all(cluster.router_url, PROMPTS) for _ in range(2)]
+    replies = replay(cluster.router_url, mono.conversations, concurrency=2)
+    servers = {"prefill": cluster.prefill, "decode": cluster.decode}
+    states = wait_pools_idle(servers, patience.seconds(60))
+    lines = [
+        line
+        for prefill in (cluster.prefill, *cluster.more_prefills)
+        for line in timing_lines(prefill.process.log_path)
+    ]
+    return PdRun(
+        rounds,
+        replies,
+        [(int(line["tokens"]), int(line["held"])) for line in lines],
+        {str(line["mode"]) for line in lines},
+        cluster.decode.process.log_path.read_text(errors="replace"),
+        None if pools_idle(servers, states) else states,
+        [(str(line["mode"]), int(line["chunks"]), int(line["state_after"])) for line in lines],
+    )
+
+
+def _tp2_run(cluster: PdCluster, mono: MonoRun, patience: Patience) -> Tp2Run:
+    """The TP1 prefill server feeding the TP2 decoder: its one rank cuts each decode
+    rank's share out of its slots (the recurrent state's heads, the conv state's
+    [q | k | v] channels each block in two)."""
+    answers = ask_all(cluster.router_url, PROMPTS)
+    replies = replay(cluster.router_url, mono.conversations, concurrency=2)
+    servers = {"prefill": cluster.prefill, "decode": cluster.decode}
+    states = wait_pools_idle(servers, patience.seconds(90))
+    return Tp2Run(
+        answers,
+        replies,
+        len(timing_lines(cluster.prefill.process.log_path)),
+        decode_failures([cluster.decode.process.log_path]),
+        None if pools_idle(servers, states) else states,
+    )
 
 
 @pytest.fixture(scope="module")
-def mono(runs: tuple[MonoRun, PdRun]) -> MonoRun:
-    return runs[0]
+def mono(runs: Runs) -> MonoRun:
+    return runs.mono
 
 
 @pytest.fixture(scope="module")
-def pd(runs: tuple[MonoRun, PdRun]) -> PdRun:
-    return runs[1]
+def pd(runs: Runs) -> PdRun:
+    return runs.pd
+
+
+@pytest.fixture(scope="module")
+def tp2(runs: Runs) -> Tp2Run:
+    return runs.tp2
 
 
 def test_a_gated_deltanet_model_on_cpu_gives_transformers_tokens(mono: MonoRun) -> None:
@@ -210,46 +263,6 @@ def test_through_pd_conversations_hold_prefixes_and_match(pd: PdRun) -> None:
     assert any(held > 0 for _tokens, held in pd.held), pd.held
 
 
-@dataclass(frozen=True)
-class Tp2Run:
-    answers: list[list[int]]
-    replies: list[list[Reply]]
-    sent: int  # timing lines of the prefill server: one per request
-    failures: dict[str, str]  # rid -> why the decoder failed its transfer
-    pools: PoolStates | None
-
-
-@pytest.fixture(scope="module")
-def tp2(
-    tmp_path_factory: pytest.TempPathFactory, patience: Patience, mono: MonoRun, pd: PdRun
-) -> Iterator[Tp2Run]:
-    """A TP1 prefill server streaming layer by layer into a TP2 decoder: its one rank
-    cuts each decode rank's share out of its slots (the recurrent state's heads, the conv
-    state's [q | k | v] channels each block in two). (Once the servers above answered:
-    three ranks take the two cores.)"""
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in ENV.items():
-            patch.setenv(name, value)
-        with pd_cluster(
-            tmp_path_factory.mktemp("qwen3-next-tp2"),
-            model=TINY_QWEN3_NEXT_PATH,
-            prefill_extra=[*COMMON_ARGS, "--pd-kv-send", "layerwise"],
-            decode_extra=[*COMMON_ARGS, "--tp", "2", *DECODE_LOCAL_PREFILL],
-            patience=patience,
-        ) as cluster:
-            answers = ask_all(cluster.router_url, PROMPTS)
-            replies = replay(cluster.router_url, mono.conversations, concurrency=2)
-            servers = {"prefill": cluster.prefill, "decode": cluster.decode}
-            states = wait_pools_idle(servers, patience.seconds(90))
-            yield Tp2Run(
-                answers,
-                replies,
-                len(timing_lines(cluster.prefill.process.log_path)),
-                decode_failures([cluster.decode.process.log_path]),
-                None if pools_idle(servers, states) else states,
-            )
-
-
 def test_a_tp1_prefill_server_feeds_each_tp2_rank_its_share_of_the_state(
     mono: MonoRun, tp2: Tp2Run
 ) -> None:
@@ -261,10 +274,6 @@ def test_a_tp1_prefill_server_feeds_each_tp2_rank_its_share_of_the_state(
     assert tp2.pools is None, tp2.pools
 
 
-def test_a_decoder_asked_for_local_prefill_refuses_to_start_and_says_why(
-    tmp_path: Path, patience: Patience, tp2: Tp2Run
-) -> None:
-    """(Once the servers above answered: a start takes a core.)"""
-    args = [*COMMON_ARGS, *DECODE_LOCAL_PREFILL, "--pd-local-prefill-max-tokens", "64"]
-    log = refused_decoder_log(TINY_QWEN3_NEXT_PATH, args, tmp_path, patience)
+def test_a_decoder_asked_for_local_prefill_refuses_to_start_and_says_why(runs: Runs) -> None:
+    log = runs.refused_log
     assert "is not served with a model with Mamba / linear-attention state" in log, log[-3000:]

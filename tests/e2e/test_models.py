@@ -6,7 +6,7 @@ The monolithic servers start side by side; each in turn then collects every answ
 tests look at (the greedy reference for the PD runs included); they stop together. Each
 PD cluster has two prefill servers, one streaming layer by layer and one sending after
 the forward, which the router takes in turn: one cluster covers both send modes at one
-page size.
+page size. Tiny Qwen3-MoE goes through PD at TP 2 on both sides.
 """
 
 from __future__ import annotations
@@ -302,19 +302,6 @@ def deepseek_nextn_pd_page64(
     )
 
 
-@pytest.fixture(scope="module")
-def qwen3_moe_pd_page16(
-    tmp_path_factory: pytest.TempPathFactory, patience: Patience, qwen3_moe: Run
-) -> Iterator[PdRun]:
-    yield serve_pd(
-        tmp_path_factory.mktemp("qwen3-moe-pd-16"),
-        TINY_QWEN3_MOE_PATH,
-        ["--page-size", "16"],
-        patience,
-        qwen3_moe.conversations,
-    )
-
-
 def _assert_same_tokens(reference: Run, pd: PdRun) -> None:
     mismatches = [
         (i, want.ids, got.ids)
@@ -403,25 +390,6 @@ def test_deepseek_nextn_conversations_hold_prefixes_and_accept_drafts(
     assert abs(pd_rate - mono_rate) <= 0.05, (mono_rate, pd_rate)
 
 
-def test_qwen3_moe_through_pd_gives_monolithic_tokens(
-    qwen3_moe: Run, qwen3_moe_pd_page16: PdRun
-) -> None:
-    """At 16 tokens a page (a page of 1 is the Llama modules' and DeepSeek's here: the
-    MoE layers change nothing the transfer sees)."""
-    pd = qwen3_moe_pd_page16
-    _assert_same_tokens(qwen3_moe, pd)
-    _assert_served_well(pd)
-    _assert_conversations_hold_and_match(pd)
-
-
-def test_parallel_sampling_is_refused_with_its_reason(qwen3_moe_pd_page16: PdRun) -> None:
-    """n > 1 cannot work through SGLang's PD (the copies share one bootstrap room): the
-    client is told so, nothing hangs, and no page is left behind (checked above)."""
-    answer = qwen3_moe_pd_page16.parallel_sampling
-    assert answer.status_code == 400, answer.text
-    assert "send n separate requests" in answer.text, answer.text
-
-
 # -- sharded servers through the router --------------------------------------------------
 
 SHARDED_PROMPTS = 24  # the first PD prompts: up to ~450 tokens; 5 ranks share two cores
@@ -438,6 +406,7 @@ class ShardedRun:
     # prompt tokens the decoder held (one prefill rank's lines)
     replies: dict[tuple[str, str], list[list[Reply]]]
     held: dict[tuple[str, str], list[int]]
+    parallel_sampling: requests.Response | None = None  # the answer to a request with n = 2
 
 
 def serve_sharded(
@@ -447,10 +416,12 @@ def serve_sharded(
     routes: list[tuple[str, str]],
     patience: Patience,
     conversations: list[Conversation],
+    ask_parallel: bool = False,
 ) -> ShardedRun:
     """`servers` with one router per route; the sharded prompts through each route in
     turn, and the conversations (each route's decoder has a prefix cache of its own),
-    then every rank's idle pool."""
+    then every rank's idle pool. `ask_parallel`: also a request with n = 2 through the
+    first route."""
     prompts = PD_PROMPTS[:SHARDED_PROMPTS]
     with pd_mesh(log_dir, servers, routes, model=model, patience=patience) as mesh:
         answers, replies, held = {}, {}, {}
@@ -462,6 +433,13 @@ def serve_sharded(
             before = len(timing_lines(log))
             replies[route] = replay(url, conversations, concurrency=3)
             held[route] = [int(line["held"]) for line in timing_lines(log)[before:]]
+        parallel = None
+        if ask_parallel:
+            parallel = requests.post(
+                f"{mesh.router(*routes[0])}/generate",
+                json={"text": "Days: Friday", "sampling_params": {"max_new_tokens": 4, "n": 2}},
+                timeout=REQUEST_TIMEOUT_S,
+            )
         ranks = {name: scheduler_ranks(s.process.argv) for name, s in mesh.servers.items()}
         pools = wait_pools_idle(mesh.servers, patience.seconds(90))
         timing = {
@@ -470,7 +448,7 @@ def serve_sharded(
             if s.process.name.startswith("p_")
         }
         logs = {n: s.process.log_path.read_text(errors="replace") for n, s in mesh.servers.items()}
-    return ShardedRun(answers, timing, pools, ranks, logs, replies, held)
+    return ShardedRun(answers, timing, pools, ranks, logs, replies, held, parallel)
 
 
 def _sharded_args(extra: list[str]) -> tuple[str, ...]:
@@ -506,8 +484,10 @@ def deepseek_nextn_sharded(
 def qwen3_moe_sharded(
     tmp_path_factory: pytest.TempPathFactory, patience: Patience, qwen3_moe: Run
 ) -> ShardedRun:
-    """4 KV heads over TP2 on both sides (D12), the experts split over both ranks."""
-    args = _sharded_args(["--tp", "2"])
+    """4 KV heads over TP2 on both sides (D12), the experts split over both ranks, at 16
+    tokens a page (a page of 1 is the Llama modules' and DeepSeek's here: the MoE layers
+    change nothing the transfer sees)."""
+    args = _sharded_args(["--tp", "2", "--page-size", "16"])
     return serve_sharded(
         tmp_path_factory.mktemp("qwen3-moe-sharded"),
         TINY_QWEN3_MOE_PATH,
@@ -518,6 +498,7 @@ def qwen3_moe_sharded(
         [("p_tp2", "d_tp2")],
         patience,
         qwen3_moe.conversations,
+        ask_parallel=True,
     )
 
 
@@ -585,6 +566,14 @@ def test_qwen3_moe_tp2_to_tp2_gives_monolithic_tokens(
     _assert_sharded_tokens(qwen3_moe, qwen3_moe_sharded.answers)
     _assert_sharded_conversations(qwen3_moe_sharded, ("p_tp2", "d_tp2"), 2)
     _assert_every_rank_idle(qwen3_moe_sharded)
+
+
+def test_parallel_sampling_is_refused_with_its_reason(qwen3_moe_sharded: ShardedRun) -> None:
+    """n > 1 cannot work through SGLang's PD (the copies share one bootstrap room): the
+    client is told so, nothing hangs, and no page is left behind (checked above)."""
+    answer = qwen3_moe_sharded.parallel_sampling
+    assert answer is not None and answer.status_code == 400, answer
+    assert "send n separate requests" in answer.text, answer.text
 
 
 @pytest.fixture(scope="module")

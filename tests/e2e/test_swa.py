@@ -62,7 +62,7 @@ from .transformers_answers import (
     MonoRun,
     answer_monolithic,
     mismatches,
-    refused_decoder_log,
+    refusing_decoder,
     transformers_reference,
     wrong_answers,
 )
@@ -144,6 +144,7 @@ class Runs:
     pd: PdRun
     abort: AbortRun
     gemma3_pd: GemmaRun
+    refused_log: str  # a decoder asked for checksums beside the window: its log, exited
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +155,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterat
     (the variable reaches every server; only the monolithic one keeps a hybrid pool)."""
     with pytest.MonkeyPatch.context() as patch, contextlib.ExitStack() as stack:
         patch.setenv("SGLANG_SWA_EVICTION_INTERVAL", "1")
-        server, mellum, gemma = start_side_by_side(
+        server, mellum, gemma, refused_log = start_side_by_side(
             stack,
             monolithic_server(
                 tmp_path_factory.mktemp("mellum-mono"),
@@ -171,6 +172,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterat
                 prefill_only=["--pd-inject-write-delay-ms", str(WRITE_DELAY_MS)],
             ),
             router_pd(tmp_path_factory, TINY_GEMMA3_PATH, [], patience),
+            refusing_decoder(
+                TINY_MELLUM_PATH,
+                [*COMMON_ARGS, "--pd-kv-checksum"],
+                tmp_path_factory.mktemp("refused"),
+                patience,
+            ),
         )
         mono = answer_monolithic(
             server, prompts=PROMPTS, rounds=ROUNDS, openers=CONVERSATION_OPENERS
@@ -188,7 +195,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterat
         aborted = abort_mid_transfer(mellum, patience)
         pools = idle_pools(mellum, patience)
         pd = PdRun(rounds, truncated, replies, tp2_sent, failures, pools, after)
-        yield Runs(mono, pd, aborted, gemma_run(gemma, patience))
+        yield Runs(mono, pd, aborted, gemma_run(gemma, patience), refused_log())
 
 
 @pytest.fixture(scope="module")
@@ -339,14 +346,9 @@ def test_a_gemma3_style_model_through_pd_gives_transformers_tokens(gemma3_pd: Ge
     assert gemma3_pd.pools is None, gemma3_pd.pools
 
 
-def test_checksums_beside_the_window_refuse_to_start_and_say_why(
-    tmp_path: Path, patience: Patience, gemma3_pd: GemmaRun
-) -> None:
-    """The keyed sums cover the KV pages, not the window's: refused at start-up, once the
-    servers above answered (a start takes a core)."""
-    log = refused_decoder_log(
-        TINY_MELLUM_PATH, [*COMMON_ARGS, "--pd-kv-checksum"], tmp_path, patience
-    )
+def test_checksums_beside_the_window_refuse_to_start_and_say_why(runs: Runs) -> None:
+    """The keyed sums cover the KV pages, not the window's: refused at start-up."""
+    log = runs.refused_log
     assert "--pd-kv-checksum covers the KV pages only" in log and "(swa)" in log, log[-3000:]
 
 

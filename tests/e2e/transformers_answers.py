@@ -7,6 +7,8 @@ to start."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,16 +114,24 @@ def answer_monolithic(
     return MonoRun(answers, conversations, server.process.log_path.read_text(errors="replace"))
 
 
-def refused_decoder_log(model: Path, extra: list[str], workdir: Path, patience: Patience) -> str:
-    """The log of a decode server of `model` that exits before it serves (the test
-    fails if it serves); it needs no peer (`--pd-no-auth`: it refuses before meeting
-    one)."""
+@contextlib.contextmanager
+def refusing_decoder(
+    model: Path, extra: list[str], workdir: Path, patience: Patience
+) -> Iterator[Callable[[], str]]:
+    """Starts a decode server of `model` that should exit before it serves, and yields
+    a call that waits for it to and returns its log (the test fails if it serves). It
+    needs no peer (`--pd-no-auth`: it refuses before meeting one). Entered beside a
+    module's servers (`start_side_by_side`), its start shares theirs."""
     (placement,) = place_servers(1)
     (port,) = free_ports(1)
     args = [*extra, "--pd-no-auth"]
     process = pd_process("decode", "decode", model, port, args, workdir, placement)
     with managed([process]):
         process.start()
-        with pytest.raises(ServerStartError, match="exited"):
-            process.wait_http_ready(f"http://{HOST}:{port}/health", patience.seconds(240))
-    return process.log_path.read_text(errors="replace")
+
+        def exited_log() -> str:
+            with pytest.raises(ServerStartError, match="exited"):
+                process.wait_http_ready(f"http://{HOST}:{port}/health", patience.seconds(240))
+            return process.log_path.read_text(errors="replace")
+
+        yield exited_log
