@@ -13,8 +13,9 @@ default is bfloat16) so that the comparison is exact.
 Through PD, the prefill server writes each request's final state - its Mamba slot, one
 write per layer and tensor - into the decoder's slot (`sgl_pd.backend.state_slots`):
 after the forward with the request's metadata row, or layer-wise during the last chunk's
-forward, each linear-attention layer's as it finishes (none is left after the forward). Two prefill servers behind the router, one streaming
-the full-attention layer's KV layer by layer and one sending after the forward, answer
+forward, each linear-attention layer's as it finishes (none is left after the forward).
+Two prefill servers behind the router, one streaming the full-attention layer's KV
+layer by layer and one sending after the forward, answer
 every prompt with the monolithic server's tokens, all at once and round after round;
 so do conversations whose later turns the decoder's prefix cache holds part of (its
 pages; the state still moves whole), and so does a TP1 prefill server feeding a TP2
