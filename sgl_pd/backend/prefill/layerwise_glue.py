@@ -31,6 +31,7 @@ from sgl_pd.config import SglPdConfig, sgl_pd_role
 from sgl_pd.core.clock import SystemClock
 from sgl_pd.core.layer_steps import LayerSteps
 from sgl_pd.core.page_ids import PageIds
+from sgl_pd.core.sliding_window import window_tokens
 from sgl_pd.errors import ConfigError
 from sgl_pd.layerwise.progress import CudaProgress, HostProgress, ProgressCounter
 from sgl_pd.layerwise.streamer import ForwardJob, LayerStreamer
@@ -367,9 +368,11 @@ def state_slots_before_forward(
             window = sliding_window_glue.window()
             if window is None or getattr(allocator.get_kvcache(), "request_window", None):
                 return None
-            start = max(int(req.disagg_decode_prefix_len), seq_len - window)
-            start -= start % page_size
-            row = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:seq_len]
+            held = int(req.disagg_decode_prefix_len)
+            positions = window_tokens(held, seq_len, window, page_size)
+            row = scheduler.req_to_token_pool.req_to_token[
+                req.kv.req_pool_idx, positions.start : positions.stop
+            ]
             slots = allocator.translate_swa_indices_for_transfer(row)
             parts.append(slots[::page_size] // page_size)
         else:
