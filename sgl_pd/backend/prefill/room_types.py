@@ -8,6 +8,7 @@ as the writer thread's, which only the destination's writer thread touches.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,12 @@ class StreamedState:
 
     def slots(self) -> tuple[np.ndarray, ...]:
         """(slots,) int64 per component; the first call may wait for their copy."""
+        return self._split
+
+    @functools.cached_property
+    def _split(self) -> tuple[np.ndarray, ...]:
+        # (asked by every state layer's job of every destination, and at the last send:
+        # split once; two threads racing here compute the same views)
         ids = self.ids.array()
         cuts = np.cumsum((0, *self.lengths))
         return tuple(ids[a:b] for a, b in itertools.pairwise(cuts))
