@@ -427,11 +427,13 @@ class PrefillMessenger:
         exposed = "" if room.forward_end_s is None else f" forward_end={room.forward_end_s:.6f}"
         exposed += f" last_send={room.last_send_s or 0.0:.6f}"
         # the state besides the KV written after the last chunk's forward (layer-wise,
-        # each state layer's share goes during it where a step reports that layer)
+        # each state layer's share goes during it where a step reports that layer, and
+        # all of it again after it where SGLang renamed the slots: `state_renamed`)
         state_after = sum(d.state_bytes_after for d in room.destinations.values())
         logger.info(
             "%s room=%d rank=%d mode=%s tokens=%d held=%d chunks=%d bytes=%d writes=%d "
-            "state_after=%d first_write=%.6f last_chunk_first_write=%.6f%s done=%.6f",
+            "state_after=%d state_renamed=%d first_write=%.6f last_chunk_first_write=%.6f%s"
+            " done=%.6f",
             TIMING_LINE_PREFIX,
             room.room,
             self.rank,
@@ -442,6 +444,7 @@ class PrefillMessenger:
             room.bytes_sent,
             room.writes_posted,
             state_after,
+            room.state_renamed,
             room.first_write_s or 0.0,
             room.last_chunk_first_write_s or 0.0,
             exposed,
