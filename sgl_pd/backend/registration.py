@@ -286,6 +286,11 @@ def register_backend() -> None:
         HookType.AROUND,
     )
     HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler._send_kv_chunk",
+        sliding_window_glue.before_send_kv_chunk,
+        HookType.BEFORE,
+    )
+    HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner.init_lora_manager",
         layerwise_glue.after_init_lora_manager,
         HookType.AFTER,

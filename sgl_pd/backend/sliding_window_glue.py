@@ -5,9 +5,10 @@ A model with sliding-window layers (Mellum, GPT-OSS, Gemma 4, ...) served with S
 hybrid SWA pool keeps those layers' KV in pages of their own; the main pool holds the
 full-attention layers only. sgl_pd moves the full layers' pages as any KV and the
 sliding layers' window as state slots (`backend.state_slots`): the pages of positions
-`core.sliding_window.window_tokens`, written after the last chunk's forward with the
-metadata, or layer-wise during it, each sliding layer's as it finishes
-(`core.layer_steps`).
+`core.sliding_window.window_tokens`. After the forward, each send before the last
+carries the window pages its chunks completed and the rest go with the metadata
+(`before_send_kv_chunk`); layer-wise, during the last chunk's forward, each sliding
+layer's as it finishes (`core.layer_steps`).
 
 SGLang's decoder names its window from the whole prompt, n tokens; when this decoder
 samples the first token (`backend.first_token`) the KV it receives ends at c = n - 1,
@@ -73,15 +74,22 @@ class NoWindowPage(SglPdError):
 
 
 def window_pages(
-    req_to_token_row: Any, translate: Any, held: int, kv_tokens: int, page_size: int
+    req_to_token_row: Any,
+    translate: Any,
+    held: int,
+    kv_tokens: int,
+    page_size: int,
+    upto: int | None = None,
 ) -> np.ndarray:
-    """This decoder's sliding-window pages for the positions `window_tokens` names, in
-    order: `req_to_token_row` (the request's main-pool token slots) through `translate`
-    (SGLang's ``translate_swa_indices_for_transfer``) to window-pool slots, a page per
-    `page_size` slots. Raises `NoWindowPage` where a position has none (slot 0, SGLang's
-    padding: the page would be another request's)."""
+    """This server's sliding-window pages for the positions `window_tokens` names (those
+    before `upto` only, if given), in order: `req_to_token_row` (the request's main-pool
+    token slots) through `translate` (SGLang's ``translate_swa_indices_for_transfer``)
+    to window-pool slots, a page per `page_size` slots. Raises `NoWindowPage` where a
+    position has none (slot 0, SGLang's padding: the page would be another request's)."""
     assert _Process.window is not None
     positions = window_tokens(held, kv_tokens, _Process.window, page_size)
+    if upto is not None:
+        positions = range(positions.start, max(positions.start, min(upto, positions.stop)))
     if not positions:
         return np.zeros(0, dtype=np.int64)
     slots = translate(req_to_token_row[positions.start : positions.stop])
@@ -153,3 +161,50 @@ def _free_unsent(queue: Any, req: Any, kv_tokens: int) -> None:
         # evict up to the window's start exactly (`core.sliding_window`), not a page short
         supports_prefix_sharing=False,
     )
+
+
+def before_send_kv_chunk(
+    scheduler: Any, req: Any, last_chunk: bool = False, end_idx: int | None = None, **_: Any
+) -> None:
+    """BEFORE hook of SGLang's prefill ``_send_kv_chunk``, after the forward sending
+    the KV after each chunk's forward: a send before the last also names the window's
+    pages that the forwards so far completed, whole pages from the window's start up to
+    where this send ends (a page boundary, as SGLang ends it; its staging grid, when
+    on, may end the send's KV sooner: the pages named were computed all the same).
+    Their KV is final (no later position changes it), and SGLang keeps a position's
+    window page while the prompt's end lies within its window, so they go with this
+    send's KV (`SglPdKVSender.state_final_so_far`) and only the last chunk's window
+    pages wait for the last send. Where SGLang names other pages later (its prefix cache swapped one
+    for the tree's), every page goes again after the forward (`Room.state_renamed`)."""
+    from sgl_pd.backend.prefill.sender import SglPdKVSender
+
+    sender = getattr(req, "disagg_kv_sender", None)
+    if not isinstance(sender, SglPdKVSender):
+        return
+    sender.state_final_so_far(None)  # (a list an earlier call left, its send skipped)
+    if last_chunk or _Process.window is None:
+        return
+    kinds = [c.kind for c in sender.kv_mgr.pool.state]
+    if "swa" not in kinds or sender.kv_mgr.prefill.layerwise:
+        return  # (layer-wise, each sliding layer's window goes during the last forward)
+    allocator = scheduler.token_to_kv_pool_allocator
+    page_size = int(allocator.page_size)
+    kv_tokens = len(req.origin_input_ids)  # the prompt this prefill computes
+    end = int(end_idx) if end_idx is not None else min(int(req.extend_end), kv_tokens)
+    row = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+    held = int(req.disagg_decode_prefix_len)
+    try:
+        pages = window_pages(
+            row,
+            allocator.translate_swa_indices_for_transfer,
+            held,
+            kv_tokens,
+            page_size,
+            upto=end - end % page_size,
+        )
+    except NoWindowPage as e:  # (the last send names every window page anyway)
+        logger.debug("request %s: no window pages before the last send: %s", req.rid, e)
+        return
+    if len(pages):
+        slots = tuple(int(p) for p in pages)
+        sender.state_final_so_far(tuple(slots if kind == "swa" else () for kind in kinds))

@@ -14,7 +14,9 @@ page's heads token by token), on the same queue as its KV writes, and counts it 
 more group of its count word once all of it landed (`core.counting`): the decoder sees
 the request complete only once every writer's share landed. The state is final when it
 goes: after the forward, SGLang names the slots in its last send, after the last
-chunk's forward (`prefill.writer.KvWriter.write_metadata`); layer-wise, the slots are
+chunk's forward (`prefill.writer.KvWriter.write_metadata`), and the window's pages each
+earlier chunk completed went with that chunk's KV (`sliding_window_glue.
+before_send_kv_chunk`: no later position changes their KV); layer-wise, the slots are
 read before that forward and each state layer's regions go once the forward reports
 that layer (`core.layer_steps`), the rest after it; where SGLang then names other slots
 (its prefix cache swapped a window page for the tree's, of the same KV), every region

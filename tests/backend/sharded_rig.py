@@ -372,6 +372,7 @@ class Cluster:
         check=True,
         named_state=None,
         before_last_send=None,
+        state_so_far=None,
     ):
         """Runs one request through every rank; `state_slots`: (the prefill's, the
         decoder's) slots of its state, a list per component. Returns each decode rank's
@@ -381,7 +382,9 @@ class Cluster:
         Layer-wise with a state model that places its regions in layers, the prefill
         reads its slots before the last chunk's forward and the forward reports one
         step at a time (`core.layer_steps`); SGLang's last send then names
-        `named_state` (default: the same slots), after `before_last_send(rank)` ran."""
+        `named_state` (default: the same slots), after `before_last_send(rank)` ran.
+        After the forward, send i before the last carries `state_so_far[i]` (the slots
+        final so far), if given."""
         src_state, dst_state = state_slots
         L = self.layout
         ps = L.page_size
@@ -440,6 +443,7 @@ class Cluster:
                         p.submit_chunk(room, part, len(part), state_slots=named if last else None)
             else:
                 sent_tok = held_pages * ps
+                sends = 0
                 for start in range(0, tokens, chunk_tokens):
                     end = min(start + chunk_tokens, tokens)
                     last = end == tokens
@@ -450,7 +454,15 @@ class Cluster:
                     part = np.asarray(src_all[first_p:last_p], np.int64)
                     n = max(0, upto_tok - sent_tok)
                     sent_tok = max(sent_tok, upto_tok)
-                    p.submit_chunk(room, part, n, state_slots=src_state if last else None)
+                    if last:
+                        if before_last_send is not None:
+                            before_last_send(p.rank)
+                        named = src_state if named_state is None else named_state
+                        p.submit_chunk(room, part, n, state_slots=named)
+                    else:
+                        so_far = state_so_far[sends] if state_so_far else None
+                        p.submit_chunk(room, part, n, state_so_far=so_far)
+                        sends += 1
         results = []
         for d in self.decoders:
             deadline = time.monotonic() + 10

@@ -10,11 +10,15 @@ import numpy as np
 import pytest
 
 from sgl_pd.backend import sliding_window_glue
+from sgl_pd.backend.prefill.sender import SglPdKVSender
 from sgl_pd.backend.sliding_window_glue import (
     NoWindowPage,
     around_send_kv_metadata,
+    before_send_kv_chunk,
     window_pages,
 )
+from sgl_pd.core.regions import Region
+from sgl_pd.core.wire import StateSlots
 
 from .sglang_pools import hybrid_swa_allocator
 
@@ -145,3 +149,93 @@ def test_a_host_destination_and_a_pool_without_a_window_are_left_alone() -> None
     assert _sent(queue, decode_req, decode_prefix_len=0, destination="host") == [["sglang's"]]
     queue.kv_manager.kv_args.state_types = ["MAMBA"]
     assert _sent(queue, decode_req, decode_prefix_len=0) == [["sglang's"]]
+
+
+# -- the prefill: window pages final before the last send ---------------------------------
+
+
+def _prefill(layerwise: bool = False) -> tuple[SimpleNamespace, SglPdKVSender, list[object]]:
+    """SGLang's own hybrid SWA allocator and token rows (pages of 2, a window of 6) in the
+    shape of its prefill scheduler, and a sender of one request whose sends are
+    recorded: the `state_so_far` each hands the messenger."""
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    sliding_window_glue._Process.window = 6
+    window = StateSlots(
+        kind="swa", regions=(Region(4096, 64 * 16),), slot_bytes=(16,), slots=64, window=6
+    )
+    carried: list[object] = []
+    messenger = SimpleNamespace(
+        track=lambda room: None,
+        layerwise=layerwise,
+        submit_chunk=lambda *a, state_so_far=None, **k: carried.append(state_so_far),
+    )
+    pool = SimpleNamespace(state=(window,))
+    manager = SimpleNamespace(pool=pool, prefill=messenger, layout=SimpleNamespace(page_size=2))
+    scheduler = SimpleNamespace(
+        token_to_kv_pool_allocator=hybrid_swa_allocator(64, page_size=2),
+        req_to_token_pool=ReqToTokenPool(
+            size=4, max_context_len=64, device="cpu", enable_memory_saver=False
+        ),
+    )
+    return scheduler, SglPdKVSender(manager, "127.0.0.1:1", 7), carried
+
+
+def _prefill_request(scheduler: SimpleNamespace, sender: SglPdKVSender) -> SimpleNamespace:
+    """A request of c = 11 computed tokens (window positions 4..10: pages 2..5), its first
+    chunk's forward done up to token 9 (SGLang sends whole pages: up to 8); its main-pool
+    pages 1..6 map to window-pool pages 30..25."""
+    import torch
+
+    full = torch.arange(2, 14)
+    swa = torch.cat([torch.arange(60 - 2 * p, 62 - 2 * p) for p in range(6)])
+    scheduler.token_to_kv_pool_allocator.set_full_to_swa_mapping(full, swa)
+    scheduler.req_to_token_pool.req_to_token[1, :11] = full[:11]
+    return SimpleNamespace(
+        disagg_kv_sender=sender,
+        origin_input_ids=list(range(11)),
+        extend_end=9,
+        kv=SimpleNamespace(req_pool_idx=1),
+        disagg_decode_prefix_len=0,
+        rid="r",
+    )
+
+
+def _window_pages(scheduler: SimpleNamespace, stop: int) -> tuple[int, ...]:
+    row = scheduler.req_to_token_pool.req_to_token[1]
+    slots = scheduler.token_to_kv_pool_allocator.translate_swa_indices_for_transfer(row[4:stop])
+    return tuple(int(s) for s in slots[::2] // 2)
+
+
+def test_a_send_before_the_last_carries_the_window_pages_its_chunks_completed() -> None:
+    """Whole pages from the window's start to where SGLang ends the send, in the order of
+    the list its last send names; nothing where no window page is complete yet."""
+    scheduler, sender, carried = _prefill()
+    req = _prefill_request(scheduler, sender)
+    for end_idx in (None, 8, 9, 4, 5):
+        before_send_kv_chunk(scheduler, req, last_chunk=False, end_idx=end_idx)
+        sender.send(np.zeros(1, np.int32))
+    pages = _window_pages(scheduler, 8)
+    assert pages == (28, 27)
+    assert carried == [(pages,), (pages,), (pages,), None, None]
+
+
+def test_the_last_send_a_layerwise_server_and_a_skipped_send_carry_nothing_early() -> None:
+    scheduler, sender, carried = _prefill()
+    req = _prefill_request(scheduler, sender)
+    before_send_kv_chunk(scheduler, req, last_chunk=False)  # SGLang then sends nothing,
+    before_send_kv_chunk(scheduler, req, last_chunk=True)  # and then its last send
+    sender.send(np.zeros(1, np.int32))
+    scheduler, sender, layerwise_carried = _prefill(layerwise=True)
+    before_send_kv_chunk(scheduler, _prefill_request(scheduler, sender), last_chunk=False)
+    sender.send(np.zeros(1, np.int32))
+    assert carried == [None] and layerwise_carried == [None]
+
+
+def test_window_pages_this_rank_cannot_take_do_not_go_early() -> None:
+    """A slot past the pool's end is not written early; the last send's list, checked,
+    names them all."""
+    _scheduler, sender, carried = _prefill()
+    sender.state_final_so_far(((3, 99),))
+    sender.send(np.zeros(1, np.int32))
+    assert carried == [None]

@@ -162,11 +162,11 @@ def _wait(ready, timeout_s: float = 10.0) -> bool:  # type: ignore[no-untyped-de
     return ready()
 
 
-def _state_after(caplog: pytest.LogCaptureFixture) -> list[int]:
-    """Each prefill rank's state bytes written after the last chunk's forward, from its
-    per-request timing line."""
+def _state_after(caplog: pytest.LogCaptureFixture, field: str = "state_after") -> list[int]:
+    """Each prefill rank's state bytes written after the last chunk's forward (or
+    `field`, another count of its per-request timing line)."""
     lines = [r.getMessage() for r in caplog.records if TIMING_LINE_PREFIX in r.getMessage()]
-    return [int(re.search(r"state_after=(\d+)", line).group(1)) for line in lines]  # type: ignore[union-attr]
+    return [int(re.search(rf"{field}=(\d+)", line).group(1)) for line in lines]  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("ptp,dtp", [(1, 1), (1, 2), (2, 1), (2, 4)])
@@ -250,3 +250,78 @@ def test_layerwise_slots_named_after_the_forward_unlike_those_read_before_are_wr
     results = c.run(room=33, tokens=13, chunk_tokens=5, state_slots=slots, named_state=named)
     assert all(ok for ok, _ in results), results
     _check_state(c, streamed, [named, slots[1]])
+
+
+# after the forward, the window's pages final after the first and the second send of
+# 13 tokens in chunks of 5 (pages of 2: the sends end at tokens 4 and 10)
+WINDOW_SLOTS = (((6, 2, 4),), ((1, 7, 3),))
+SO_FAR = [((6,),), ((6, 2),)]
+
+
+def _pair_landed(c: Cluster, model: StateModel, src: int, dst: int) -> bool:
+    """Every decode rank's slot `dst` holds its share of the prefill's slot `src`, in
+    every region of component 0."""
+    return _landed(c, model, (((src,),), ((dst,),)), set(range(len(model.components[0][1]))))
+
+
+@pytest.mark.parametrize("ptp,dtp", [(1, 1), (1, 2), (2, 1), (2, 4)])
+def test_after_the_forward_the_window_pages_of_earlier_chunks_go_with_their_kv(
+    ptp: int, dtp: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each send before the last names the window pages its forwards completed: they
+    land with its KV, before the last send, and only the last chunk's page is written
+    after the last forward; every rank's share of each page is written once."""
+    caplog.set_level(logging.INFO, logger="sgl_pd.prefill")
+    model = _window()
+    c = Cluster(KvLayout.gqa(page_size=PAGE, **GQA8), ptp, dtp, state=model)
+    seen: list[tuple[bool, bool]] = []
+
+    def look(rank: int) -> None:
+        if rank == ptp - 1:
+            early = _wait(lambda: _pair_landed(c, model, 6, 1) and _pair_landed(c, model, 2, 7))
+            seen.append((early, _pair_landed(c, model, 4, 3)))
+
+    results = c.run(room=34, tokens=13, chunk_tokens=5, state_slots=WINDOW_SLOTS,
+                    state_so_far=SO_FAR, before_last_send=look)  # fmt: skip
+    assert seen == [(True, False)]
+    assert all(ok for ok, _ in results), results
+    _check_state(c, model, list(WINDOW_SLOTS))
+    early, after = _state_after(caplog, "state_early"), _state_after(caplog)
+    assert all(a > 0 and e == 2 * a for e, a in zip(early, after, strict=True)), (early, after)
+
+
+@pytest.mark.parametrize(
+    "so_far,named",
+    [
+        # a later send names another first page, and the last send extends that list:
+        # the first page went early from the slot named first
+        ([((6,),), ((5, 2),)], ((5, 2, 4),)),
+        (SO_FAR, ((6, 5, 4),)),  # the last send names another second page
+    ],
+    ids=["between-sends", "at-the-last-send"],
+)
+def test_after_the_forward_window_pages_named_anew_later_are_written_again(
+    so_far: list, named: tuple, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SGLang's prefix cache swapped a window page for the tree's between two sends:
+    every page goes again from the last send's slots, after the forward, and the decoder
+    ends up with those."""
+    caplog.set_level(logging.INFO, logger="sgl_pd.prefill")
+    model = _window()
+    c = Cluster(KvLayout.gqa(page_size=PAGE, **GQA8), 1, 2, state=model)
+    results = c.run(room=35, tokens=13, chunk_tokens=5, state_slots=WINDOW_SLOTS,
+                    state_so_far=so_far, named_state=named)  # fmt: skip
+    assert all(ok for ok, _ in results), results
+    _check_state(c, model, [named, WINDOW_SLOTS[1]])
+    assert "state_renamed=1" in caplog.text
+    early, after = _state_after(caplog, "state_early"), _state_after(caplog)
+    assert after == [e // 2 * 3 for e in early], (early, after)  # 2 pages early, then all 3
+
+
+def test_after_the_forward_more_final_window_pages_than_the_decoder_named_fail() -> None:
+    model = _window()
+    c = Cluster(KvLayout.gqa(page_size=PAGE, **GQA8), 1, 1, state=model)
+    results = c.run(room=36, tokens=13, chunk_tokens=5, state_slots=WINDOW_SLOTS,
+                    state_so_far=[((6,),), ((6, 2, 4, 8),)], check=False)  # fmt: skip
+    for _, error in results:
+        assert error is not None and "named 4 swa state slots and the decoder 3" in error, results

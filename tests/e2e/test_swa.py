@@ -26,6 +26,7 @@ and its follow-ups' (the decoder holding their prompts) equal transformers'.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,7 @@ from sgl_pd.cluster.logs import (
     wait_pools_idle,
 )
 from sgl_pd.cluster.prompts import long_prompt_ids, prompt_ids
+from sgl_pd.core.sliding_window import window_pages
 from sgl_pd.models import TINY_GEMMA3_PATH, TINY_MELLUM_PATH
 from sgl_pd.models.train_tiny_moe import SLIDING_WINDOW
 
@@ -75,7 +77,13 @@ COMMON_ARGS = ["--log-level", "info", "--dtype", "float32", "--chunked-prefill-s
 SMALL_POOL = ["--max-total-tokens", "640", "--swa-full-tokens-ratio", "1.0"]
 # through PD: room for the decoder's reservation of decode tokens beside every prompt;
 # pages of 4 tokens, so that windows and held prefixes start and end inside pages
-PD_POOL = ["--max-total-tokens", "2048", "--swa-full-tokens-ratio", "1.0", "--page-size", "4"]
+PAGE_SIZE = 4
+PD_POOL = [
+    *("--max-total-tokens", "2048", "--swa-full-tokens-ratio", "1.0"),
+    *("--page-size", str(PAGE_SIZE)),
+]
+# SGLang's attention window for Mellum: the tokens before the current one it attends to
+SGLANG_WINDOW = SLIDING_WINDOW - 1
 NEW_TOKENS = transformers_answers.NEW_TOKENS
 ROUNDS = 4  # rounds of all prompts at once: the numberings part after a few
 PD_ROUNDS = 2
@@ -102,6 +110,10 @@ TRUNCATED = [
     for source, cut in zip(CUT_SOURCES, (100, 200), strict=True)
 ]
 CONVERSATION_OPENERS = [long_prompt_ids(30 + 40 * i, start=300 * i + 5) for i in range(2)]
+# a prompt whose window crosses the first chunk's end: 71 tokens prefilled (the decoder
+# samples the first), window positions from 56 (or 52), the first chunk's 64 tokens
+# (after any prefix the prefill server holds) completing some of its pages
+STRADDLING = long_prompt_ids(72, start=90_000)
 
 
 def ask_all(url: str, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
@@ -119,6 +131,18 @@ class PdRun:
     # the layer-wise prefill server's (chunks, window bytes written after the last
     # chunk's forward, whether SGLang renamed the window's pages after it) per request
     state_after: list[tuple[int, int, bool]]
+    straddled: Straddled
+
+
+@dataclass(frozen=True)
+class Straddled:
+    """STRADDLING, sent as the router sends it to the after-forward TP2 prefill server."""
+
+    answer: list[int]
+    # its ranks' (tokens the decoder held, chunks, window bytes written with the first
+    # chunk's KV, after the last chunk's forward, whether SGLang renamed the window's
+    # pages)
+    state: list[tuple[int, int, int, int, bool]]
 
 
 @dataclass(frozen=True)
@@ -185,6 +209,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterat
         rounds = [ask_all(mellum.router_url) for _ in range(PD_ROUNDS)]
         transformers_answers.ask_all(mellum.router_url, CUT_SOURCES, 1)
         truncated = ask_all(mellum.router_url, TRUNCATED)
+        straddled = straddle(mellum, patience)
         replies = replay(mellum.router_url, mono.conversations, concurrency=2)
         failures = decode_failures([mellum.decode.process.log_path])
         tp2_sent = len(timing_lines(mellum.more_prefills[-1].process.log_path))
@@ -194,7 +219,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, patience: Patience) -> Iterat
         ]
         aborted = abort_mid_transfer(mellum, patience)
         pools = idle_pools(mellum, patience)
-        pd = PdRun(rounds, truncated, replies, tp2_sent, failures, pools, after)
+        pd = PdRun(rounds, truncated, replies, tp2_sent, failures, pools, after, straddled)
         yield Runs(mono, pd, aborted, gemma_run(gemma, patience), refused_log())
 
 
@@ -256,6 +281,28 @@ def router_pd(
         decode_extra=[*args, *DECODE_PREFIX_CACHE],
         patience=patience,
     )
+
+
+def straddle(cluster: PdCluster, patience: Patience) -> Straddled:
+    """`Straddled`: the after-forward server is the router's second prefill server."""
+    server = cluster.more_prefills[-1]
+    argv = server.process.argv
+    bootstrap_port = int(argv[argv.index("--disaggregation-bootstrap-port") + 1])
+    body = {
+        "input_ids": STRADDLING,
+        "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS},
+    }
+    _, answer = send_as_router(
+        server.url, cluster.decode.url, bootstrap_port, body, timeout_s=patience.seconds(120)
+    )
+    answer.raise_for_status()
+    state = [
+        (int(line["held"]), int(line["chunks"]), int(line["state_early"]),
+         int(line["state_after"]), bool(line["state_renamed"]))
+        for line in timing_lines(server.process.log_path)
+        if line["tokens"] == len(STRADDLING) - 1
+    ]  # fmt: skip
+    return Straddled([int(t) for t in answer.json()["output_ids"]], state)
 
 
 def abort_mid_transfer(cluster: PdCluster, patience: Patience) -> AbortRun:
@@ -340,6 +387,32 @@ def gemma_run(cluster: PdCluster, patience: Patience) -> GemmaRun:
     ]
     answers += ask_all(cluster.router_url, follow_ups)
     return GemmaRun([*PROMPTS, *follow_ups], answers, idle_pools(cluster, patience))
+
+
+def window_page_bytes_per_rank(tp: int) -> int:
+    """Bytes of one window page a prefill rank of TP `tp` writes: its KV heads of the
+    page's tokens, K and V, in every sliding layer (float32)."""
+    config = json.loads((TINY_MELLUM_PATH / "config.json").read_text())
+    sliding = config["layer_types"].count("sliding_attention")
+    heads = config["num_key_value_heads"] // tp
+    return sliding * 2 * PAGE_SIZE * heads * config["head_dim"] * 4
+
+
+def test_after_the_forward_the_window_pages_of_the_first_chunk_go_with_its_kv(
+    pd: PdRun,
+) -> None:
+    """The after-forward server writes the window pages the first chunk completed with
+    that chunk's KV, and only the last chunk's after its forward: together the window's
+    pages once each, on each rank its KV head of every page; transformers' tokens."""
+    reference = transformers_reference(TINY_MELLUM_PATH, [STRADDLING])
+    assert not wrong_answers(reference, [pd.straddled.answer])
+    state = pd.straddled.state
+    assert len(state) == 2, state  # one line per rank
+    page = window_page_bytes_per_rank(tp=2)
+    for held, chunks, early, after, renamed in state:
+        window = window_pages(held, len(STRADDLING) - 1, SGLANG_WINDOW, PAGE_SIZE)
+        assert chunks == 2 and not renamed, state
+        assert early > 0 and after > 0 and early + after == len(window) * page, (state, page)
 
 
 def test_a_gemma3_style_model_through_pd_gives_transformers_tokens(gemma3_pd: GemmaRun) -> None:

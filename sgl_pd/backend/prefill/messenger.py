@@ -205,16 +205,20 @@ class PrefillMessenger:
         num_tokens: int,
         ready: Any = None,
         state_slots: tuple[tuple[int, ...], ...] | None = None,
+        state_so_far: tuple[tuple[int, ...], ...] | None = None,
     ) -> None:
         """`ready`: an event (``synchronize()``) the KV of this send is complete after;
         the writer waits on it, never the scheduler. `state_slots`: the request's state
-        slots (a Mamba slot, the sliding window's pages), named in the last send."""
+        slots (a Mamba slot, the sliding window's pages), named in the last send;
+        `state_so_far`, at a send before it, their leading slots whose bytes are final
+        already (the window's pages of the chunks done): they go with this send's KV."""
         if state_slots is not None and self._streamed_state_differs(room_id, state_slots):
             self.rooms.state_renamed(room_id)
-        writes = self.rooms.submit_chunk(room_id, pages, num_tokens, state_slots)
+        writes = self.rooms.submit_chunk(room_id, pages, num_tokens, state_slots, state_so_far)
+        so_far = state_so_far or ()
         for chunk, layers in writes:
             for dest in self._destinations(room_id):
-                self.writers.put(LayersJob(dest, chunk, layers, ready))
+                self.writers.put(LayersJob(dest, chunk, layers, ready, state_so_far=so_far))
         # only now may the metadata follow them on the destinations' queues
         self.rooms.writes_queued(room_id, writes)
         self._queue_metadata(room_id)
@@ -427,13 +431,16 @@ class PrefillMessenger:
         exposed = "" if room.forward_end_s is None else f" forward_end={room.forward_end_s:.6f}"
         exposed += f" last_send={room.last_send_s or 0.0:.6f}"
         # the state besides the KV written after the last chunk's forward (layer-wise,
-        # each state layer's share goes during it where a step reports that layer, and
-        # all of it again after it where SGLang renamed the slots: `state_renamed`)
+        # each state layer's share goes during it where a step reports that layer;
+        # after the forward, the window's pages of earlier chunks went with their KV,
+        # `state_early`; all of it again after it where SGLang renamed the slots:
+        # `state_renamed`)
         state_after = sum(d.state_bytes_after for d in room.destinations.values())
+        state_early = sum(d.state_bytes_early for d in room.destinations.values())
         logger.info(
             "%s room=%d rank=%d mode=%s tokens=%d held=%d chunks=%d bytes=%d writes=%d "
-            "state_after=%d state_renamed=%d first_write=%.6f last_chunk_first_write=%.6f%s"
-            " done=%.6f",
+            "state_early=%d state_after=%d state_renamed=%d first_write=%.6f"
+            " last_chunk_first_write=%.6f%s done=%.6f",
             TIMING_LINE_PREFIX,
             room.room,
             self.rank,
@@ -443,6 +450,7 @@ class PrefillMessenger:
             room.chunks,
             room.bytes_sent,
             room.writes_posted,
+            state_early,
             state_after,
             room.state_renamed,
             room.first_write_s or 0.0,

@@ -78,6 +78,10 @@ class Destination:
     # the regions of each component whose share was written already, layer by layer
     # during the last chunk's forward (writer thread only); the rest go after it
     state_written: dict[int, set[int]] = field(default_factory=dict)
+    # after the forward: per component, its leading slot pairs written for every region
+    # already, with an earlier chunk's KV (`Room.state_so_far`; writer thread only)
+    state_slots_written: dict[int, int] = field(default_factory=dict)
+    state_bytes_early: int = 0  # of its state, written with earlier chunks (writer only)
     state_bytes_after: int = 0  # of its state, written after that forward (writer only)
     groups_done: int = 0  # groups this rank finished into it: its count word (writer only)
     # chunk index -> its plan, addressed for every layer, until its last layers are written
@@ -114,9 +118,14 @@ class Room:
     state_slots: tuple[tuple[int, ...], ...] | None = None
     # layer-wise: the same slots, read before the last chunk's forward; None: not read
     streamed_state: StreamedState | None = None
-    # SGLang named other slots after that forward (its prefix cache swapped the
-    # request's pages for the tree's, of the same KV): every region is written again
-    # from those, after the forward
+    # after the forward: per component, the leading slots of those lists whose bytes
+    # the forwards so far made final (the sliding window's pages of the chunks done; a
+    # Mamba slot is final only after the last), read at each send before the last; they
+    # go with that send's KV (`PrefillRooms.state_so_far`)
+    state_so_far: tuple[tuple[int, ...], ...] | None = None
+    # SGLang named other slots after that forward, or at a later send than at an
+    # earlier one (its prefix cache swapped the request's pages for the tree's, of the
+    # same KV): every region is written again from the last named, after the forward
     state_renamed: bool = False
     # the prompt's first tokens every decode rank holds already (their prefix caches):
     # no chunk covers them, and SGLang's sends start after them

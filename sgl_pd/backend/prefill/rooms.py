@@ -28,6 +28,7 @@ from sgl_pd.backend.prefill.drain import FAILED_BATCH_QUARANTINE_S
 from sgl_pd.backend.prefill.room_table import RoomTable
 from sgl_pd.backend.prefill.room_types import Chunk, Destination, Room, StreamedState, WriteEnd
 from sgl_pd.backend.prefill.writes_due import Writes, WritesDue
+from sgl_pd.backend.state_slots import Slots
 from sgl_pd.core.clock import Clock
 from sgl_pd.core.layout import KvLayout
 from sgl_pd.core.liveness import FreezeWatch
@@ -193,17 +194,24 @@ class PrefillRooms:
         pages: np.ndarray,
         num_tokens: int,
         state_slots: tuple[tuple[int, ...], ...] | None = None,
+        state_so_far: Slots | None = None,
     ) -> Writes:
         """SGLang's `send` after a forward: the (chunk, layers) writes due now
         (`WritesDue.sent`), to be queued before `writes_queued` is called with them.
         `state_slots`: the request's state slots besides the KV, which SGLang names in
-        its last send (the state is final then)."""
+        its last send (the state is final then); `state_so_far`, at a send before it:
+        their leading slots final already (`Room.state_so_far`)."""
         with self._lock:
             room = self._rooms.get(room_id)  # gone: SGLang concluded it, nothing to send
             if room is None or room.error is not None:
                 return []
             if state_slots is not None:
                 room.state_slots = state_slots
+            for later in (state_so_far, state_slots):
+                if later is not None and not _extends(later, room.state_so_far):
+                    room.state_renamed = True
+            if state_so_far is not None:
+                room.state_so_far = state_so_far
             self.pins.pin(room_id, pages)
             if self._table.live(room):
                 self._table.states.progressed(room_id)
@@ -413,3 +421,13 @@ class PrefillRooms:
                 room = self._rooms.get(room_id)
                 if room is not None:
                     room.forward_end_s = max(at_s, room.forward_end_s or at_s)
+
+
+def _extends(later: Slots, earlier: Slots | None) -> bool:
+    """Whether every component's slots of `later` begin with those of `earlier` (SGLang
+    named the same slots again, and maybe more)."""
+    if earlier is None:
+        return True
+    return len(later) == len(earlier) and all(
+        a[: len(b)] == b for a, b in zip(later, earlier, strict=True)
+    )

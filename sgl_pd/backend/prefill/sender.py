@@ -12,6 +12,7 @@ from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll, KVTransfer
 from sgl_pd.backend.state_slots import named_slots
 from sgl_pd.core.failures import FailureCause
 from sgl_pd.core.states import PREFILL_TABLE, PrefillState
+from sgl_pd.core.wire import state_named_wrong
 from sgl_pd.errors import SglPdError
 
 logger = logging.getLogger("sgl_pd.sender")
@@ -51,6 +52,9 @@ class SglPdKVSender(BaseKVSender):
         # a CUDA event on the forward stream: the prefix pages may still be written by the
         # previous forward until it completes. It belongs to the next `send` only.
         self._early_send_wait_event: Any = None
+        # the request's state slots final before its last send (`state_final_so_far`),
+        # for the next send to carry
+        self._state_so_far: tuple[tuple[int, ...], ...] | None = None
 
     def pop_decode_prefix_len(self) -> int:
         """The prompt's first tokens the decoder holds (its prefix cache): SGLang sends
@@ -64,6 +68,17 @@ class SglPdKVSender(BaseKVSender):
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self._messenger.expect(self.bootstrap_room, int(num_kv_indices), aux_index)
+
+    def state_final_so_far(self, slots: tuple[tuple[int, ...], ...] | None) -> None:
+        """Per state component, the leading slots of the lists SGLang will name in its
+        last send whose bytes the forwards so far made final (the sliding window's
+        pages of the chunks done): the next send carries them with its KV. None, or
+        slots this rank cannot take (the last send then names them all, and is
+        checked): nothing goes early."""
+        why = None if slots is None else state_named_wrong(self.kv_mgr.pool.state, slots)
+        if why is not None:
+            logger.debug("request %d: no state goes early: %s", self.bootstrap_room, why)
+        self._state_so_far = None if why is not None else slots
 
     def send(
         self,
@@ -83,8 +98,14 @@ class SglPdKVSender(BaseKVSender):
         page_size = self.kv_mgr.layout.page_size
         tokens = int(num_kv_tokens) if num_kv_tokens is not None else len(pages) * page_size
         ready, self._early_send_wait_event = self._early_send_wait_event, None
+        so_far, self._state_so_far = self._state_so_far, None
         self._messenger.submit_chunk(
-            self.bootstrap_room, pages, tokens, ready=ready, state_slots=state_slots
+            self.bootstrap_room,
+            pages,
+            tokens,
+            ready=ready,
+            state_slots=state_slots,
+            state_so_far=None if state_slots is not None else so_far,
         )
 
     def poll(self) -> int:

@@ -62,6 +62,10 @@ class LayersJob:
     # layer-wise, a request's last chunk: the model layers whose state besides the KV
     # the forward finished, written with these layers (`core.layer_steps`)
     state_layers: frozenset[int] = frozenset()
+    # after the forward, a send before the last: per state component, the leading slots
+    # of the request's lists whose bytes are final already (`Room.state_so_far`),
+    # written before these layers where the destination lacks them
+    state_so_far: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -130,13 +134,17 @@ class KvWriter:
         layers: range,
         room: Room | None = None,
         state_layers: frozenset[int] = frozenset(),
+        state_so_far: tuple[tuple[int, ...], ...] = (),
     ) -> Sent:
         """Writes `layers` of `chunk` on this rank's links into `dest`, after this rank's
-        share of the state of `state_layers` (model layer ids) of `room`, if any: that
-        state is counted with the metadata (`_write_state`), not here."""
+        share of the state of `state_layers` (model layer ids) of `room`, or of the
+        slots `state_so_far`, if any: that state is counted with the metadata
+        (`_write_state`), not here."""
         state = Sent()
         if state_layers and room is not None and dest.writes_state:
             state = self._write_streamed_state(dest, room, state_layers)
+        elif state_so_far and dest.writes_state:
+            state = self._write_state_so_far(dest, state_so_far)
         if not layers:
             return state
         kv = self._write_kv_layers(dest, chunk, layers)
@@ -342,7 +350,29 @@ class KvWriter:
         if streamed is None:
             return Sent()
         regions = self._regions_of(state_layers)
-        writes = self._state_writes(dest, streamed.slots(), regions)
+        writes = self._state_writes(dest, streamed.slots(), regions, _every_pair)
+        for i, wanted in enumerate(regions):
+            dest.state_written.setdefault(i, set()).update(wanted)
+        if len(writes):
+            self._engine.write(dest.request.decoder.session, writes)
+        return Sent(writes.total_bytes, len(writes))
+
+    def _write_state_so_far(self, dest: Destination, so_far: tuple[tuple[int, ...], ...]) -> Sent:
+        """After the forward, with a chunk before the last: every region of this rank's
+        share of the slots of `so_far` (leading slots of each component's list, final
+        already: the sliding window's pages of the chunks done) that `dest` lacks."""
+        every = tuple(frozenset(range(len(c.regions))) for c in self.pool.state)
+        done = dest.state_slots_written
+
+        def new_pairs(i: int, src: Sequence[int], dst: Sequence[int]) -> range | None:
+            if len(src) > len(dst):
+                return None
+            return range(min(done.get(i, 0), len(src)), len(src))
+
+        writes = self._state_writes(dest, so_far, every, new_pairs)
+        for i, slots in enumerate(so_far):
+            done[i] = max(done.get(i, 0), len(slots))
+        dest.state_bytes_early += writes.total_bytes
         if len(writes):
             self._engine.write(dest.request.decoder.session, writes)
         return Sent(writes.total_bytes, len(writes))
@@ -363,15 +393,23 @@ class KvWriter:
         request = dest.request
         if room.state_slots is None:
             raise SglPdError(f"request {request.request_id}: SGLang named no state slots")
-        # every region again where SGLang named other slots than those streamed from:
-        # this job follows every streamed one on this thread, so its bytes are the last
+        # every region and slot again where SGLang named other slots than those written
+        # from before: this job follows every earlier one on this thread, so its bytes
+        # are the last
         renamed = room.state_renamed
         remaining = tuple(
             frozenset(range(len(c.regions)))
             - (set() if renamed else dest.state_written.get(i, set()))
             for i, c in enumerate(self.pool.state)
         )
-        writes = self._state_writes(dest, room.state_slots, remaining)
+        done = {} if renamed else dest.state_slots_written
+
+        def unwritten(i: int, src: Sequence[int], dst: Sequence[int]) -> range | None:
+            if len(src) != len(dst):
+                return None
+            return range(min(done.get(i, 0), len(src)), len(src))
+
+        writes = self._state_writes(dest, room.state_slots, remaining, unwritten)
         dest.state_bytes_after += writes.total_bytes
         # SGLang frees the state slots once the request polls failed (they are not
         # pinned, as its pages are): only a request still live once the batch landed
@@ -392,13 +430,14 @@ class KvWriter:
         dest: Destination,
         src_state: Sequence[Sequence[int] | np.ndarray],
         regions: tuple[frozenset[int], ...],
+        pairs: PairsFn,
     ) -> Writes:
         """This rank's blocks of `regions` (per component) of the request's state slots
-        `src_state` into the decode rank's, slot pair by slot pair in order (the same
-        window positions on both sides, `core.sliding_window`), region by region: a whole
-        slot per region at one TP size, this rank's share of the sliced axis at another
-        (`core.state_slices`; `destinations.join` refused pairs that cannot be split, and
-        chose the blocks). Marks them written into `dest`."""
+        `src_state` into the decode rank's, for the slot pairs `pairs` chooses (the
+        same window positions on both sides, `core.sliding_window`, pair up in order),
+        region by region: a whole slot per region at one TP size, this rank's share of
+        the sliced axis at another (`core.state_slices`; `destinations.join` refused
+        pairs that cannot be split, and chose the blocks)."""
         request = dest.request
         mine, theirs = self.pool.state, request.decoder.state
         if len(mine) != len(theirs) or len(request.state_slots) != len(theirs):
@@ -412,17 +451,18 @@ class KvWriter:
                 strict=True,
             )
         ):  # fmt: skip
-            if len(src_slots) != len(dst_slots):
+            chosen = pairs(i, src_slots, dst_slots)
+            if chosen is None:
                 raise SglPdError(
                     f"request {request.request_id}: the prefill named {len(src_slots)}"
                     f" {component.kind} state slots and the decoder {len(dst_slots)}"
                 )
-            if not wanted:
+            if not wanted or not chosen or not any(blocks[r] for r in wanted):
                 continue
-            dest.state_written.setdefault(i, set()).update(wanted)
-            if len(src_slots) and any(blocks[r] for r in wanted):
-                columns = slot_writes(component, target, blocks, src_slots, dst_slots, wanted)
-                parts.append(MetadataWrites.of(*columns))
+            src = src_slots[chosen.start : chosen.stop]
+            dst = dst_slots[chosen.start : chosen.stop]
+            columns = slot_writes(component, target, blocks, src, dst, wanted)
+            parts.append(MetadataWrites.of(*columns))
         return MetadataWrites.concat(parts)
 
     def _sum_layers(self, dest: Destination, chunk: Chunk, layers: range) -> None:
@@ -465,6 +505,16 @@ class KvWriter:
 
     def close(self) -> None:
         self._words.close()
+
+
+# (component, the prefill's slots, the decoder's) -> the slot pairs (positions in both
+# lists) to write; None where the two lists cannot pair up
+PairsFn = Callable[[int, Sequence[int], Sequence[int]], range | None]
+
+
+def _every_pair(_component: int, src: Sequence[int], dst: Sequence[int]) -> range | None:
+    """Every slot pair: the two sides name one slot each for the same things."""
+    return range(len(src)) if len(src) == len(dst) else None
 
 
 def _row_writes(
@@ -540,7 +590,12 @@ class DestinationWriters:
                         self._fail_frozen(room_id)
                         return
                 sent = self._writer.write_layers(
-                    job.destination, job.chunk, job.layers, room, job.state_layers
+                    job.destination,
+                    job.chunk,
+                    job.layers,
+                    room,
+                    job.state_layers,
+                    job.state_so_far,
                 )
             else:
                 sent = self._writer.write_metadata(job.destination, room.aux_index, room)
