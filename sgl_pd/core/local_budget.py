@@ -26,10 +26,11 @@ the local tokens at any batch size.
 Whether a request is prefilled here is decided by its predicted first token
 (`prefill_here_is_sooner`): the local steps it needs (behind the local work queued
 already) times the step's time, against a remote prefill as this decoder has seen them
-take lately (`RemoteCost`: their tokens' compute at the decoder's own per-token cost,
-plus the median overhead of the last half minute's remote prefills, from bootstrap to
-the last KV word). A local request that no step admitted within `ADMISSION_STEPS` steps is sent to a
-prefill server after all (`LocalWait`).
+take lately (`RemoteCost`: its tokens' compute, and that of the remote prefills this
+decoder has in flight, which it queues behind, at the decoder's own per-token cost, plus
+the median overhead of the last half minute's remote prefills, from bootstrap to the
+last KV word, net of the same two). A local request that no step admitted within
+`ADMISSION_STEPS` steps is sent to a prefill server after all (`LocalWait`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -337,13 +339,18 @@ def adder_budget(local_tokens: int, running: int, mixed: bool) -> int:
 
 @dataclass(frozen=True)
 class RemoteCoefficients:
-    """A remote prefill, as the decoder sees it: offset + per_token * tokens computed."""
+    """A remote prefill, as the decoder sees it: offset + per_token * (its tokens + the
+    tokens of this decoder's remote prefills in flight, `queued_tokens`: it waits behind
+    them)."""
 
     offset: float
     per_token: float
+    queued_tokens: float = 0.0
 
     def seconds(self, tokens: int) -> float:
-        return max(self.offset, 0.0) + max(self.per_token, 0.0) * tokens
+        return max(self.offset, 0.0) + max(self.per_token, 0.0) * (
+            tokens + max(self.queued_tokens, 0.0)
+        )
 
 
 class RemoteCost:
@@ -351,30 +358,73 @@ class RemoteCost:
     its last KV word: bootstrap, the prefill server's queue and forward, the transfer.
 
     A remote prefill computes its tokens at about the rate this decoder's own steps
-    compute local ones (the step model's per-token cost); the rest - connection,
-    queueing, transfer - is load, which comes and goes in bursts: it is the median of
-    what the last `REMOTE_WINDOW_S` seconds' prefills took beyond their tokens' compute.
-    A burst of queued requests long gone then no longer makes remote look slow, and a
-    slope fitted from a few prompt lengths cannot go wrong for short suffixes."""
+    compute local ones (the step model's per-token cost), and waits for the tokens of
+    the remote prefills this decoder had in flight when it began (`started`): a burst of
+    requests at once queues each behind those before it, and the queue a new one would
+    join is the one in flight now. The rest - connection, transfer, other decoders'
+    load - comes and goes: it is the median of what the last `REMOTE_WINDOW_S` seconds'
+    prefills took beyond their tokens' compute and their queue's. So neither a burst
+    long gone nor one in flight now is mistaken for the other, and a slope fitted from
+    a few prompt lengths cannot go wrong for short suffixes.
+
+    Thread-safe: the decoder's scheduler starts requests, its completion path ends
+    them."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._seen: deque[tuple[float, int, float]] = deque(maxlen=REMOTE_SAMPLES_KEPT)
+        self._lock = threading.Lock()
+        # (seen at, tokens, seconds, tokens in flight ahead of it)
+        self._seen: deque[tuple[float, int, float, int]] = deque(maxlen=REMOTE_SAMPLES_KEPT)
+        self._in_flight: dict[int, tuple[int, int]] = {}  # room -> (tokens, tokens ahead)
+        self._in_flight_tokens = 0
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def started(self, room: int, tokens: int) -> None:
+        """A remote prefill of `tokens` tokens began (a retried room starts afresh)."""
+        with self._lock:
+            self._drop(room)
+            tokens = max(0, tokens)
+            self._in_flight[room] = (tokens, self._in_flight_tokens)
+            self._in_flight_tokens += tokens
+
+    def ended(self, room: int, seconds: float | None = None) -> None:
+        """The remote prefill of `room` ended after `seconds` (None: it failed or was let
+        go; nothing is learnt). Ending a room not in flight does nothing."""
+        with self._lock:
+            began = self._drop(room)
+            if began is not None and seconds is not None:
+                self._observe(*began, seconds)
+
+    def observe(self, tokens: int, seconds: float, tokens_ahead: int = 0) -> None:
+        with self._lock:
+            self._observe(max(0, tokens), max(0, tokens_ahead), seconds)
+
+    def _observe(self, tokens: int, ahead: int, seconds: float) -> None:
         if math.isfinite(seconds) and seconds > 0:
-            self._seen.append((self._clock(), max(0, tokens), seconds))
+            self._seen.append((self._clock(), tokens, seconds, ahead))
+
+    def _drop(self, room: int) -> tuple[int, int] | None:
+        began = self._in_flight.pop(room, None)
+        if began is not None:
+            self._in_flight_tokens -= began[0]
+        return began
+
+    @property
+    def in_flight_tokens(self) -> int:
+        """Tokens of the remote prefills in flight now."""
+        return self._in_flight_tokens
 
     def coefficients(self, per_token: float | None) -> RemoteCoefficients | None:
         """With the decoder's per-token compute cost (s; None: not measured yet), or None
         while fewer than `MIN_REMOTE_SAMPLES` prefills ended within the window."""
         since = self._clock() - REMOTE_WINDOW_S
-        recent = [(tokens, s) for at, tokens, s in self._seen if at >= since]
+        with self._lock:
+            recent = [(t, s, ahead) for at, t, s, ahead in self._seen if at >= since]
+            queued = self._in_flight_tokens
         if per_token is None or len(recent) < MIN_REMOTE_SAMPLES:
             return None
         per_token = max(per_token, 0.0)
-        overhead = statistics.median(s - per_token * tokens for tokens, s in recent)
-        return RemoteCoefficients(max(overhead, 0.0), per_token)
+        overhead = statistics.median(s - per_token * (t + ahead) for t, s, ahead in recent)
+        return RemoteCoefficients(max(overhead, 0.0), per_token, float(queued))
 
 
 def local_first_token_s(
@@ -585,7 +635,7 @@ class LocalWait:
         self._steps.pop(rid, None)
 
 
-MODEL_WORDS = 9  # `pack_models`' length
+MODEL_WORDS = 10  # `pack_models`' length
 
 
 @dataclass(frozen=True)
@@ -609,7 +659,8 @@ def pack_models(models: Models) -> list[float]:
     else:
         words = [step.offset, step.per_request, step.per_local_token, step.per_mixed_request]
         words += [nan if v is None else v for v in (step.unmixed_offset, step.unmixed_per_token)]
-    words += [nan, nan] if remote is None else [remote.offset, remote.per_token]
+    words += [nan] * 3 if remote is None else [remote.offset, remote.per_token]
+    words += [] if remote is None else [remote.queued_tokens]
     return [*words, models.local_bias]
 
 
@@ -618,5 +669,5 @@ def unpack_models(words: list[float]) -> Models:
     if not math.isnan(words[0]):
         alone = [None if math.isnan(v) else v for v in words[4:6]]
         step = StepCoefficients(words[0], words[1], words[2], words[3], alone[0], alone[1])
-    remote = None if math.isnan(words[6]) else RemoteCoefficients(words[6], words[7])
-    return Models(step, remote, words[8])
+    remote = None if math.isnan(words[6]) else RemoteCoefficients(*words[6:9])
+    return Models(step, remote, words[9])

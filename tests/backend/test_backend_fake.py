@@ -13,7 +13,7 @@ from sgl_pd.core.page_ids import PageIds
 from sgl_pd.core.states import DecodeState, PrefillState
 from sgl_pd.core.wire import AbortAck, AbortReason
 
-from .pd_fakes import Rig, wait_state
+from .pd_fakes import LAYOUT, Rig, wait_state
 
 
 def _acks(rig: Rig, room: int) -> list[AbortAck]:
@@ -39,6 +39,25 @@ def test_a_request_arrives_byte_for_byte_and_counts_complete() -> None:
     d.messenger.hand_off(5)
     assert d.messenger.poll(5) == (DecodeState.HANDED_OFF, None)
     _wait(lambda: rig.prefill.state(5) == (PrefillState.DONE, True, None))
+    rig.prefill.writers.close()
+
+
+def test_the_decoder_counts_each_remote_prefill_in_flight_until_it_ends() -> None:
+    """What a new remote prefill would queue behind (`RemoteCost`): a request's tokens
+    from its ask until it handed off, or until SGLang let go of it."""
+    rig = Rig()
+    d = rig.add_decoder("decode-a")
+    remote = d.messenger.remote_cost
+    rig.request(d, 5, list(range(30, 40)), slot=1)
+    rig.request(d, 6, list(range(40, 44)), slot=2)
+    page = LAYOUT.page_size
+    assert remote.in_flight_tokens == 14 * page
+    rig.prefill_all(5, list(range(10, 20)))
+    wait_state(d, 5, DecodeState.COMPLETE)
+    d.messenger.hand_off(5)
+    assert remote.in_flight_tokens == 4 * page
+    d.messenger.forget(6)
+    assert remote.in_flight_tokens == 0
     rig.prefill.writers.close()
 
 

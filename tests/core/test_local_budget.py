@@ -381,7 +381,7 @@ def test_a_request_waits_a_bounded_number_of_steps() -> None:
 
 def test_models_cross_to_other_ranks_whole_or_as_unfitted() -> None:
     step = StepCoefficients(0.01, 0.0002, 0.0005, 0.0003, unmixed_offset=0.004)
-    remote = RemoteCoefficients(0.05, 0.0001)
+    remote = RemoteCoefficients(0.05, 0.0001, queued_tokens=1200.0)
     unmeasured = StepCoefficients(0.01, 0.0002, 0.0005, 0.0003)
     for models in (
         Models(step, remote, 1.3),
@@ -551,3 +551,42 @@ def test_why_a_local_request_goes_out() -> None:
     past = LocalStep(16, True, within_slo=False)
     assert why_sent_out(step, remote, tokens=8, plan=past, **at) == "itl_slo"
     assert why_sent_out(step, None, tokens=8, plan=past, **at) == "itl_slo"
+
+
+def test_a_burst_of_prefills_at_once_is_learnt_as_a_queue_not_as_overhead() -> None:
+    """Twenty prefills begun at once each wait for those before them: net of that queue
+    their overhead is the calm one, and a prefill begun now waits only for the queue in
+    flight now - none once the burst ended, all of it while it runs."""
+    clock = _Clock()
+    remote = RemoteCost(clock)
+    per_token, overhead, tokens = 1e-4, 0.05, 100
+    for room in range(20):
+        remote.started(room, tokens)
+    assert remote.in_flight_tokens == 20 * tokens
+    during = None
+    for room in range(20):  # served in turn: room i after the i before it
+        remote.ended(room, overhead + per_token * tokens * (room + 1))
+        if room == 9:
+            during = remote.coefficients(per_token)
+    assert during is not None and math.isclose(during.offset, overhead)
+    assert math.isclose(during.seconds(48), overhead + per_token * (48 + 10 * tokens))
+    calm = remote.coefficients(per_token)
+    assert calm is not None and remote.in_flight_tokens == 0
+    assert math.isclose(calm.seconds(48), overhead + per_token * 48)
+
+
+def test_a_remote_prefill_let_go_teaches_nothing_and_leaves_the_queue() -> None:
+    remote = RemoteCost(_Clock())
+    remote.started(1, 500)
+    remote.started(2, 40)
+    remote.started(2, 60)  # a retried room: afresh
+    assert remote.in_flight_tokens == 560
+    remote.ended(1)  # failed, or SGLang let go of it
+    remote.ended(1, 0.5)  # (ended twice: nothing more)
+    remote.ended(7, 0.5)  # never started here
+    assert remote.in_flight_tokens == 60
+    for _ in range(MIN_REMOTE_SAMPLES):
+        remote.observe(48, 0.06)
+    fitted = remote.coefficients(1e-4)
+    assert fitted is not None and fitted.queued_tokens == 60
+    assert math.isclose(fitted.offset, 0.06 - 48e-4)

@@ -250,6 +250,10 @@ class DecodeMessenger:
             if old is not None:
                 self._grants.drop(old)  # a retried room id
             self._tracks[room] = track
+            # (its prefill waits behind the remote prefills in flight: `RemoteCost`)
+            page_size = prefills[0].layout.page_size
+            computed = track.num_pages * page_size if kv_tokens is None else kv_tokens - held_tokens
+            self.remote_cost.started(room, computed)
             if room in self._states:
                 self._states.forget(room)  # a retried room id: start afresh
             self._states.add(room)
@@ -385,8 +389,7 @@ class DecodeMessenger:
         if mismatch is not None:
             logger.error("request %d: %s", room, mismatch)
         elif track.seen_s is not None and track.done_s is not None:
-            computed = (track.kv_tokens or track.prompt_tokens) - track.held_tokens
-            self.remote_cost.observe(computed, track.done_s - track.seen_s)
+            self.remote_cost.ended(room, track.done_s - track.seen_s)
         emit_timeline(self._tracing, track, self.rank, self._now())
         return mismatch is None
 
@@ -420,6 +423,7 @@ class DecodeMessenger:
             if track is not None:
                 self._states.forget(room)
                 self._grants.drop(track)
+                self.remote_cost.ended(room)  # (one that completed ended already)
             self._completion.take_early(room)
         if track is not None and track.error is not None:
             emit_timeline(self._tracing, track, self.rank, self._now())
