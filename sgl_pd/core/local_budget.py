@@ -26,11 +26,12 @@ the local tokens at any batch size.
 Whether a request is prefilled here is decided by its predicted first token
 (`prefill_here_is_sooner`): the local steps it needs (behind the local work queued
 already) times the step's time, against a remote prefill as this decoder has seen them
-take lately (`RemoteCost`: its tokens' compute, and that of the remote prefills this
-decoder has in flight, which it queues behind, at the decoder's own per-token cost, plus
-the median overhead of the last half minute's remote prefills, from bootstrap to the
-last KV word, net of the same two). A local request that no step admitted within
-`ADMISSION_STEPS` steps is sent to a prefill server after all (`LocalWait`).
+take lately (`RemoteCost`: its tokens' compute at the decoder's own per-token cost, the
+wait behind the remote prefills this decoder has in flight, at the rate learnt from
+those that began behind others, plus the median overhead of the last half minute's
+remote prefills, from bootstrap to the last KV word, net of the same two). A local
+request that no step admitted within `ADMISSION_STEPS` steps is sent to a prefill server
+after all (`LocalWait`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ PROBE_EVERY = 4
 # until then every placement stays local
 MIN_REMOTE_SAMPLES = 4
 REMOTE_WINDOW_S = 30.0  # remote prefills older than this say nothing of the load now
+# a remote prefill in flight this long is not counted as queued (its end may never be
+# reported: a request SGLang dropped without letting go of it)
+STALE_REMOTE_S = 120.0
 REMOTE_SAMPLES_KEPT = 256
 MIN_BIAS, MAX_BIAS = 0.25, 4.0  # a local first token's actual / predicted, as counted
 _RIDGE = 1e-9  # keeps the normal equations solvable before the features vary
@@ -339,18 +343,15 @@ def adder_budget(local_tokens: int, running: int, mixed: bool) -> int:
 
 @dataclass(frozen=True)
 class RemoteCoefficients:
-    """A remote prefill, as the decoder sees it: offset + per_token * (its tokens + the
-    tokens of this decoder's remote prefills in flight, `queued_tokens`: it waits behind
-    them)."""
+    """A remote prefill, as the decoder sees it: offset + per_token * tokens computed +
+    queue_s, the wait behind this decoder's remote prefills in flight now."""
 
     offset: float
     per_token: float
-    queued_tokens: float = 0.0
+    queue_s: float = 0.0
 
     def seconds(self, tokens: int) -> float:
-        return max(self.offset, 0.0) + max(self.per_token, 0.0) * (
-            tokens + max(self.queued_tokens, 0.0)
-        )
+        return max(self.offset, 0.0) + max(self.per_token, 0.0) * tokens + max(self.queue_s, 0.0)
 
 
 class RemoteCost:
@@ -361,29 +362,40 @@ class RemoteCost:
     compute local ones (the step model's per-token cost), and waits for the tokens of
     the remote prefills this decoder had in flight when it began (`started`): a burst of
     requests at once queues each behind those before it, and the queue a new one would
-    join is the one in flight now. The rest - connection, transfer, other decoders'
-    load - comes and goes: it is the median of what the last `REMOTE_WINDOW_S` seconds'
-    prefills took beyond their tokens' compute and their queue's. So neither a burst
-    long gone nor one in flight now is mistaken for the other, and a slope fitted from
-    a few prompt lengths cannot go wrong for short suffixes.
+    join is the one in flight now. How long a queued token holds it up is learnt from
+    the prefills that began behind others, against those that began with none (the
+    median of their extra wait per token ahead; before both were seen, the decoder's
+    own per-token cost): the prefill servers may compute faster or slower than this
+    decoder, or share the queue among several. The rest - connection, transfer, other
+    decoders' load - comes and goes: it is the median of what the last
+    `REMOTE_WINDOW_S` seconds' prefills took beyond their tokens' compute and their
+    queue. So neither a burst long gone nor one in flight now is mistaken for the
+    other, and a slope fitted from a few prompt lengths cannot go wrong for short
+    suffixes. A prefill in flight for longer than `stale_s` counts as queued no more
+    (one whose end was never reported must not keep every later request local).
 
     Thread-safe: the decoder's scheduler starts requests, its completion path ends
     them."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, stale_s: float = STALE_REMOTE_S
+    ) -> None:
         self._clock = clock
+        self._stale_s = stale_s
         self._lock = threading.Lock()
-        # (seen at, tokens, seconds, tokens in flight ahead of it)
+        # (ended at, tokens, seconds, tokens in flight ahead of it)
         self._seen: deque[tuple[float, int, float, int]] = deque(maxlen=REMOTE_SAMPLES_KEPT)
-        self._in_flight: dict[int, tuple[int, int]] = {}  # room -> (tokens, tokens ahead)
+        # room -> (began at, tokens, tokens ahead), oldest first
+        self._in_flight: dict[int, tuple[float, int, int]] = {}
         self._in_flight_tokens = 0
 
     def started(self, room: int, tokens: int) -> None:
         """A remote prefill of `tokens` tokens began (a retried room starts afresh)."""
         with self._lock:
             self._drop(room)
+            self._expire()
             tokens = max(0, tokens)
-            self._in_flight[room] = (tokens, self._in_flight_tokens)
+            self._in_flight[room] = (self._clock(), tokens, self._in_flight_tokens)
             self._in_flight_tokens += tokens
 
     def ended(self, room: int, seconds: float | None = None) -> None:
@@ -392,7 +404,7 @@ class RemoteCost:
         with self._lock:
             began = self._drop(room)
             if began is not None and seconds is not None:
-                self._observe(*began, seconds)
+                self._observe(began[1], began[2], seconds)
 
     def observe(self, tokens: int, seconds: float, tokens_ahead: int = 0) -> None:
         with self._lock:
@@ -402,29 +414,62 @@ class RemoteCost:
         if math.isfinite(seconds) and seconds > 0:
             self._seen.append((self._clock(), tokens, seconds, ahead))
 
-    def _drop(self, room: int) -> tuple[int, int] | None:
+    def _drop(self, room: int) -> tuple[float, int, int] | None:
         began = self._in_flight.pop(room, None)
         if began is not None:
-            self._in_flight_tokens -= began[0]
+            self._in_flight_tokens -= began[1]
         return began
+
+    def _expire(self) -> None:
+        """Drops the prefills in flight past `stale_s` (oldest first: dicts keep order)."""
+        since = self._clock() - self._stale_s
+        while self._in_flight:
+            room, (began_s, _, _) = next(iter(self._in_flight.items()))
+            if began_s >= since:
+                return
+            self._drop(room)
 
     @property
     def in_flight_tokens(self) -> int:
         """Tokens of the remote prefills in flight now."""
-        return self._in_flight_tokens
+        with self._lock:
+            self._expire()
+            return self._in_flight_tokens
+
+    @property
+    def learnt(self) -> int:
+        """Remote prefills remembered (the window's and older)."""
+        return len(self._seen)
 
     def coefficients(self, per_token: float | None) -> RemoteCoefficients | None:
         """With the decoder's per-token compute cost (s; None: not measured yet), or None
         while fewer than `MIN_REMOTE_SAMPLES` prefills ended within the window."""
         since = self._clock() - REMOTE_WINDOW_S
         with self._lock:
+            self._expire()
             recent = [(t, s, ahead) for at, t, s, ahead in self._seen if at >= since]
             queued = self._in_flight_tokens
         if per_token is None or len(recent) < MIN_REMOTE_SAMPLES:
             return None
         per_token = max(per_token, 0.0)
-        overhead = statistics.median(s - per_token * (t + ahead) for t, s, ahead in recent)
-        return RemoteCoefficients(max(overhead, 0.0), per_token, float(queued))
+        residuals = [(s - per_token * t, ahead) for t, s, ahead in recent]
+        rate = _queue_rate(residuals, per_token)
+        overhead = statistics.median(r - rate * ahead for r, ahead in residuals)
+        return RemoteCoefficients(max(overhead, 0.0), per_token, rate * queued)
+
+
+def _queue_rate(residuals: list[tuple[float, int]], prior: float) -> float:
+    """Seconds a remote prefill waits per token in flight ahead of it: the median of
+    (residual - the median residual of those with nothing ahead) / tokens ahead over
+    those with some; `prior` until at least `MIN_REMOTE_SAMPLES // 2` of each were seen.
+    `residuals`: (seconds beyond the prefill's own tokens' compute, tokens ahead)."""
+    alone = [r for r, ahead in residuals if ahead == 0]
+    behind = [(r, ahead) for r, ahead in residuals if ahead > 0]
+    enough = max(1, MIN_REMOTE_SAMPLES // 2)
+    if len(alone) < enough or len(behind) < enough:
+        return prior
+    base = statistics.median(alone)
+    return max(0.0, statistics.median((r - base) / ahead for r, ahead in behind))
 
 
 def local_first_token_s(
@@ -659,8 +704,7 @@ def pack_models(models: Models) -> list[float]:
     else:
         words = [step.offset, step.per_request, step.per_local_token, step.per_mixed_request]
         words += [nan if v is None else v for v in (step.unmixed_offset, step.unmixed_per_token)]
-    words += [nan] * 3 if remote is None else [remote.offset, remote.per_token]
-    words += [] if remote is None else [remote.queued_tokens]
+    words += [nan] * 3 if remote is None else [remote.offset, remote.per_token, remote.queue_s]
     return [*words, models.local_bias]
 
 

@@ -48,16 +48,19 @@ def test_the_decoder_counts_each_remote_prefill_in_flight_until_it_ends() -> Non
     rig = Rig()
     d = rig.add_decoder("decode-a")
     remote = d.messenger.remote_cost
+    page = LAYOUT.page_size
     rig.request(d, 5, list(range(30, 40)), slot=1)
     rig.request(d, 6, list(range(40, 44)), slot=2)
-    page = LAYOUT.page_size
-    assert remote.in_flight_tokens == 14 * page
+    rig.request(d, 7, list(range(44, 46)), slot=3, held_tokens=page, kv_tokens=3 * page)
+    assert remote.in_flight_tokens == (10 + 4 + 2) * page
+    rig.clock.advance(0.25)  # (the prefill takes a while: it is learnt)
     rig.prefill_all(5, list(range(10, 20)))
     wait_state(d, 5, DecodeState.COMPLETE)
     d.messenger.hand_off(5)
-    assert remote.in_flight_tokens == 4 * page
-    d.messenger.forget(6)
-    assert remote.in_flight_tokens == 0
+    assert remote.in_flight_tokens == 6 * page and remote.learnt == 1
+    d.messenger.forget(6)  # SGLang let go of it
+    d.messenger.fail(7, "the client went away")  # its prefill is told to stop
+    assert remote.in_flight_tokens == 0 and remote.learnt == 1
     rig.prefill.writers.close()
 
 

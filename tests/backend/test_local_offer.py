@@ -6,6 +6,7 @@ nothing differently."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -141,6 +142,13 @@ def test_requests_the_scheduler_never_sends_out_are_never_judged() -> None:
         assert not _plain(SimpleNamespace(**{flag: True})), flag
 
 
+def _older_offer() -> str:
+    """An offer as the version before the remote queue wrote it: nine model words."""
+    fields = json.loads(_offer().to_json())
+    fields["models"] = fields["models"][:8] + fields["models"][9:]
+    return json.dumps(fields)
+
+
 def test_an_offer_file_of_another_kind_is_no_offer(tmp_path: Path) -> None:
     path = tmp_path / "offers" / "offer.json"
     write_offer(path, _offer())
@@ -150,6 +158,7 @@ def test_an_offer_file_of_another_kind_is_no_offer(tmp_path: Path) -> None:
         '{"written_s": 1.0}',
         _offer().to_json().replace('"running": 10', '"running": null'),
         _offer().to_json().replace('"models": [', '"models": [1.0], "x": ['),
+        _older_offer(),
     ):
         with pytest.raises(ValueError):
             LocalOffer.from_json(text)

@@ -381,7 +381,7 @@ def test_a_request_waits_a_bounded_number_of_steps() -> None:
 
 def test_models_cross_to_other_ranks_whole_or_as_unfitted() -> None:
     step = StepCoefficients(0.01, 0.0002, 0.0005, 0.0003, unmixed_offset=0.004)
-    remote = RemoteCoefficients(0.05, 0.0001, queued_tokens=1200.0)
+    remote = RemoteCoefficients(0.05, 0.0001, queue_s=0.12)
     unmeasured = StepCoefficients(0.01, 0.0002, 0.0005, 0.0003)
     for models in (
         Models(step, remote, 1.3),
@@ -588,5 +588,39 @@ def test_a_remote_prefill_let_go_teaches_nothing_and_leaves_the_queue() -> None:
     for _ in range(MIN_REMOTE_SAMPLES):
         remote.observe(48, 0.06)
     fitted = remote.coefficients(1e-4)
-    assert fitted is not None and fitted.queued_tokens == 60
+    assert fitted is not None and math.isclose(fitted.queue_s, 60 * 1e-4)
     assert math.isclose(fitted.offset, 0.06 - 48e-4)
+
+
+def test_the_wait_per_queued_token_is_learnt_where_the_prefill_server_is_faster() -> None:
+    """The prefill server clears its queue at half the decoder's own cost a token: the
+    prefills that began behind others, against those that began alone, say so, and the
+    calm overhead is not pushed to zero by a queue counted at the decoder's rate."""
+    clock = _Clock()
+    remote = RemoteCost(clock)
+    per_token, served, overhead = 1e-4, 0.5e-4, 0.05
+    for room in range(MIN_REMOTE_SAMPLES):  # alone, one after another
+        remote.started(room, 48)
+        remote.ended(room, overhead + per_token * 48)
+    for room in range(100, 120):  # twenty at once, each behind those before it
+        remote.started(room, 100)
+    for i, room in enumerate(range(100, 120)):
+        remote.ended(room, overhead + per_token * 100 + served * 100 * i)
+    remote.started(200, 1000)  # in flight now
+    fitted = remote.coefficients(per_token)
+    assert fitted is not None
+    assert math.isclose(fitted.offset, overhead, rel_tol=1e-6)
+    assert math.isclose(fitted.queue_s, served * 1000, rel_tol=1e-6)
+
+
+def test_a_remote_prefill_whose_end_never_came_stops_counting_as_queued() -> None:
+    clock = _Clock()
+    remote = RemoteCost(clock, stale_s=60.0)
+    remote.started(1, 500)
+    clock.now += 30.0
+    remote.started(2, 40)
+    assert remote.in_flight_tokens == 540
+    clock.now += 31.0
+    assert remote.in_flight_tokens == 40  # the first: past the bound
+    remote.ended(1, 1.0)  # (its late end teaches nothing)
+    assert remote.learnt == 0

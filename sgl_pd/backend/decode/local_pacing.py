@@ -192,7 +192,8 @@ class StepPacer:
                 "; remote prefills not measured yet"
                 if remote is None
                 else f"; remote prefill {1e3 * remote.offset:.1f} ms +"
-                f" {1e3 * remote.per_token:.3f} ms a token"
+                f" {1e3 * remote.per_token:.3f} ms a token + {1e3 * remote.queue_s:.1f} ms"
+                " queued now"
             )
             + f"; local first tokens {self.local_bias:.2f}x their prediction"
             + self._described_plan(running)

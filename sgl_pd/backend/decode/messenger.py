@@ -43,7 +43,7 @@ from sgl_pd.backend.tracing import RequestTracing
 from sgl_pd.core.clock import Clock
 from sgl_pd.core.errors import DuplicateRequest
 from sgl_pd.core.failures import FailureCause
-from sgl_pd.core.local_budget import RemoteCost
+from sgl_pd.core.local_budget import REMOTE_WINDOW_S, RemoteCost
 from sgl_pd.core.sharding import ShardingScheme
 from sgl_pd.core.states import DECODE_TABLE, DecodeState, RequestTracker
 from sgl_pd.core.wire import (
@@ -101,7 +101,9 @@ class DecodeMessenger:
         self._tracing = tracing if tracing is not None else RequestTracing(False)
         # what remote prefills took as this rank saw them, for local-or-remote choices
         # (`backend/decode/local_prefill.py`; read on the scheduler thread, as is hand_off)
-        self.remote_cost = RemoteCost()
+        # (a remote prefill past its transfer timeout has failed, or its end went
+        # unreported: not queued any more)
+        self.remote_cost = RemoteCost(stale_s=max(transfer_timeout_s, REMOTE_WINDOW_S))
         self._send = send_to_prefill
         self._timeout_s = transfer_timeout_s
         self._metrics = metrics
@@ -519,3 +521,4 @@ class DecodeMessenger:
             if not DECODE_TABLE.is_final(self._states.state(track.room)):
                 self._states.transition(track.room, state)
             self._metrics.add_failure(cause)
+            self.remote_cost.ended(track.room)  # (its prefill is told to stop: not queued)
