@@ -43,7 +43,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -353,12 +353,6 @@ class RemoteCoefficients:
     def seconds(self, tokens: int) -> float:
         return max(self.offset, 0.0) + max(self.per_token, 0.0) * tokens + max(self.queue_s, 0.0)
 
-    def after(self, seconds: float) -> RemoteCoefficients:
-        """The same `seconds` later: the queue drained by that much (the models are
-        synced once in a while; a queue seen then is mostly served by the time a request
-        is judged)."""
-        return replace(self, queue_s=max(0.0, self.queue_s - max(seconds, 0.0)))
-
 
 class RemoteCost:
     """What remote prefills took lately, from the decoder's first sight of a request to
@@ -648,21 +642,19 @@ class LocalOffer:
         return offer
 
 
-def remote_is_sooner(offer: LocalOffer, tokens: int, age_s: float = 0.0) -> bool:
+def remote_is_sooner(offer: LocalOffer, tokens: int) -> bool:
     """Whether the scheduler behind `offer` would send a plain local request (no
     logprobs, adapter or whole-prompt feature: those it never sends out) of `tokens`
     uncached tokens to a prefill server: its own check when such a request arrives
-    (`why_sent_out`), made with what the offer says of it, `age_s` after it was written
-    (the remote queue drained by then)."""
+    (`why_sent_out`), made with what the offer says of it."""
     if not offer.may_send_out:
         return False
-    remote = None if offer.models.remote is None else offer.models.remote.after(age_s)
     plan = plan_local_step(
         offer.models.step, offer.running, slo_factor=offer.slo_factor, cap=offer.cap,
         page_size=offer.page_size, can_mix=offer.can_mix, burst=offer.burst_ready,
     )  # fmt: skip
     why = why_sent_out(
-        offer.models.step, remote, running=offer.running,
+        offer.models.step, offer.models.remote, running=offer.running,
         tokens_ahead=offer.tokens_ahead, tokens=tokens,
         plan=burst_if_it_fits(plan, offer.tokens_ahead + max(1, tokens)),
         local_share=offer.local_share, local_bias=offer.models.local_bias,

@@ -58,15 +58,6 @@ def test_the_offer_decides_as_the_scheduler_would() -> None:
     assert remote_is_sooner(_offer(slo_factor=1.01, page_size=16), 2)
 
 
-def test_the_remote_queue_an_offer_saw_has_drained_by_the_time_a_request_comes() -> None:
-    """40 tokens take 8 steps of 25 ms here: 200 ms. Remote takes 64 ms and the decode
-    step, behind a queue of 300 ms when the offer was written: here is sooner then,
-    remote once 250 ms of that queue have been served."""
-    queued = Models(STEP, RemoteCoefficients(0.060, 0.0001, queue_s=0.3), 1.0)
-    assert not remote_is_sooner(_offer(models=queued), 40)
-    assert remote_is_sooner(_offer(models=queued), 40, age_s=0.25)
-
-
 def test_an_offer_survives_the_file(tmp_path: Path) -> None:
     offer = _offer(burst_ready=True, models=Models(STEP, None, 1.3))
     write_offer(tmp_path / "offers" / "offer.json", offer)

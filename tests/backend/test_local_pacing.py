@@ -11,12 +11,7 @@ from typing import Any
 import pytest
 
 from sgl_pd.backend.decode.local_pacing import StepPacer
-from sgl_pd.core.local_budget import (
-    MIN_REMOTE_SAMPLES,
-    MIN_SAMPLES,
-    RemoteCost,
-    StepCoefficients,
-)
+from sgl_pd.core.local_budget import MIN_SAMPLES, StepCoefficients
 
 TRUTH = StepCoefficients(offset=0.010, per_request=0.0005, per_local_token=0.001)
 
@@ -162,32 +157,3 @@ def test_a_negative_burst_interval_is_refused_with_the_flag_named() -> None:
     with pytest.raises(ConfigError, match="--pd-local-prefill-burst-every must be >= 0"):
         SglPdConfig(local_prefill_burst_every=-1)
     assert SglPdConfig(local_prefill_burst_every=0).local_prefill_burst_every == 0
-
-
-def test_the_remote_queue_seen_at_a_sync_drains_with_the_steps_counted_since() -> None:
-    """Every rank judges with rank 0's synced models; the queue in them was in flight
-    then, and each decode step since (counted, alike on every rank) served some of it."""
-    clock = _Clock()
-    pacer = StepPacer(cap=128, slo_factor=1.25, page_size=1, clock=clock)
-    remote = RemoteCost(clock)
-    for _ in range(MIN_REMOTE_SAMPLES):
-        remote.observe(48, 0.06)
-    remote.started(99, 1000)  # in flight at the sync: 1000 tokens at 1 ms each
-    _run(pacer, clock, _shapes(40 * MIN_SAMPLES), overlap=False)  # (the step model)
-    while True:
-        pacer.stepped(_Scheduler(), remote)
-        pacer.launched(10, 0)
-        clock.now += TRUTH.seconds(10, 0)
-        if pacer.synced_now:
-            break
-    synced = pacer.remote_model
-    assert synced is not None and synced.queue_s > 0.9
-    step = TRUTH.seconds(10, 0)  # 15 ms a step at 10 streams
-    for steps in range(1, 8):
-        pacer.stepped(_Scheduler(), remote)
-        pacer.launched(10, 0)
-        clock.now += step
-        now = pacer.remote_now(10)
-        assert now is not None
-        assert math.isclose(now.queue_s, synced.queue_s - steps * step, rel_tol=0.05)
-    assert pacer.remote_now(10) != synced and pacer.remote_model == synced

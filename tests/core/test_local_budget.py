@@ -624,9 +624,3 @@ def test_a_remote_prefill_whose_end_never_came_stops_counting_as_queued() -> Non
     assert remote.in_flight_tokens == 40  # the first: past the bound
     remote.ended(1, 1.0)  # (its late end teaches nothing)
     assert remote.learnt == 0
-
-
-def test_a_remote_queue_drains_as_time_passes_and_never_below_nothing() -> None:
-    remote = RemoteCoefficients(0.05, 1e-4, queue_s=0.4)
-    assert math.isclose(remote.after(0.1).seconds(100), 0.05 + 0.01 + 0.3)
-    assert remote.after(1.0).queue_s == 0.0 and remote.after(-1.0) == remote

@@ -196,7 +196,7 @@ class DirectDispatcher:
             cached = prompt.cached_tokens(self._held, _HERE)
         least = max(1, prompt.tokens - cached - (BLOCK_TOKENS - 1))
         try:
-            return remote_is_sooner(offer, least, age_s=time.time() - offer.written_s)
+            return remote_is_sooner(offer, least)
         except (ArithmeticError, TypeError, ValueError):  # (an offer no model can use)
             return False
 

@@ -127,15 +127,6 @@ class StepPacer:
         if self.synced_now:
             self._sync(scheduler, remote)
 
-    def remote_now(self, running: int) -> RemoteCoefficients | None:
-        """Rank 0's remote model as last synced, its queue drained by the decode steps
-        (at `running` streams) since: counted, so alike on every rank, where the queue
-        rank 0 sees now would not be."""
-        remote, step = self.remote_model, self.step_model
-        if remote is None or step is None:
-            return remote
-        return remote.after((self._iterations % SYNC_STEPS) * step.seconds(running, 0))
-
     def launched(self, running: int, local_tokens: int) -> None:
         """This iteration launches a step decoding `running` streams and prefilling
         `local_tokens` local prompt tokens."""

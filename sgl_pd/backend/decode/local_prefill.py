@@ -230,7 +230,7 @@ def around_add_request_to_queue(
     if fallback is not None and fallback.may_send:
         pacer = local.pacer
         why = why_sent_out(
-            pacer.step_model, pacer.remote_now(streams), running=streams, tokens_ahead=ahead,
+            pacer.step_model, pacer.remote_model, running=streams, tokens_ahead=ahead,
             tokens=uncached, plan=plan, local_share=pacer.share.value,
             local_bias=pacer.local_bias,
         )  # fmt: skip
@@ -481,9 +481,7 @@ def _offer(scheduler: Any, local: LocalPrefills, path: Path) -> None:
     pacer = local.pacer
     offer = LocalOffer(
         written_s=time.time(),
-        models=Models(
-            pacer.step_model, pacer.remote_now(_streams(scheduler, local)), pacer.local_bias
-        ),
+        models=Models(pacer.step_model, pacer.remote_model, pacer.local_bias),
         running=_streams(scheduler, local),
         tokens_ahead=_work_ahead(local),
         local_share=pacer.share.value,
