@@ -43,7 +43,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -344,14 +344,21 @@ def adder_budget(local_tokens: int, running: int, mixed: bool) -> int:
 @dataclass(frozen=True)
 class RemoteCoefficients:
     """A remote prefill, as the decoder sees it: offset + per_token * tokens computed +
-    queue_s, the wait behind this decoder's remote prefills in flight now."""
+    queue_s, the wait behind this decoder's remote prefills in flight (when the model
+    was made; `per_queued_token` of them each)."""
 
     offset: float
     per_token: float
     queue_s: float = 0.0
+    per_queued_token: float = 0.0
 
     def seconds(self, tokens: int) -> float:
         return max(self.offset, 0.0) + max(self.per_token, 0.0) * tokens + max(self.queue_s, 0.0)
+
+    def behind(self, queued_tokens: int) -> RemoteCoefficients:
+        """The same prefill behind `queued_tokens` in flight instead (a count newer
+        than the model's)."""
+        return replace(self, queue_s=max(self.per_queued_token, 0.0) * max(queued_tokens, 0))
 
 
 class RemoteCost:
@@ -455,7 +462,7 @@ class RemoteCost:
         residuals = [(s - per_token * t, ahead) for t, s, ahead in recent]
         rate = _queue_rate(residuals, per_token)
         overhead = statistics.median(r - rate * ahead for r, ahead in residuals)
-        return RemoteCoefficients(max(overhead, 0.0), per_token, rate * queued)
+        return RemoteCoefficients(max(overhead, 0.0), per_token, rate * queued, rate)
 
 
 def _queue_rate(residuals: list[tuple[float, int]], prior: float) -> float:
@@ -642,19 +649,24 @@ class LocalOffer:
         return offer
 
 
-def remote_is_sooner(offer: LocalOffer, tokens: int) -> bool:
+def remote_is_sooner(offer: LocalOffer, tokens: int, queued_tokens: int | None = None) -> bool:
     """Whether the scheduler behind `offer` would send a plain local request (no
     logprobs, adapter or whole-prompt feature: those it never sends out) of `tokens`
     uncached tokens to a prefill server: its own check when such a request arrives
-    (`why_sent_out`), made with what the offer says of it."""
+    (`why_sent_out`), made with what the offer says of it - but for the remote queue,
+    `queued_tokens` in flight now where the caller knows it (the offer's is as old as
+    the offer)."""
     if not offer.may_send_out:
         return False
+    remote = offer.models.remote
+    if remote is not None and queued_tokens is not None:
+        remote = remote.behind(queued_tokens)
     plan = plan_local_step(
         offer.models.step, offer.running, slo_factor=offer.slo_factor, cap=offer.cap,
         page_size=offer.page_size, can_mix=offer.can_mix, burst=offer.burst_ready,
     )  # fmt: skip
     why = why_sent_out(
-        offer.models.step, offer.models.remote, running=offer.running,
+        offer.models.step, remote, running=offer.running,
         tokens_ahead=offer.tokens_ahead, tokens=tokens,
         plan=burst_if_it_fits(plan, offer.tokens_ahead + max(1, tokens)),
         local_share=offer.local_share, local_bias=offer.models.local_bias,
@@ -680,7 +692,7 @@ class LocalWait:
         self._steps.pop(rid, None)
 
 
-MODEL_WORDS = 10  # `pack_models`' length
+MODEL_WORDS = 11  # `pack_models`' length
 
 
 @dataclass(frozen=True)
@@ -704,7 +716,11 @@ def pack_models(models: Models) -> list[float]:
     else:
         words = [step.offset, step.per_request, step.per_local_token, step.per_mixed_request]
         words += [nan if v is None else v for v in (step.unmixed_offset, step.unmixed_per_token)]
-    words += [nan] * 3 if remote is None else [remote.offset, remote.per_token, remote.queue_s]
+    words += (
+        [nan] * 4
+        if remote is None
+        else [remote.offset, remote.per_token, remote.queue_s, remote.per_queued_token]
+    )
     return [*words, models.local_bias]
 
 
@@ -713,5 +729,5 @@ def unpack_models(words: list[float]) -> Models:
     if not math.isnan(words[0]):
         alone = [None if math.isnan(v) else v for v in words[4:6]]
         step = StepCoefficients(words[0], words[1], words[2], words[3], alone[0], alone[1])
-    remote = None if math.isnan(words[6]) else RemoteCoefficients(*words[6:9])
-    return Models(step, remote, words[9])
+    remote = None if math.isnan(words[6]) else RemoteCoefficients(*words[6:10])
+    return Models(step, remote, words[10])

@@ -58,6 +58,17 @@ def test_the_offer_decides_as_the_scheduler_would() -> None:
     assert remote_is_sooner(_offer(slo_factor=1.01, page_size=16), 2)
 
 
+def test_the_http_process_judges_behind_the_remote_queue_it_placed_itself() -> None:
+    """40 tokens take 8 steps of 25 ms here: 200 ms. Remote takes 64 ms and the decode
+    step, behind a queue of 300 ms when the offer was written: here is sooner by the
+    offer; remote where the HTTP process, which places every remote request, knows
+    that queue is down to 500 tokens (0.1 ms each: 50 ms)."""
+    queued = Models(STEP, RemoteCoefficients(0.060, 0.0001, 0.3, per_queued_token=1e-4), 1.0)
+    assert not remote_is_sooner(_offer(models=queued), 40)
+    assert remote_is_sooner(_offer(models=queued), 40, queued_tokens=500)
+    assert not remote_is_sooner(_offer(models=queued), 40, queued_tokens=3000)
+
+
 def test_an_offer_survives_the_file(tmp_path: Path) -> None:
     offer = _offer(burst_ready=True, models=Models(STEP, None, 1.3))
     write_offer(tmp_path / "offers" / "offer.json", offer)

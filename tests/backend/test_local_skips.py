@@ -14,6 +14,7 @@ import pytest
 from sgl_pd.backend.decode import local_prefill
 from sgl_pd.backend.decode.local_fallback import LOCAL_HOST
 from sgl_pd.backend.decode.local_prefill import LocalPrefills, around_add_request_to_queue
+from sgl_pd.core.local_budget import RemoteCost
 
 BOOTSTRAP_PORT = 8998
 
@@ -30,7 +31,7 @@ class _Scheduler:
         manager = SimpleNamespace(
             rank=0,
             skip_prefill=lambda addr, room: self.skips.append((addr, room)),
-            decode=SimpleNamespace(remote_cost=None),
+            decode=SimpleNamespace(remote_cost=RemoteCost()),
         )
         self.disagg_decode_prealloc_queue = SimpleNamespace(
             kv_manager=manager, add=self.queued.append, queue=[]
@@ -299,3 +300,25 @@ def test_queued_requests_a_burst_cannot_finish_go_out_before_it_runs() -> None:
     local.queue.append(second)  # (as if both had been placed before the costs were known)
     local.uncached[second.rid] = 40
     assert local_prefill._past_the_burst(local, 64) == {second.rid}
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_a_request_is_judged_behind_the_remote_queue_in_flight_now_on_one_rank(
+    tp_size: int,
+) -> None:
+    """A follow-up of a token or so to compute is 10.5 ms here (one step) and the
+    decode step's 10 ms remote, behind nothing at the last sync. One rank judges it
+    behind the 1000 tokens its remote prefills have in flight now (0.5 ms each: 500 ms)
+    and keeps it; ranks of a group must judge alike, so they go by the synced model and
+    send it out."""
+    from sgl_pd.core.local_budget import RemoteCoefficients
+
+    local, scheduler, _ = _measuring()
+    scheduler.tp_size = tp_size  # type: ignore[attr-defined]
+    local.pacer.remote_model = RemoteCoefficients(0.0, 0.0, per_queued_token=0.0005)
+    remote = scheduler.disagg_decode_prealloc_queue.kv_manager.decode.remote_cost
+    remote.started(1, 1000)
+    req = _router_request(29)
+    req.origin_input_ids = list(range(40))
+    around_add_request_to_queue(_never_queued if tp_size == 1 else lambda r: None, scheduler, req)
+    assert (local.queue == [req]) == (tp_size == 1)

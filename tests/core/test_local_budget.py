@@ -381,7 +381,7 @@ def test_a_request_waits_a_bounded_number_of_steps() -> None:
 
 def test_models_cross_to_other_ranks_whole_or_as_unfitted() -> None:
     step = StepCoefficients(0.01, 0.0002, 0.0005, 0.0003, unmixed_offset=0.004)
-    remote = RemoteCoefficients(0.05, 0.0001, queue_s=0.12)
+    remote = RemoteCoefficients(0.05, 0.0001, queue_s=0.12, per_queued_token=1e-4)
     unmeasured = StepCoefficients(0.01, 0.0002, 0.0005, 0.0003)
     for models in (
         Models(step, remote, 1.3),
@@ -611,6 +611,8 @@ def test_the_wait_per_queued_token_is_learnt_where_the_prefill_server_is_faster(
     assert fitted is not None
     assert math.isclose(fitted.offset, overhead, rel_tol=1e-6)
     assert math.isclose(fitted.queue_s, served * 1000, rel_tol=1e-6)
+    assert math.isclose(fitted.per_queued_token, served, rel_tol=1e-6)
+    assert math.isclose(fitted.behind(400).queue_s, served * 400, rel_tol=1e-6)
 
 
 def test_a_remote_prefill_whose_end_never_came_stops_counting_as_queued() -> None:

@@ -194,9 +194,12 @@ class DirectDispatcher:
             return False
         with self._lock:
             cached = prompt.cached_tokens(self._held, _HERE)
+            # the queue it would join now: this process places every remote request
+            best = choose_prefiller(self._loads, prompt, self._prefixes, self._rates)
         least = max(1, prompt.tokens - cached - (BLOCK_TOKENS - 1))
+        queued = None if best is None else best.queued_tokens
         try:
-            return remote_is_sooner(offer, least)
+            return remote_is_sooner(offer, least, queued)
         except (ArithmeticError, TypeError, ValueError):  # (an offer no model can use)
             return False
 

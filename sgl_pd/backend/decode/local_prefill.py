@@ -68,6 +68,7 @@ from sgl_pd.core.local_budget import (
     LocalStep,
     LocalWait,
     Models,
+    RemoteCoefficients,
     adder_budget,
     burst_if_it_fits,
     local_first_token_s,
@@ -230,7 +231,7 @@ def around_add_request_to_queue(
     if fallback is not None and fallback.may_send:
         pacer = local.pacer
         why = why_sent_out(
-            pacer.step_model, pacer.remote_model, running=streams, tokens_ahead=ahead,
+            pacer.step_model, _remote_now(scheduler, pacer), running=streams, tokens_ahead=ahead,
             tokens=uncached, plan=plan, local_share=pacer.share.value,
             local_bias=pacer.local_bias,
         )  # fmt: skip
@@ -474,6 +475,17 @@ def around_get_next_batch(original: Any, scheduler: Any, running_batch: Any) -> 
     if plan.batch_to_run is not None:
         local.pacer.launched(*step_shape(plan.batch_to_run))
     return plan
+
+
+def _remote_now(scheduler: Any, pacer: StepPacer) -> RemoteCoefficients | None:
+    """The remote model a request is judged by: with one rank, behind the remote
+    prefills in flight now; with several, as rank 0 last synced it (every rank must
+    judge alike, and each counts a transfer's end when its own part landed)."""
+    remote = pacer.remote_model
+    if remote is None or getattr(scheduler, "tp_size", 1) > 1:
+        return remote
+    manager = scheduler.disagg_decode_prealloc_queue.kv_manager
+    return remote.behind(manager.decode.remote_cost.in_flight_tokens)
 
 
 def _offer(scheduler: Any, local: LocalPrefills, path: Path) -> None:
