@@ -174,8 +174,9 @@ def before_send_kv_chunk(
     Their KV is final (no later position changes it), and SGLang keeps a position's
     window page while the prompt's end lies within its window, so they go with this
     send's KV (`SglPdKVSender.state_final_so_far`) and only the last chunk's window
-    pages wait for the last send. Where SGLang names other pages later (its prefix cache swapped one
-    for the tree's), every page goes again after the forward (`Room.state_renamed`)."""
+    pages wait for the last send. Where SGLang names other pages later (its prefix
+    cache swapped one for the tree's), every page goes again after the forward
+    (`Room.state_renamed`)."""
     from sgl_pd.backend.prefill.sender import SglPdKVSender
 
     sender = getattr(req, "disagg_kv_sender", None)

@@ -350,7 +350,7 @@ class KvWriter:
         if streamed is None:
             return Sent()
         regions = self._regions_of(state_layers)
-        writes = self._state_writes(dest, streamed.slots(), regions, _every_pair)
+        writes = self._state_writes(dest, streamed.slots(), regions, _pairs_after({}))
         for i, wanted in enumerate(regions):
             dest.state_written.setdefault(i, set()).update(wanted)
         if len(writes):
@@ -363,13 +363,7 @@ class KvWriter:
         already: the sliding window's pages of the chunks done) that `dest` lacks."""
         every = tuple(frozenset(range(len(c.regions))) for c in self.pool.state)
         done = dest.state_slots_written
-
-        def new_pairs(i: int, src: Sequence[int], dst: Sequence[int]) -> range | None:
-            if len(src) > len(dst):
-                return None
-            return range(min(done.get(i, 0), len(src)), len(src))
-
-        writes = self._state_writes(dest, so_far, every, new_pairs)
+        writes = self._state_writes(dest, so_far, every, _pairs_after(done, leading=True))
         for i, slots in enumerate(so_far):
             done[i] = max(done.get(i, 0), len(slots))
         dest.state_bytes_early += writes.total_bytes
@@ -403,13 +397,7 @@ class KvWriter:
             for i, c in enumerate(self.pool.state)
         )
         done = {} if renamed else dest.state_slots_written
-
-        def unwritten(i: int, src: Sequence[int], dst: Sequence[int]) -> range | None:
-            if len(src) != len(dst):
-                return None
-            return range(min(done.get(i, 0), len(src)), len(src))
-
-        writes = self._state_writes(dest, room.state_slots, remaining, unwritten)
+        writes = self._state_writes(dest, room.state_slots, remaining, _pairs_after(done))
         dest.state_bytes_after += writes.total_bytes
         # SGLang frees the state slots once the request polls failed (they are not
         # pinned, as its pages are): only a request still live once the batch landed
@@ -512,9 +500,18 @@ class KvWriter:
 PairsFn = Callable[[int, Sequence[int], Sequence[int]], range | None]
 
 
-def _every_pair(_component: int, src: Sequence[int], dst: Sequence[int]) -> range | None:
-    """Every slot pair: the two sides name one slot each for the same things."""
-    return range(len(src)) if len(src) == len(dst) else None
+def _pairs_after(written: dict[int, int], *, leading: bool = False) -> PairsFn:
+    """The slot pairs past those `written` already (per component, its leading pairs)
+    of two lists of one length (the whole lists: the two sides name one slot each for
+    the same things), or, `leading`, of the prefill's leading slots, no more than the
+    decoder named."""
+
+    def pairs(component: int, src: Sequence[int], dst: Sequence[int]) -> range | None:
+        if len(src) > len(dst) or (not leading and len(src) != len(dst)):
+            return None
+        return range(min(written.get(component, 0), len(src)), len(src))
+
+    return pairs
 
 
 def _row_writes(
