@@ -63,6 +63,9 @@ REMOTE_WINDOW_S = 30.0  # remote prefills older than this say nothing of the loa
 # reported: a request SGLang dropped without letting go of it)
 STALE_REMOTE_S = 120.0
 REMOTE_SAMPLES_KEPT = 256
+# a remote prefill's rate a token is learnt from pairs of prefills this far apart in length
+MIN_SLOPE_SPREAD = 32  # tokens (and one at least twice the other)
+MIN_SLOPE_PAIRS = 3
 MIN_BIAS, MAX_BIAS = 0.25, 4.0  # a local first token's actual / predicted, as counted
 _RIDGE = 1e-9  # keeps the normal equations solvable before the features vary
 
@@ -98,10 +101,11 @@ class OnlineLinearFit:
 @dataclass(frozen=True)
 class StepCoefficients:
     """A step's seconds. Plain decode: offset + per_request * running. A mixed local step
-    (`running` > 0 streams decoded in its forward) adds per_local_token * local tokens +
-    per_mixed_request * running. An unmixed one decodes no stream and costs
-    unmixed_offset + unmixed_per_token * local tokens (None: no unmixed step measured
-    yet; `offset` and `per_local_token` stand in)."""
+    (`running` > 0 streams decoded in its forward) adds mixed_offset + per_local_token *
+    local tokens + per_mixed_request * running (`mixing_s`: all but the tokens). An
+    unmixed one decodes no stream and costs unmixed_offset + unmixed_per_token * local
+    tokens (None: no unmixed step measured yet; `offset` and `per_local_token` stand
+    in)."""
 
     offset: float
     per_request: float
@@ -109,15 +113,24 @@ class StepCoefficients:
     per_mixed_request: float = 0.0
     unmixed_offset: float | None = None
     unmixed_per_token: float | None = None
+    # (a mixed step builds an extend batch besides its streams' decode: a cost of its own
+    # that, left out, a fit would spread over the tokens and streams of the steps it saw)
+    mixed_offset: float = 0.0
 
     def seconds(self, running: int, local_tokens: int) -> float:
         decode = max(self.offset + self.per_request * running, 0.0)
         if local_tokens <= 0:
             return decode
         if running > 0:
-            mixing = max(self.per_mixed_request, 0.0) * running
-            return decode + mixing + max(self.per_local_token, 0.0) * local_tokens
+            return decode + self.mixing_s(running) + max(self.per_local_token, 0.0) * local_tokens
         return self.alone_offset() + self.alone_per_token() * local_tokens
+
+    def mixing_s(self, running: int) -> float:
+        """What a mixed local step adds to its `running` streams' decode besides its
+        tokens."""
+        # (the sum clamped, not the offset: a fit may split one cost into a negative
+        # offset and a steeper slope, and their sum is what it measured)
+        return max(self.mixed_offset + max(self.per_mixed_request, 0.0) * running, 0.0)
 
     def alone_offset(self) -> float:
         """What an unmixed local step costs besides its tokens."""
@@ -138,13 +151,13 @@ class StepCost:
 
     Three fits, each forgetting only as its own kind of step arrives: plain decode steps
     (a + b * running), what a mixed local step adds to the decode its streams would cost
-    (c * local + d * running), and unmixed local steps (e + c' * local). A decoder that
+    (f + c * local + d * running), and unmixed local steps (e + c' * local). A decoder that
     runs one kind for a while - or sends every local request out - keeps what the
     others cost instead of fading them to "free"."""
 
     def __init__(self) -> None:
         self._decode = OnlineLinearFit(2)  # (1, running)
-        self._mixed = OnlineLinearFit(2)  # (local tokens, running): over the decode
+        self._mixed = OnlineLinearFit(3)  # (1, local tokens, running): over the decode
         self._unmixed = OnlineLinearFit(2)  # (1, local tokens)
 
     def observe(self, running: int, local_tokens: int, seconds: float) -> None:
@@ -159,7 +172,7 @@ class StepCost:
             if decode is None:
                 return  # (what the local work added is not known before the decode cost)
             added = seconds - (decode[0] + decode[1] * running)
-            self._mixed.observe((float(local_tokens), float(running)), added)
+            self._mixed.observe((1.0, float(local_tokens), float(running)), added)
 
     def coefficients(self) -> StepCoefficients | None:
         """The fitted costs, or None before `MIN_SAMPLES` decode steps and as many local
@@ -170,10 +183,10 @@ class StepCost:
         if decode is None or (mixed is None and unmixed is None):
             return None
         if mixed is not None:
-            per_token, per_mixed = mixed
+            mixed_offset, per_token, per_mixed = mixed
         else:
             assert unmixed is not None
-            per_token, per_mixed = unmixed[1], 0.0
+            mixed_offset, per_token, per_mixed = 0.0, unmixed[1], 0.0
         return StepCoefficients(
             decode[0],
             decode[1],
@@ -181,6 +194,7 @@ class StepCost:
             per_mixed,
             None if unmixed is None else unmixed[0],
             None if unmixed is None else unmixed[1],
+            mixed_offset,
         )
 
 
@@ -295,8 +309,7 @@ def _within_slo(
     # (mixed, what the step costs the streams besides its tokens, a token's cost)
     options: list[tuple[bool, float, float]] = []
     if can_mix:
-        mixing = max(model.per_mixed_request, 0.0) * running
-        options.append((True, mixing, max(model.per_local_token, 0.0)))
+        options.append((True, model.mixing_s(running), max(model.per_local_token, 0.0)))
     if model.unmixed_offset is not None:
         options.append((False, model.alone_offset(), model.alone_per_token()))
     best: LocalStep | None = None
@@ -365,21 +378,23 @@ class RemoteCost:
     """What remote prefills took lately, from the decoder's first sight of a request to
     its last KV word: bootstrap, the prefill server's queue and forward, the transfer.
 
-    A remote prefill computes its tokens at about the rate this decoder's own steps
-    compute local ones (the step model's per-token cost), and waits for the tokens of
-    the remote prefills this decoder had in flight when it began (`started`): a burst of
-    requests at once queues each behind those before it, and the queue a new one would
-    join is the one in flight now. How long a queued token holds it up is learnt from
-    the prefills that began behind others, against those that began with none (the
-    median of their extra wait per token ahead; before both were seen, the decoder's
-    own per-token cost): the prefill servers may compute faster or slower than this
-    decoder, or share the queue among several. The rest - connection, transfer, other
-    decoders' load - comes and goes: it is the median of what the last
-    `REMOTE_WINDOW_S` seconds' prefills took beyond their tokens' compute and their
-    queue. So neither a burst long gone nor one in flight now is mistaken for the
-    other, and a slope fitted from a few prompt lengths cannot go wrong for short
-    suffixes. A prefill in flight for longer than `stale_s` counts as queued no more
-    (one whose end was never reported must not keep every later request local).
+    A remote prefill computes its tokens at the rate that the prefills which began
+    alone show between their lengths (`_remote_slope`: the prefill server's rate, and a
+    long prompt in one forward may cost less a token there than in this decoder's mixed
+    steps; until prompts far enough apart were seen, this decoder's own per-token
+    cost). It also waits for the tokens of the remote prefills this decoder had in
+    flight when it began (`started`): a burst of requests at once queues each behind
+    those before it, and the queue a new one would join is the one in flight now. How
+    long a queued token holds it up is learnt from the prefills that began behind
+    others, against those that began with none (the median of their extra wait per
+    token ahead; before both were seen, the per-token rate): the prefill servers may
+    drain a queue faster or slower than one prefill alone, or share it among several.
+    The rest - connection, transfer, other decoders' load - comes and goes: it is the
+    median of what the last `REMOTE_WINDOW_S` seconds' prefills took beyond their
+    tokens' compute and their queue. So neither a burst long gone nor one in flight now
+    is mistaken for the other. A prefill in flight for longer than `stale_s` counts as
+    queued no more (one whose end was never reported must not keep every later request
+    local).
 
     Thread-safe: the decoder's scheduler starts requests, its completion path ends
     them."""
@@ -456,13 +471,39 @@ class RemoteCost:
             self._expire()
             recent = [(t, s, ahead) for at, t, s, ahead in self._seen if at >= since]
             queued = self._in_flight_tokens
+            alone = [(at, t, s) for at, t, s, ahead in self._seen if ahead == 0]
         if per_token is None or len(recent) < MIN_REMOTE_SAMPLES:
             return None
-        per_token = max(per_token, 0.0)
+        # (every kept prefill, not only the window's: a rate is the hardware's, not the load's)
+        per_token = _remote_slope(alone, prior=max(per_token, 0.0))
         residuals = [(s - per_token * t, ahead) for t, s, ahead in recent]
         rate = _queue_rate(residuals, per_token)
         overhead = statistics.median(r - rate * ahead for r, ahead in residuals)
         return RemoteCoefficients(max(overhead, 0.0), per_token, rate * queued, rate)
+
+
+def _remote_slope(alone: list[tuple[float, int, float]], prior: float) -> float:
+    """Seconds a remote prefill takes per token it computes: the median slope between
+    prefills that began alone ((ended at, tokens, seconds), none ahead) whose lengths
+    differ enough - one at least twice the other and `MIN_SLOPE_SPREAD` tokens more -
+    and which ended within `REMOTE_WINDOW_S` of each other (under alike load: the load
+    of other decoders, unseen here, must not pass for a rate); `prior` until
+    `MIN_SLOPE_PAIRS` such pairs were seen. A median of pairs (Theil-Sen): one prefill
+    slowed by something else moves it little. A fixed slope from elsewhere would fold
+    whatever it gets wrong into the overhead: too steep, and a long prompt's prefill
+    seems to have none, so a short one is predicted far sooner than it comes."""
+    if len(alone) < 2:
+        return prior
+    ended = np.array([at for at, _, _ in alone], dtype=np.float64)
+    tokens = np.array([t for _, t, _ in alone], dtype=np.float64)
+    seconds = np.array([s for _, _, s in alone], dtype=np.float64)
+    longer = tokens[None, :] - tokens[:, None]  # [i, j]: j's tokens beyond i's
+    apart = (tokens[None, :] >= 2 * tokens[:, None]) & (longer >= MIN_SLOPE_SPREAD)
+    apart &= np.abs(ended[None, :] - ended[:, None]) <= REMOTE_WINDOW_S
+    if int(apart.sum()) < MIN_SLOPE_PAIRS:
+        return prior
+    slopes = (seconds[None, :] - seconds[:, None])[apart] / longer[apart]
+    return max(0.0, float(np.median(slopes)))
 
 
 def _queue_rate(residuals: list[tuple[float, int]], prior: float) -> float:
@@ -692,7 +733,7 @@ class LocalWait:
         self._steps.pop(rid, None)
 
 
-MODEL_WORDS = 11  # `pack_models`' length
+MODEL_WORDS = 12  # `pack_models`' length
 
 
 @dataclass(frozen=True)
@@ -712,10 +753,11 @@ def pack_models(models: Models) -> list[float]:
     nan = float("nan")
     step, remote = models.step, models.remote
     if step is None:
-        words = [nan] * 6
+        words = [nan] * 7
     else:
         words = [step.offset, step.per_request, step.per_local_token, step.per_mixed_request]
         words += [nan if v is None else v for v in (step.unmixed_offset, step.unmixed_per_token)]
+        words.append(step.mixed_offset)
     words += (
         [nan] * 4
         if remote is None
@@ -725,9 +767,14 @@ def pack_models(models: Models) -> list[float]:
 
 
 def unpack_models(words: list[float]) -> Models:
+    if len(words) != MODEL_WORDS:  # (another version's)
+        raise ValueError(f"{len(words)} model words, not {MODEL_WORDS}")
     step = None
     if not math.isnan(words[0]):
         alone = [None if math.isnan(v) else v for v in words[4:6]]
-        step = StepCoefficients(words[0], words[1], words[2], words[3], alone[0], alone[1])
-    remote = None if math.isnan(words[6]) else RemoteCoefficients(*words[6:10])
-    return Models(step, remote, words[10])
+        offset, per_request, per_local_token, per_mixed_request = words[:4]
+        step = StepCoefficients(
+            offset, per_request, per_local_token, per_mixed_request, alone[0], alone[1], words[6]
+        )
+    remote = None if math.isnan(words[7]) else RemoteCoefficients(*words[7:11])
+    return Models(step, remote, words[11])

@@ -157,8 +157,7 @@ def _measuring(overlap: bool = False) -> tuple[LocalPrefills, _Scheduler, list[f
 
 def _queued(local: LocalPrefills, scheduler: _Scheduler, *rooms: int) -> list[Any]:
     reqs = [_router_request(room) for room in rooms]
-    for req in reqs:
-        req.origin_input_ids = list(range(40))
+    for req in reqs:  # (40 tokens uncached: `_held_prompt`)
         around_add_request_to_queue(_never_queued, scheduler, req)
     assert local.queue[-len(reqs) :] == reqs
     return reqs
@@ -220,6 +219,22 @@ def test_requests_sent_out_retracted_or_caught_by_a_pause_teach_nothing() -> Non
     now[0] += 60.0
     local_prefill._first_tokens_came(local, SimpleNamespace(reqs=[out, paused, retracted]))
     assert local.pacer.bias.value == 1.0
+
+
+def test_a_request_with_nothing_to_prefill_teaches_no_bias() -> None:
+    """A stream's prompt sent again whole (its prefix all cached, nothing queued) took
+    14 ms for a predicted 10 on this CPU, where follow-ups of 41 tokens came as
+    predicted: its ratio, the median of many such, made every follow-up look 1.6x slower
+    here and sent it to a prefill server that took twice as long."""
+    local, scheduler, now = _measuring()
+    cached = _router_request(27)
+    cached.origin_input_ids = list(range(260))  # (all held: `_held_prompt`)
+    around_add_request_to_queue(_never_queued, scheduler, cached)
+    assert cached in local.queue and getattr(cached, local_prefill._PREDICTION, None) is None
+    (follow_up,) = _queued(local, scheduler, 28)  # behind nothing, 40 tokens to compute
+    now[0] += 1.5 * _predicted(follow_up)
+    local_prefill._first_tokens_came(local, SimpleNamespace(reqs=[cached, follow_up]))
+    assert local.pacer.bias.value == pytest.approx(1.5)
 
 
 def test_the_bias_rank_zero_measured_moves_placements() -> None:
@@ -303,22 +318,39 @@ def test_queued_requests_a_burst_cannot_finish_go_out_before_it_runs() -> None:
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])
-def test_a_request_is_judged_behind_the_remote_queue_in_flight_now_on_one_rank(
+def test_a_request_is_judged_behind_the_remote_queue_in_flight_now_alike_on_every_rank(
     tp_size: int,
 ) -> None:
     """A follow-up of a token or so to compute is 10.5 ms here (one step) and the
-    decode step's 10 ms remote, behind nothing at the last sync. One rank judges it
-    behind the 1000 tokens its remote prefills have in flight now (0.5 ms each: 500 ms)
-    and keeps it; ranks of a group must judge alike, so they go by the synced model and
-    send it out."""
+    decode step's 10 ms remote, behind nothing at the last sync. Behind the 1000 tokens
+    SGLang's transfer queue waits for now (0.5 ms each: 500 ms) it stays here, at one
+    rank or several: that queue is the same on every rank. A rank's own count of its
+    transfers is not (each ends when that rank's part landed), and judges nothing."""
     from sgl_pd.core.local_budget import RemoteCoefficients
 
     local, scheduler, _ = _measuring()
     scheduler.tp_size = tp_size  # type: ignore[attr-defined]
     local.pacer.remote_model = RemoteCoefficients(0.0, 0.0, per_queued_token=0.0005)
     remote = scheduler.disagg_decode_prealloc_queue.kv_manager.decode.remote_cost
-    remote.started(1, 1000)
+    remote.started(1, 1000)  # (this rank's count: not judged by)
     req = _router_request(29)
     req.origin_input_ids = list(range(40))
-    around_add_request_to_queue(_never_queued if tp_size == 1 else lambda r: None, scheduler, req)
-    assert (local.queue == [req]) == (tp_size == 1)
+    around_add_request_to_queue(lambda r: None, scheduler, req)
+    assert local.queue == []  # sent out: nothing in the transfer queue
+    waiting = [  # 1000 tokens to compute: 1100 prompt tokens of which 100 held, and a
+        # prompt held whole
+        SimpleNamespace(
+            req=SimpleNamespace(origin_input_ids=[0] * 1100),
+            prefix_match=SimpleNamespace(decode_prefix_len=100),
+        ),
+        SimpleNamespace(
+            req=SimpleNamespace(origin_input_ids=[0] * 300),
+            prefix_match=SimpleNamespace(decode_prefix_len=300),
+        ),
+    ]
+    scheduler.disagg_decode_transfer_queue = SimpleNamespace(queue=waiting)  # type: ignore[attr-defined]
+    assert local_prefill._remote_tokens_in_flight(scheduler) == 1000
+    other = _router_request(30)
+    other.origin_input_ids = list(range(40))
+    around_add_request_to_queue(_never_queued, scheduler, other)
+    assert local.queue == [other]

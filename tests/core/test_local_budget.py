@@ -97,6 +97,30 @@ def test_the_fit_tells_the_cost_of_mixing_streams_from_that_of_local_tokens() ->
     assert math.isclose(fitted.seconds(0, 16), truth.seconds(0, 16), rel_tol=0.05)
 
 
+def test_a_mixed_step_has_a_cost_of_its_own_besides_its_tokens_and_streams() -> None:
+    """Measured on this CPU: a mixed step of one stream and one local token (a stream's
+    cached prompt sent again) took 14 ms where the decode step took 9, and one of two
+    streams and 41 tokens took 44. Without a cost of its own per mixed step the fit
+    spreads it over tokens and streams, and a local first token is predicted late for
+    some requests and early for others (the multiplier learnt from their median then
+    moves every prediction)."""
+    truth = StepCoefficients(0.004, 0.0025, 0.0007, per_mixed_request=0.0005, mixed_offset=0.004)
+    rng = random.Random(5)
+    cost = StepCost()
+    for i in range(600):
+        running = rng.randint(1, 4)
+        local = 0 if i % 3 == 0 else rng.choice([1, 1, 1, 20, 41, 128])
+        cost.observe(running, local, truth.seconds(running, local) * rng.uniform(0.98, 1.02))
+    fitted = cost.coefficients()
+    assert fitted is not None
+    assert math.isclose(fitted.mixed_offset, truth.mixed_offset, rel_tol=0.15)
+    for running, local in [(1, 1), (2, 41), (4, 128)]:
+        assert math.isclose(
+            fitted.seconds(running, local), truth.seconds(running, local), rel_tol=0.03
+        )
+    assert fitted.mixing_s(2) == pytest.approx(truth.mixed_offset + 2 * 0.0005, rel=0.15)
+
+
 def test_the_unmixed_offset_is_measured_not_read_off_the_decode_fit() -> None:
     """At a steady stream count a decode step's offset and per-stream cost are one sum
     (a + b * 64): an unmixed step's cost cannot be had from them, only from its own
@@ -350,11 +374,11 @@ def test_remote_prefills_are_their_tokens_compute_plus_the_recent_median_overhea
     assert math.isclose(fitted.seconds(48), 0.05 + 48 * per_token)
 
 
-def test_a_burst_of_queued_prefills_is_forgotten_once_it_is_over() -> None:
+def test_a_slow_spell_of_the_prefill_servers_is_forgotten_once_it_is_over() -> None:
     clock = _Clock()
     remote = RemoteCost(clock)
-    for _ in range(20):  # twenty requests at once, queued behind each other
-        remote.observe(100, 0.4)
+    for _ in range(20):  # slow for a while (another decoder's burst: not in this queue)
+        remote.observe(48, 0.4)
     clock.now += REMOTE_WINDOW_S / 2
     for _ in range(3):
         remote.observe(48, 0.06)
@@ -613,6 +637,50 @@ def test_the_wait_per_queued_token_is_learnt_where_the_prefill_server_is_faster(
     assert math.isclose(fitted.queue_s, served * 1000, rel_tol=1e-6)
     assert math.isclose(fitted.per_queued_token, served, rel_tol=1e-6)
     assert math.isclose(fitted.behind(400).queue_s, served * 400, rel_tol=1e-6)
+
+
+def test_a_remote_prefill_is_a_fixed_cost_plus_the_prefill_servers_own_rate() -> None:
+    """Measured through a decoder (a 1024-token prompt remote in 615 ms, a 41-token one
+    in 100 ms) where its own mixed steps cost 0.70 ms a local token: at that rate the
+    long prompt leaves no overhead, and a short follow-up was predicted remote in 29 ms
+    and sent out, to take 100. The rate between the two lengths says both."""
+    clock = _Clock()
+    remote = RemoteCost(clock)
+    decoder_per_token = 0.70e-3
+    for _ in range(MIN_REMOTE_SAMPLES):
+        remote.observe(1024, 0.615)
+    fitted = remote.coefficients(decoder_per_token)
+    assert fitted is not None and fitted.per_token == decoder_per_token  # (one length: no rate)
+    remote.observe(41, 0.100)
+    fitted = remote.coefficients(decoder_per_token)
+    assert fitted is not None
+    assert math.isclose(fitted.per_token, 0.515 / 983, rel_tol=1e-6)
+    assert math.isclose(fitted.seconds(41), 0.100, rel_tol=1e-6)
+    assert math.isclose(fitted.seconds(1024), 0.615, rel_tol=1e-6)
+    # the rate outlives the window of the overhead: it is the servers', not the load's
+    clock.now += 2 * REMOTE_WINDOW_S
+    for _ in range(MIN_REMOTE_SAMPLES):
+        remote.observe(1024, 0.715)  # 100 ms more overhead now
+    later = remote.coefficients(decoder_per_token)
+    assert later is not None and math.isclose(later.seconds(41), 0.200, rel_tol=0.05)
+
+
+def test_prefills_too_alike_in_length_or_queued_teach_no_rate() -> None:
+    clock = _Clock()
+    remote = RemoteCost(clock)
+    for tokens in (40, 60, 79, 100, 120):  # apart: 40-100, 40-120, 60-120
+        remote.observe(tokens, 0.05 + 1e-3 * tokens)
+    assert remote.coefficients(1e-4).per_token == pytest.approx(1e-3)
+    remote = RemoteCost(clock)
+    for tokens in (40, 60, 79, 100):  # two pairs apart only
+        remote.observe(tokens, 0.05 + 1e-3 * tokens)
+    assert remote.coefficients(1e-4).per_token == 1e-4
+    remote = RemoteCost(clock)
+    for room, tokens in enumerate((40, 1000, 40, 1000, 40, 1000)):
+        remote.started(room, tokens)  # each behind those before it
+    for room, tokens in enumerate((40, 1000, 40, 1000, 40, 1000)):
+        remote.ended(room, 0.05 + 1e-3 * tokens)
+    assert remote.coefficients(1e-4).per_token == 1e-4
 
 
 def test_a_remote_prefill_whose_end_never_came_stops_counting_as_queued() -> None:

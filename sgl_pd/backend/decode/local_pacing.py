@@ -182,6 +182,7 @@ class StepPacer:
                 else f"step {1e3 * step.offset:.2f} ms + {1e3 * step.per_request:.3f} ms a"
                 f" request + {1e3 * step.per_local_token:.3f} ms a local token"
                 f" + {1e3 * step.per_mixed_request:.3f} ms a request mixed with local tokens"
+                f" + {1e3 * step.mixed_offset:.2f} ms a mixed step"
                 + (
                     "; unmixed local steps not measured yet"
                     if step.unmixed_offset is None

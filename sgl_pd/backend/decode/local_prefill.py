@@ -305,9 +305,12 @@ def _remember_prediction(
 ) -> None:
     """When `req` (just queued behind `ahead` local tokens, `streams` running, the next
     step as `plan`) was queued and its first token's predicted seconds, on the request
-    itself (it leaves with it: sent out, aborted or answered)."""
+    itself (it leaves with it: sent out, aborted or answered). Not for a request with
+    nothing to prefill (its whole prompt cached, nothing queued before it): it is never
+    weighed against a remote prefill, and its first token is one step's fixed costs,
+    whose error would scale every prefill's prediction (`LocalBias` is a ratio)."""
     pacer = local.pacer
-    if pacer.step_model is None:
+    if pacer.step_model is None or ahead + uncached == 0:
         return
     seconds = local_first_token_s(
         pacer.step_model, streams, ahead, uncached, plan, pacer.share.value
@@ -478,14 +481,30 @@ def around_get_next_batch(original: Any, scheduler: Any, running_batch: Any) -> 
 
 
 def _remote_now(scheduler: Any, pacer: StepPacer) -> RemoteCoefficients | None:
-    """The remote model a request is judged by: with one rank, behind the remote
-    prefills in flight now; with several, as rank 0 last synced it (every rank must
-    judge alike, and each counts a transfer's end when its own part landed)."""
+    """The remote model a request is judged by: as rank 0 last synced it, behind the
+    remote prefills in flight now (`_remote_tokens_in_flight`: alike on every rank of a
+    TP group, which must judge alike)."""
     remote = pacer.remote_model
-    if remote is None or getattr(scheduler, "tp_size", 1) > 1:
-        return remote
-    manager = scheduler.disagg_decode_prealloc_queue.kv_manager
-    return remote.behind(manager.decode.remote_cost.in_flight_tokens)
+    if remote is None:
+        return None
+    return remote.behind(_remote_tokens_in_flight(scheduler))
+
+
+def _remote_tokens_in_flight(scheduler: Any) -> int:
+    """The prompt tokens this decoder waits for remote prefills to compute now: its
+    requests in SGLang's transfer queue (pages held, KV awaited), less what its prefix
+    cache held of each - the count `RemoteCost.started` learns the queue's cost by. The
+    same on every rank of a TP group: SGLang takes a request off that queue only when
+    every rank's KV has landed (a poll all-reduced over the group), and each rank's
+    tree holds the same prefixes. (Each rank's own in-flight count ends a transfer when
+    its own part landed: it differs between ranks.)"""
+    queue = getattr(scheduler, "disagg_decode_transfer_queue", None)
+    tokens = 0
+    for decode_req in getattr(queue, "queue", None) or ():
+        match = getattr(decode_req, "prefix_match", None)
+        held = int(getattr(match, "decode_prefix_len", 0) or 0) if match is not None else 0
+        tokens += max(0, len(decode_req.req.origin_input_ids) - held)
+    return tokens
 
 
 def _offer(scheduler: Any, local: LocalPrefills, path: Path) -> None:
