@@ -161,6 +161,7 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[int, ModeR
         local = str(LOCAL_MAX_TOKENS if mode == "on" else 0)
         step = args.local_step_tokens if mode == "on" and args.local_step_tokens else None
         slo = args.itl_slo if mode == "on" else None
+        burst = args.burst_every if mode == "on" else None
         servers = direct_cluster(
             work / mode,
             prefill_extra=COMMON,
@@ -169,6 +170,7 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[int, ModeR
                 "--pd-local-prefill-max-tokens", local,
                 *(["--pd-local-prefill-step-tokens", str(step)] if step else []),
                 *(["--pd-local-prefill-itl-slo", str(slo)] if slo is not None else []),
+                *(["--pd-local-prefill-burst-every", str(burst)] if burst is not None else []),
             ],
             decoders=1,
             patience=patience,
@@ -233,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--itl-slo", type=float, default=None,
         help="--pd-local-prefill-itl-slo of the `on` decoder (default: the server's)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--burst-every", type=int, default=None,
+        help="--pd-local-prefill-burst-every of the `on` decoder (default: the server's)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     args.conversations = args.conversations or (3 if args.quick else 12)
