@@ -65,7 +65,7 @@ STALE_REMOTE_S = 120.0
 REMOTE_SAMPLES_KEPT = 256
 # a remote prefill's rate a token is learnt from pairs of prefills this far apart in length
 MIN_SLOPE_SPREAD = 32  # tokens (and one at least twice the other)
-MIN_SLOPE_PAIRS = 3
+MIN_SLOPE_SIDE = 2  # distinct prefills on each side of those pairs, at least
 MIN_BIAS, MAX_BIAS = 0.25, 4.0  # a local first token's actual / predicted, as counted
 _RIDGE = 1e-9  # keeps the normal equations solvable before the features vary
 
@@ -130,7 +130,7 @@ class StepCoefficients:
         tokens."""
         # (the sum clamped, not the offset: a fit may split one cost into a negative
         # offset and a steeper slope, and their sum is what it measured)
-        return max(self.mixed_offset + max(self.per_mixed_request, 0.0) * running, 0.0)
+        return max(self.mixed_offset + self.per_mixed_request * running, 0.0)
 
     def alone_offset(self) -> float:
         """What an unmixed local step costs besides its tokens."""
@@ -410,6 +410,7 @@ class RemoteCost:
         # room -> (began at, tokens, tokens ahead), oldest first
         self._in_flight: dict[int, tuple[float, int, int]] = {}
         self._in_flight_tokens = 0
+        self._rate: float | None = None  # seconds a token, as last learnt (`_remote_slope`)
 
     def started(self, room: int, tokens: int) -> None:
         """A remote prefill of `tokens` tokens began (a retried room starts afresh)."""
@@ -472,38 +473,44 @@ class RemoteCost:
             recent = [(t, s, ahead) for at, t, s, ahead in self._seen if at >= since]
             queued = self._in_flight_tokens
             alone = [(at, t, s) for at, t, s, ahead in self._seen if ahead == 0]
+            # (every kept prefill, not only the window's: a rate is the hardware's, not the
+            # load's; and it is kept once learnt, as the prefills it came from leave)
+            self._rate = _remote_slope(alone) or self._rate
+            learnt = self._rate
         if per_token is None or len(recent) < MIN_REMOTE_SAMPLES:
             return None
-        # (every kept prefill, not only the window's: a rate is the hardware's, not the load's)
-        per_token = _remote_slope(alone, prior=max(per_token, 0.0))
+        prior = max(per_token, 0.0)
+        per_token = prior if learnt is None else learnt
         residuals = [(s - per_token * t, ahead) for t, s, ahead in recent]
-        rate = _queue_rate(residuals, per_token)
+        rate = _queue_rate(residuals, prior)
         overhead = statistics.median(r - rate * ahead for r, ahead in residuals)
         return RemoteCoefficients(max(overhead, 0.0), per_token, rate * queued, rate)
 
 
-def _remote_slope(alone: list[tuple[float, int, float]], prior: float) -> float:
+def _remote_slope(alone: list[tuple[float, int, float]]) -> float | None:
     """Seconds a remote prefill takes per token it computes: the median slope between
     prefills that began alone ((ended at, tokens, seconds), none ahead) whose lengths
     differ enough - one at least twice the other and `MIN_SLOPE_SPREAD` tokens more -
     and which ended within `REMOTE_WINDOW_S` of each other (under alike load: the load
-    of other decoders, unseen here, must not pass for a rate); `prior` until
-    `MIN_SLOPE_PAIRS` such pairs were seen. A median of pairs (Theil-Sen): one prefill
-    slowed by something else moves it little. A fixed slope from elsewhere would fold
-    whatever it gets wrong into the overhead: too steep, and a long prompt's prefill
-    seems to have none, so a short one is predicted far sooner than it comes."""
-    if len(alone) < 2:
-        return prior
+    of other decoders, unseen here, must not pass for a rate); None unless such pairs
+    join at least `MIN_SLOPE_SIDE` distinct shorter and longer prefills, or where their
+    median is not above 0. A median of pairs (Theil-Sen) over several prefills a side:
+    one slowed by something else moves it little. A fixed slope from elsewhere would
+    fold whatever it gets wrong into the overhead: too steep, and a long prompt's
+    prefill seems to have none, so a short one is predicted far sooner than it comes."""
+    if len(alone) < 2 * MIN_SLOPE_SIDE:
+        return None
     ended = np.array([at for at, _, _ in alone], dtype=np.float64)
     tokens = np.array([t for _, t, _ in alone], dtype=np.float64)
     seconds = np.array([s for _, _, s in alone], dtype=np.float64)
     longer = tokens[None, :] - tokens[:, None]  # [i, j]: j's tokens beyond i's
     apart = (tokens[None, :] >= 2 * tokens[:, None]) & (longer >= MIN_SLOPE_SPREAD)
     apart &= np.abs(ended[None, :] - ended[:, None]) <= REMOTE_WINDOW_S
-    if int(apart.sum()) < MIN_SLOPE_PAIRS:
-        return prior
-    slopes = (seconds[None, :] - seconds[:, None])[apart] / longer[apart]
-    return max(0.0, float(np.median(slopes)))
+    shorter_side, longer_side = apart.any(axis=1).sum(), apart.any(axis=0).sum()
+    if min(int(shorter_side), int(longer_side)) < MIN_SLOPE_SIDE:
+        return None
+    slope = float(np.median((seconds[None, :] - seconds[:, None])[apart] / longer[apart]))
+    return slope if slope > 0 else None
 
 
 def _queue_rate(residuals: list[tuple[float, int]], prior: float) -> float:
@@ -773,8 +780,15 @@ def unpack_models(words: list[float]) -> Models:
     if not math.isnan(words[0]):
         alone = [None if math.isnan(v) else v for v in words[4:6]]
         offset, per_request, per_local_token, per_mixed_request = words[:4]
+        mixed_offset = 0.0 if math.isnan(words[6]) else words[6]
         step = StepCoefficients(
-            offset, per_request, per_local_token, per_mixed_request, alone[0], alone[1], words[6]
+            offset,
+            per_request,
+            per_local_token,
+            per_mixed_request,
+            alone[0],
+            alone[1],
+            mixed_offset,
         )
     remote = None if math.isnan(words[7]) else RemoteCoefficients(*words[7:11])
     return Models(step, remote, words[11])

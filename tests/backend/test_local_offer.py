@@ -154,9 +154,10 @@ def test_requests_the_scheduler_never_sends_out_are_never_judged() -> None:
 
 
 def _older_offer() -> str:
-    """An offer as the version before the remote queue wrote it: nine model words."""
+    """An offer as the version before a mixed step's own cost wrote it: eleven model
+    words."""
     fields = json.loads(_offer().to_json())
-    fields["models"] = fields["models"][:8] + fields["models"][9:]
+    fields["models"] = fields["models"][:6] + fields["models"][7:]
     return json.dumps(fields)
 
 

@@ -232,9 +232,9 @@ def test_a_request_with_nothing_to_prefill_teaches_no_bias() -> None:
     around_add_request_to_queue(_never_queued, scheduler, cached)
     assert cached in local.queue and getattr(cached, local_prefill._PREDICTION, None) is None
     (follow_up,) = _queued(local, scheduler, 28)  # behind nothing, 40 tokens to compute
-    now[0] += 1.5 * _predicted(follow_up)
+    now[0] += 1.2 * _predicted(follow_up)
     local_prefill._first_tokens_came(local, SimpleNamespace(reqs=[cached, follow_up]))
-    assert local.pacer.bias.value == pytest.approx(1.5)
+    assert local.pacer.bias.value == pytest.approx(1.2)
 
 
 def test_the_bias_rank_zero_measured_moves_placements() -> None:
@@ -337,19 +337,25 @@ def test_a_request_is_judged_behind_the_remote_queue_in_flight_now_alike_on_ever
     req.origin_input_ids = list(range(40))
     around_add_request_to_queue(lambda r: None, scheduler, req)
     assert local.queue == []  # sent out: nothing in the transfer queue
-    waiting = [  # 1000 tokens to compute: 1100 prompt tokens of which 100 held, and a
-        # prompt held whole
-        SimpleNamespace(
-            req=SimpleNamespace(origin_input_ids=[0] * 1100),
+    waiting = [  # the KV each needs less what was held (`expected_kv_tokens`): 1000
+        SimpleNamespace(  # the decoder samples its first token: all but the last
+            req=SimpleNamespace(
+                origin_input_ids=[0] * 1101, output_ids=[], pd_decode_samples_first=True
+            ),
             prefix_match=SimpleNamespace(decode_prefix_len=100),
         ),
-        SimpleNamespace(
-            req=SimpleNamespace(origin_input_ids=[0] * 300),
+        SimpleNamespace(  # a prompt held whole
+            req=SimpleNamespace(origin_input_ids=[0] * 300, output_ids=[]),
             prefix_match=SimpleNamespace(decode_prefix_len=300),
+        ),
+        SimpleNamespace(  # recomputed after a retraction, from the start: with its output
+            req=SimpleNamespace(origin_input_ids=[0] * 400, output_ids=[0] * 100),
+            prefix_match=None,
         ),
     ]
     scheduler.disagg_decode_transfer_queue = SimpleNamespace(queue=waiting)  # type: ignore[attr-defined]
-    assert local_prefill._remote_tokens_in_flight(scheduler) == 1000
+    assert local_prefill._remote_tokens_in_flight(scheduler) == 1500
+    waiting.pop()
     other = _router_request(30)
     other.origin_input_ids = list(range(40))
     around_add_request_to_queue(_never_queued, scheduler, other)

@@ -119,6 +119,10 @@ def test_a_mixed_step_has_a_cost_of_its_own_besides_its_tokens_and_streams() -> 
             fitted.seconds(running, local), truth.seconds(running, local), rel_tol=0.03
         )
     assert fitted.mixing_s(2) == pytest.approx(truth.mixed_offset + 2 * 0.0005, rel=0.15)
+    # at a steady stream count the fit may split the cost into an offset and a negative
+    # cost a stream: what it measured is their sum
+    split = StepCoefficients(0.004, 0.00025, 0.0007, per_mixed_request=-1e-4, mixed_offset=0.0142)
+    assert split.mixing_s(64) == pytest.approx(0.0078)
 
 
 def test_the_unmixed_offset_is_measured_not_read_off_the_decode_fit() -> None:
@@ -404,9 +408,9 @@ def test_a_request_waits_a_bounded_number_of_steps() -> None:
 
 
 def test_models_cross_to_other_ranks_whole_or_as_unfitted() -> None:
-    step = StepCoefficients(0.01, 0.0002, 0.0005, 0.0003, unmixed_offset=0.004)
+    step = StepCoefficients(0.01, 0.0002, 0.0005, 0.0003, unmixed_offset=0.004, mixed_offset=0.003)
     remote = RemoteCoefficients(0.05, 0.0001, queue_s=0.12, per_queued_token=1e-4)
-    unmeasured = StepCoefficients(0.01, 0.0002, 0.0005, 0.0003)
+    unmeasured = StepCoefficients(0.01, 0.0002, 0.0005, 0.0003, mixed_offset=-0.001)
     for models in (
         Models(step, remote, 1.3),
         Models(unmeasured, None),
@@ -652,6 +656,7 @@ def test_a_remote_prefill_is_a_fixed_cost_plus_the_prefill_servers_own_rate() ->
     fitted = remote.coefficients(decoder_per_token)
     assert fitted is not None and fitted.per_token == decoder_per_token  # (one length: no rate)
     remote.observe(41, 0.100)
+    remote.observe(41, 0.100)
     fitted = remote.coefficients(decoder_per_token)
     assert fitted is not None
     assert math.isclose(fitted.per_token, 0.515 / 983, rel_tol=1e-6)
@@ -665,22 +670,57 @@ def test_a_remote_prefill_is_a_fixed_cost_plus_the_prefill_servers_own_rate() ->
     assert later is not None and math.isclose(later.seconds(41), 0.200, rel_tol=0.05)
 
 
-def test_prefills_too_alike_in_length_or_queued_teach_no_rate() -> None:
+def test_a_rate_needs_two_prefills_apart_on_each_side_begun_alone() -> None:
+    """A rate rests on at least two shorter and two longer prefills: one short prefill
+    slowed by a first peer lookup (600 ms for 41 tokens) would otherwise pass for a
+    server that computes nothing a token, and keep every short prompt here."""
     clock = _Clock()
-    remote = RemoteCost(clock)
-    for tokens in (40, 60, 79, 100, 120):  # apart: 40-100, 40-120, 60-120
-        remote.observe(tokens, 0.05 + 1e-3 * tokens)
-    assert remote.coefficients(1e-4).per_token == pytest.approx(1e-3)
-    remote = RemoteCost(clock)
-    for tokens in (40, 60, 79, 100):  # two pairs apart only
-        remote.observe(tokens, 0.05 + 1e-3 * tokens)
-    assert remote.coefficients(1e-4).per_token == 1e-4
+
+    def fitted(*samples: tuple[int, float]) -> RemoteCoefficients:
+        remote = RemoteCost(clock)
+        for tokens, seconds in samples:
+            remote.observe(tokens, seconds)
+        coefficients = remote.coefficients(1e-4)
+        assert coefficients is not None
+        return coefficients
+
+    line = [(t, 0.05 + 1e-3 * t) for t in (40, 50, 100, 120)]  # 40 and 50 vs 100 and 120
+    assert fitted(*line).per_token == pytest.approx(1e-3)
+    assert fitted(*line[:1], *line[2:], (110, 0.16)).per_token == 1e-4  # one short side
+    assert fitted(*[(1024, 0.615)] * 4, (41, 0.600)).per_token == 1e-4
+    assert fitted((40, 0.09), (60, 0.11), (79, 0.129), (100, 0.15)).per_token == 1e-4  # too alike
     remote = RemoteCost(clock)
     for room, tokens in enumerate((40, 1000, 40, 1000, 40, 1000)):
         remote.started(room, tokens)  # each behind those before it
     for room, tokens in enumerate((40, 1000, 40, 1000, 40, 1000)):
         remote.ended(room, 0.05 + 1e-3 * tokens)
-    assert remote.coefficients(1e-4).per_token == 1e-4
+    coefficients = remote.coefficients(1e-4)
+    assert coefficients is not None and coefficients.per_token == 1e-4
+
+
+def test_a_learnt_rate_is_kept_until_prefills_teach_another() -> None:
+    """Once the rate is learnt, short prompts stay here and only long ones go remote:
+    the pairs it came from leave the kept prefills, and falling back to the decoder's
+    own cost would bring the mistake back (a 41-token remote prefill predicted in 29 ms
+    instead of 100). A rate of 0 or less says nothing: the last one stays too, and the
+    wait per queued token keeps its own prior."""
+    clock = _Clock()
+    remote = RemoteCost(clock)
+    for tokens, seconds in [(1024, 0.615)] * 4 + [(41, 0.100), (41, 0.100)]:
+        remote.observe(tokens, seconds)
+    learnt = remote.coefficients(0.7e-3)
+    assert learnt is not None and learnt.seconds(41) == pytest.approx(0.100)
+    for _ in range(300):
+        clock.now += 1.0
+        remote.observe(1024, 0.615)
+    later = remote.coefficients(0.7e-3)
+    assert later is not None and later.seconds(41) == pytest.approx(0.100, rel=1e-6)
+    # a fast prefill server with a noisy overhead: no rate above 0 to be seen
+    noisy = RemoteCost(clock)
+    for tokens, seconds in [(40, 0.12), (40, 0.11), (40, 0.13), (200, 0.10), (200, 0.105)]:
+        noisy.observe(tokens, seconds)
+    fitted = noisy.coefficients(1e-4)
+    assert fitted is not None and fitted.per_token == 1e-4 and fitted.per_queued_token == 1e-4
 
 
 def test_a_remote_prefill_whose_end_never_came_stops_counting_as_queued() -> None:

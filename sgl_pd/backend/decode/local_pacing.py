@@ -150,10 +150,12 @@ class StepPacer:
         self._iteration_s = None
 
     def _sync(self, scheduler: Any, remote: RemoteCost | None) -> None:
-        step = self.cost.coefficients()
-        per_token = None if step is None else step.per_local_token
-        remote_model = None if remote is None else remote.coefficients(per_token)
-        words = pack_models(Models(step, remote_model, self.bias.value))
+        words = pack_models(Models())  # (another rank's: rank 0's replace them)
+        if tp_rank(scheduler) == 0:
+            step = self.cost.coefficients()
+            per_token = None if step is None else step.per_local_token
+            remote_model = None if remote is None else remote.coefficients(per_token)
+            words = pack_models(Models(step, remote_model, self.bias.value))
         if getattr(scheduler, "tp_size", 1) > 1:
             import torch
             import torch.distributed as dist

@@ -60,7 +60,11 @@ from sgl_pd.backend.decode.local_fallback import (
 )
 from sgl_pd.backend.decode.local_offer import offer_path, write_offer
 from sgl_pd.backend.decode.local_pacing import StepPacer, step_shape, tp_rank
-from sgl_pd.backend.first_token import queued_request_flags, whole_prompt_reason
+from sgl_pd.backend.first_token import (
+    expected_kv_tokens,
+    queued_request_flags,
+    whole_prompt_reason,
+)
 from sgl_pd.backend.metrics import PlacementMetrics
 from sgl_pd.core.dispatch import PrefillerLoad
 from sgl_pd.core.local_budget import (
@@ -306,9 +310,9 @@ def _remember_prediction(
     """When `req` (just queued behind `ahead` local tokens, `streams` running, the next
     step as `plan`) was queued and its first token's predicted seconds, on the request
     itself (it leaves with it: sent out, aborted or answered). Not for a request with
-    nothing to prefill (its whole prompt cached, nothing queued before it): it is never
-    weighed against a remote prefill, and its first token is one step's fixed costs,
-    whose error would scale every prefill's prediction (`LocalBias` is a ratio)."""
+    nothing to prefill (its whole prompt cached, nothing queued before it): its first
+    token is one step's fixed costs, whose error would scale every prefill's prediction
+    (`LocalBias` is a ratio), and one step here is always far sooner than remote."""
     pacer = local.pacer
     if pacer.step_model is None or ahead + uncached == 0:
         return
@@ -491,9 +495,9 @@ def _remote_now(scheduler: Any, pacer: StepPacer) -> RemoteCoefficients | None:
 
 
 def _remote_tokens_in_flight(scheduler: Any) -> int:
-    """The prompt tokens this decoder waits for remote prefills to compute now: its
-    requests in SGLang's transfer queue (pages held, KV awaited), less what its prefix
-    cache held of each - the count `RemoteCost.started` learns the queue's cost by. The
+    """The tokens this decoder waits for remote prefills to compute now: of its requests
+    in SGLang's transfer queue (pages held, KV awaited), the KV each needs less what its
+    prefix cache held - the count `RemoteCost.started` learns the queue's cost by. The
     same on every rank of a TP group: SGLang takes a request off that queue only when
     every rank's KV has landed (a poll all-reduced over the group), and each rank's
     tree holds the same prefixes. (Each rank's own in-flight count ends a transfer when
@@ -503,7 +507,7 @@ def _remote_tokens_in_flight(scheduler: Any) -> int:
     for decode_req in getattr(queue, "queue", None) or ():
         match = getattr(decode_req, "prefix_match", None)
         held = int(getattr(match, "decode_prefix_len", 0) or 0) if match is not None else 0
-        tokens += max(0, len(decode_req.req.origin_input_ids) - held)
+        tokens += max(0, expected_kv_tokens(decode_req.req) - held)
     return tokens
 
 
