@@ -466,11 +466,17 @@ class RemoteCost:
 
     def coefficients(self, per_token: float | None) -> RemoteCoefficients | None:
         """With the decoder's per-token compute cost (s; None: not measured yet), or None
-        while fewer than `MIN_REMOTE_SAMPLES` prefills ended within the window."""
+        before `MIN_REMOTE_SAMPLES` prefills ended. From the window's prefills, or where
+        it holds fewer, the last `MIN_REMOTE_SAMPLES` (a decoder that kept every request
+        for a while still knows what a remote prefill took last: without a model every
+        request would stay here, in however many steps the ITL SLO spreads it over)."""
         since = self._clock() - REMOTE_WINDOW_S
         with self._lock:
             self._expire()
             recent = [(t, s, ahead) for at, t, s, ahead in self._seen if at >= since]
+            if len(recent) < MIN_REMOTE_SAMPLES:
+                last = list(self._seen)[-MIN_REMOTE_SAMPLES:]
+                recent = [(t, s, ahead) for _, t, s, ahead in last]
             queued = self._in_flight_tokens
             alone = [(at, t, s) for at, t, s, ahead in self._seen if ahead == 0]
             # (every kept prefill, not only the window's: a rate is the hardware's, not the

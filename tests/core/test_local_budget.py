@@ -581,6 +581,26 @@ def test_why_a_local_request_goes_out() -> None:
     assert why_sent_out(step, None, tokens=8, plan=past, **at) == "itl_slo"
 
 
+def test_a_quiet_window_keeps_the_last_remote_prefills_model() -> None:
+    """No remote prefill ended in the last 30 s (every request stayed here): the last
+    four still say what one takes, behind the queue in flight now; without a model
+    every request would stay here however slow the ITL SLO makes its steps."""
+    clock = _Clock()
+    remote = RemoteCost(clock)
+    for _ in range(MIN_REMOTE_SAMPLES - 1):
+        remote.observe(500, 0.5)
+    for _ in range(MIN_REMOTE_SAMPLES):
+        remote.observe(48, 0.06)
+    before = remote.coefficients(1e-4)
+    assert before is not None and before.seconds(48) == pytest.approx(0.06)
+    clock.now += 10 * REMOTE_WINDOW_S
+    remote.started(1, 100)
+    quiet = remote.coefficients(1e-4)
+    assert quiet is not None
+    assert quiet.offset == pytest.approx(before.offset) and quiet.queue_s == pytest.approx(1e-2)
+    assert RemoteCost(clock).coefficients(1e-4) is None  # (none ever seen)
+
+
 def test_a_burst_of_prefills_at_once_is_learnt_as_a_queue_not_as_overhead() -> None:
     """Twenty prefills begun at once each wait for those before them: net of that queue
     their overhead is the calm one, and a prefill begun now waits only for the queue in
