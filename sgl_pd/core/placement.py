@@ -77,6 +77,38 @@ class SentPrefixes:
         self._sent.pop(addr, None)
 
 
+class HeldTails:
+    """The tokens past the last whole block of each conversation a decoder served (its
+    prefix cache holds them to the token; the blocks say whole blocks only), keyed by
+    that last block (oldest forgotten first; one tail a block, the latest)."""
+
+    def __init__(self, max_tails: int = MAX_BLOCKS_PER_SERVER) -> None:
+        self._max_tails = max_tails
+        self._tails: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+
+    def record(self, conversation: PromptKey) -> None:
+        if not conversation.ids:
+            return  # (text: no tokens to compare)
+        key = conversation.blocks[-1] if conversation.blocks else b""
+        self._tails.pop(key, None)
+        self._tails[key] = conversation.ids[len(conversation.blocks) * BLOCK_TOKENS :]
+        while len(self._tails) > self._max_tails:
+            self._tails.popitem(last=False)
+
+    def held_tokens(self, prompt: PromptKey, blocks_held: int) -> int:
+        """Of `prompt`, whose first `blocks_held` whole blocks are held, the tokens
+        held: those blocks, and as much of the tail held after them as the prompt goes
+        on with (a follow-up turn goes on with its whole conversation)."""
+        start = blocks_held * BLOCK_TOKENS
+        tail = self._tails.get(prompt.blocks[blocks_held - 1] if blocks_held else b"", ())
+        common = 0
+        for held, token in zip(tail, prompt.ids[start:], strict=False):
+            if held != token:
+                break
+            common += 1
+        return start + common
+
+
 @dataclass
 class RateEstimate:
     """A prefill server's seconds per computed prompt token, smoothed."""
@@ -126,14 +158,16 @@ def fastest(predictions: Sequence[Prediction], turn: int = 0) -> Prediction | No
 @dataclass(frozen=True)
 class PromptKey:
     """A prompt as the placement sees it: its prefix blocks over `units` (token ids, or
-    the UTF-8 bytes of a text prompt not tokenized yet), and its size in tokens."""
+    the UTF-8 bytes of a text prompt not tokenized yet), its size in tokens, and its
+    token ids where it came as ids (empty for text)."""
 
     blocks: tuple[bytes, ...]
     tokens: int
+    ids: tuple[int, ...] = ()
 
     @classmethod
     def of_ids(cls, ids: Sequence[int]) -> PromptKey:
-        return cls(tuple(prefix_blocks(ids)), len(ids))
+        return cls(tuple(prefix_blocks(ids)), len(ids), tuple(ids))
 
     @classmethod
     def of_text(cls, text: str, chars_per_token: int) -> PromptKey:

@@ -130,6 +130,37 @@ def test_a_follow_up_sooner_remote_is_submitted_at_once(tmp_path: Path) -> None:
         dispatcher.close()
 
 
+def test_a_follow_up_of_token_ids_is_judged_at_the_tokens_it_adds(tmp_path: Path) -> None:
+    """A conversation of 1032 tokens served here (16 whole blocks and 8 tokens), then
+    its follow-up of 40 more: judged by whole blocks and a block of doubt it had 1
+    token to compute and stayed here, where the scheduler (40 tokens) sent it out after
+    all - a hop through the scheduler and a hand-off later than had it gone at once."""
+    from sgl_pd.backend.decode.direct import DirectDispatcher
+    from sgl_pd.core.placement import PromptKey
+
+    assert remote_is_sooner(_offer(), 40) and not remote_is_sooner(_offer(), 1)
+    path = tmp_path / "offers" / "offer.json"
+    dispatcher = DirectDispatcher(
+        "127.0.0.1:9", auth=None, probe_interval_s=0.05, local_max_tokens=256,
+        prefix_cache=True, offers=OfferReader(path),
+    )  # fmt: skip
+    try:
+        conversation = [*range(1024), *range(5000, 5008)]
+        dispatcher.served(PromptKey.of_ids(conversation))
+        write_offer(path, _offer())
+        time.sleep(REREAD_S)
+        follow_up = PromptKey.of_ids([*conversation, *range(7000, 7040)])
+        assert dispatcher.sooner_remote(follow_up)
+        # a turn that goes on with one token: here, as the scheduler would keep it
+        assert not dispatcher.sooner_remote(PromptKey.of_ids([*conversation, 7]))
+        # whole pages of 16 are held: 1032 -> 1024, 9 tokens to compute (more than 2)
+        write_offer(path, _offer(page_size=16))
+        time.sleep(REREAD_S)
+        assert dispatcher.sooner_remote(PromptKey.of_ids([*conversation, 7]))
+    finally:
+        dispatcher.close()
+
+
 def test_the_scheduler_s_own_limits_come_with_the_offer() -> None:
     # it never sends out (--pd-first-token prefill)
     assert not remote_is_sooner(_offer(may_send_out=False), 40)

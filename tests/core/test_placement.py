@@ -11,6 +11,7 @@ from sgl_pd.core.dispatch import PrefillerLoad
 from sgl_pd.core.placement import (
     BLOCK_TOKENS,
     MIN_MEASURED_TOKENS,
+    HeldTails,
     PromptKey,
     RateEstimate,
     SentPrefixes,
@@ -182,3 +183,29 @@ def test_direct_rooms_are_told_apart_from_router_rooms() -> None:
         assert 0 <= room < 1 << 63 and is_direct_room(room)
     router_rooms = [0x123456789ABCDEF0 >> 1, 7, (1 << 63) - 1]
     assert not any(is_direct_room(r) for r in router_rooms)
+
+
+def test_the_tokens_held_past_the_whole_blocks_are_known_to_the_token() -> None:
+    held, sent = HeldTails(), SentPrefixes()
+    conversation = PromptKey.of_ids([*LONG, 1, 2, 3, 4, 5])  # 8 blocks and 5 tokens
+    held.record(conversation)
+    sent.record("here", conversation.blocks)
+
+    def tokens_held(prompt: PromptKey) -> int:
+        return held.held_tokens(prompt, sent.cached_blocks("here", prompt.blocks))
+
+    assert tokens_held(PromptKey.of_ids([*LONG, 1, 2, 3, 4, 5, 6, 7])) == len(LONG) + 5
+    assert tokens_held(PromptKey.of_ids([*LONG, 1, 2, 9, 4, 5, 6])) == len(LONG) + 2
+    # a follow-up past its own next whole block: the tail is compared inside that block
+    longer = PromptKey.of_ids([*LONG, 1, 2, 3, 4, 5, *range(BLOCK_TOKENS)])
+    assert len(longer.blocks) == 9 and tokens_held(longer) == len(LONG) + 5
+    # the latest tail of a block is kept; a prompt of no held block: its leading tokens
+    held.record(PromptKey.of_ids([*LONG, 1, 2, 7]))
+    assert tokens_held(PromptKey.of_ids([*LONG, 1, 2, 3])) == len(LONG) + 2
+    held.record(PromptKey.of_ids([40, 41, 42]))
+    assert held.held_tokens(PromptKey.of_ids([40, 41, 43]), 0) == 2
+    assert held.held_tokens(PromptKey.of_text("x" * 400, 4), 0) == 0  # (text: no tokens)
+    bounded = HeldTails(max_tails=1)
+    bounded.record(conversation)
+    bounded.record(PromptKey.of_ids([40, 41, 42]))  # (the older tail forgotten)
+    assert bounded.held_tokens(PromptKey.of_ids([*LONG, 1, 2]), 8) == len(LONG)

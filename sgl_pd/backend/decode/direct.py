@@ -43,6 +43,7 @@ from sgl_pd.core.dispatch import PrefillerLoad, parse_bootstrap_addresses
 from sgl_pd.core.local_budget import remote_is_sooner
 from sgl_pd.core.placement import (
     BLOCK_TOKENS,
+    HeldTails,
     Prediction,
     PromptKey,
     RateEstimate,
@@ -115,6 +116,7 @@ class DirectDispatcher:
         self._saturated_tokens = saturated_tokens
         self._prefix_cache = prefix_cache
         self._held = SentPrefixes()  # under _lock; one "server": this decoder
+        self._held_tails = HeldTails()  # under _lock: past the held blocks, to the token
         self._tracing = tracing  # SGLang's --enable-trace: decisions go into request spans
         self._placements: dict[int, dict[str, Any]] = {}  # room -> decision; under _lock
         self._lock = threading.Lock()
@@ -186,17 +188,25 @@ class DirectDispatcher:
     def sooner_remote(self, prompt: PromptKey) -> bool:
         """Whether the decode scheduler's latest offer would send a plain request of
         `prompt`, placed here for its cached prefix, to a prefill server (no fresh offer:
-        no). The prefix this decoder holds is known here in whole blocks only; the
-        scheduler matches tokens, up to a block more: the least it could find uncached
-        is what is judged, so a request the scheduler would keep is never sent out."""
+        no). The scheduler matches its prefix cache to the token (whole pages): a
+        prompt of token ids is judged at the tokens it goes on with past the
+        conversation this decoder served last (`HeldTails`), in whole pages; a text
+        prompt, known here in whole blocks only, at the least the scheduler could find
+        uncached (a block more held) - so a request the scheduler would keep is not sent
+        out, and one it would send out does not cross it first."""
         offer = None if self._offers is None else self._offers.current()
         if offer is None:
             return False
         with self._lock:
-            cached = prompt.cached_tokens(self._held, _HERE)
+            blocks = self._held.cached_blocks(_HERE, prompt.blocks)
+            if prompt.ids:
+                held = self._held_tails.held_tokens(prompt, blocks)
+                least = prompt.tokens - (held - held % max(1, offer.page_size))
+            else:
+                least = prompt.tokens - blocks * BLOCK_TOKENS - (BLOCK_TOKENS - 1)
             # the queue it would join now: this process places every remote request
             best = choose_prefiller(self._loads, prompt, self._prefixes, self._rates)
-        least = max(1, prompt.tokens - cached - (BLOCK_TOKENS - 1))
+        least = max(1, least)
         queued = None if best is None else best.queued_tokens
         try:
             return remote_is_sooner(offer, least, queued)
@@ -209,6 +219,7 @@ class DirectDispatcher:
         if self._prefix_cache:
             with self._lock:
                 self._held.record(_HERE, conversation.blocks)
+                self._held_tails.record(conversation)
 
     def fallback(self, prompt: PromptKey) -> str | None:
         """The prefill server a request placed here goes to if the decoder's scheduler
