@@ -222,3 +222,24 @@ def test_an_offer_in_a_directory_others_may_write_is_no_offer(tmp_path: Path) ->
 @pytest.fixture(autouse=True)
 def _quiet_probes(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("ERROR", logger="sgl_pd.direct")
+
+
+def test_the_offer_is_written_at_least_every_quarter_second(tmp_path: Path) -> None:
+    """At 300 streams a step took 0.5 s here: written only at model syncs (every 32
+    steps, 16 s) the offer was older than the HTTP process takes (2 s), and every
+    follow-up reached the scheduler unjudged, a fifth of them to be sent out from there."""
+    from sgl_pd.backend.decode import local_prefill
+    from sgl_pd.backend.decode.local_offer import MAX_AGE_S
+
+    local = local_prefill.LocalPrefills(128, offer_path=tmp_path / "offer.json")
+    now = [50.0]
+    local.pacer._clock = lambda: now[0]
+    assert local_prefill.OFFER_EVERY_S < MAX_AGE_S
+    assert local_prefill._offer_due(local)  # the first iteration
+    now[0] += local_prefill.OFFER_EVERY_S / 2
+    assert not local_prefill._offer_due(local)
+    local.pacer.synced_now = True  # (a sync writes it whatever the time)
+    assert local_prefill._offer_due(local)
+    local.pacer.synced_now = False
+    now[0] += 0.5  # one step at 300 streams
+    assert local_prefill._offer_due(local) and not local_prefill._offer_due(local)

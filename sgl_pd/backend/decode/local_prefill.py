@@ -83,6 +83,10 @@ from sgl_pd.core.placement import is_direct_room, prefill_locally
 logger = logging.getLogger("sgl_pd.local_prefill")
 
 _STATE = "_sgl_pd_local_prefills"  # the Scheduler attribute holding `LocalPrefills`
+# rank 0 writes its offer at every model sync and at least this often: at 300 streams
+# on this CPU a step takes 0.5 s, 32 of them 16 s, and the HTTP process takes no offer
+# older than `local_offer.MAX_AGE_S` (every request would reach the scheduler unjudged)
+OFFER_EVERY_S = 0.25
 
 
 class LocalPrefills:
@@ -118,6 +122,7 @@ class LocalPrefills:
         # direct mode, rank 0: where the HTTP process reads what a local request would
         # meet here (`local_offer`), to send one sooner remote at once
         self.offer_path = offer_path
+        self.offer_written_s = -OFFER_EVERY_S  # (the pacer's clock)
         self.fallbacks: dict[str, Fallback] = {}  # rid -> where it goes if not admitted
         self.uncached: dict[str, int] = {}  # rid -> its tokens to prefill here (queued)
         # (when queued, predicted seconds) of local requests whose last chunk ran in the
@@ -471,7 +476,7 @@ def around_get_next_batch(original: Any, scheduler: Any, running_batch: Any) -> 
         return original(scheduler, running_batch)
     manager = scheduler.disagg_decode_prealloc_queue.kv_manager
     local.pacer.stepped(scheduler, manager.decode.remote_cost)
-    if local.offer_path is not None and local.pacer.synced_now:
+    if local.offer_path is not None and _offer_due(local):
         _offer(scheduler, local, local.offer_path)
     waiting = bool(local.queue) or local.chunked is not None
     plan = _next_batch(original, scheduler, local, running_batch)
@@ -509,6 +514,16 @@ def _remote_tokens_in_flight(scheduler: Any) -> int:
         held = int(getattr(match, "decode_prefix_len", 0) or 0) if match is not None else 0
         tokens += max(0, expected_kv_tokens(decode_req.req) - held)
     return tokens
+
+
+def _offer_due(local: LocalPrefills) -> bool:
+    """Whether rank 0 writes its offer in this iteration (then it counts as written):
+    the models were just synced, or `OFFER_EVERY_S` passed since the last."""
+    now = local.pacer.now()
+    if not local.pacer.synced_now and now - local.offer_written_s < OFFER_EVERY_S:
+        return False
+    local.offer_written_s = now
+    return True
 
 
 def _offer(scheduler: Any, local: LocalPrefills, path: Path) -> None:
