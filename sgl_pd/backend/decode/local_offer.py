@@ -2,7 +2,8 @@
 handed to its HTTP process through a small file.
 
 Rank 0 of the decode scheduler writes it every `local_pacing.SYNC_STEPS` scheduling
-steps (when its models are synced), replacing the file atomically; the HTTP process reads
+steps (when its models are synced) and at least every `local_prefill.OFFER_EVERY_S`
+(steps of a busy decoder take long), replacing the file atomically; the HTTP process reads
 it when a plain direct request could be prefilled here, at most once per `REREAD_S`, and
 uses it only while it is fresh (`MAX_AGE_S`): a scheduler that stopped stepping - paused,
 stuck, gone - offers nothing, and the request is placed as without it (the scheduler
