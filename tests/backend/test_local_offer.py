@@ -5,10 +5,13 @@ nothing differently."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,32 +105,40 @@ def test_the_reader_rereads_at_most_every_so_often(tmp_path: Path) -> None:
     assert reader.current(now + 1.5 * REREAD_S).running == 4  # type: ignore[union-attr]
 
 
-def test_a_follow_up_sooner_remote_is_submitted_at_once(tmp_path: Path) -> None:
-    """Judged at the least the scheduler could find uncached: the prefix is known here in
-    whole blocks, the scheduler matches tokens (up to a block more)."""
+@contextlib.contextmanager
+def _dispatcher(offers: Path) -> Iterator[Any]:
+    """A direct-mode dispatcher of a decoder with its prefix cache on, reading `offers`."""
     from sgl_pd.backend.decode.direct import DirectDispatcher
+
+    dispatcher = DirectDispatcher(
+        "127.0.0.1:9", auth=None, probe_interval_s=0.05, local_max_tokens=256,
+        prefix_cache=True, offers=OfferReader(offers),
+    )  # fmt: skip
+    try:
+        yield dispatcher
+    finally:
+        dispatcher.close()
+
+
+def test_a_follow_up_sooner_remote_is_submitted_at_once(tmp_path: Path) -> None:
+    """Judged at the tokens the scheduler would find uncached: a prompt of token ids
+    past what this decoder served, to the token."""
     from sgl_pd.core.placement import BLOCK_TOKENS, PromptKey
 
     path = tmp_path / "offers" / "offer.json"
-    dispatcher = DirectDispatcher(
-        "127.0.0.1:9", auth=None, probe_interval_s=0.05, local_max_tokens=256,
-        prefix_cache=True, offers=OfferReader(path),
-    )  # fmt: skip
-    try:
+    with _dispatcher(path) as dispatcher:
         dispatcher.served(PromptKey.of_ids(list(range(400))))  # (6 whole blocks known)
         follow_up = PromptKey.of_ids([*range(400), *range(1000, 1100)])
         assert dispatcher.prefill_here(follow_up) == "cached_prefix"
         assert not dispatcher.sooner_remote(follow_up)  # (no offer yet)
         write_offer(path, _offer())
         time.sleep(REREAD_S)
-        assert dispatcher.sooner_remote(follow_up)  # at least 100 - 16 uncached: remote
-        # 129 tokens, the first 127 held: 65 uncached by blocks, 2 by the scheduler's match
+        assert dispatcher.sooner_remote(follow_up)  # 100 uncached: remote
+        # 129 tokens, the first 127 held: 65 uncached by whole blocks, 2 to the token
         dispatcher.served(PromptKey.of_ids(list(range(2000, 2127))))
         short = PromptKey.of_ids([*range(2000, 2127), 7, 8])
         assert short.cached_tokens(dispatcher._held, "") == BLOCK_TOKENS
         assert not dispatcher.sooner_remote(short)
-    finally:
-        dispatcher.close()
 
 
 def test_a_follow_up_of_token_ids_is_judged_at_the_tokens_it_adds(tmp_path: Path) -> None:
@@ -135,16 +146,11 @@ def test_a_follow_up_of_token_ids_is_judged_at_the_tokens_it_adds(tmp_path: Path
     its follow-up of 40 more: judged by whole blocks and a block of doubt it had 1
     token to compute and stayed here, where the scheduler (40 tokens) sent it out after
     all - a hop through the scheduler and a hand-off later than had it gone at once."""
-    from sgl_pd.backend.decode.direct import DirectDispatcher
     from sgl_pd.core.placement import PromptKey
 
     assert remote_is_sooner(_offer(), 40) and not remote_is_sooner(_offer(), 1)
     path = tmp_path / "offers" / "offer.json"
-    dispatcher = DirectDispatcher(
-        "127.0.0.1:9", auth=None, probe_interval_s=0.05, local_max_tokens=256,
-        prefix_cache=True, offers=OfferReader(path),
-    )  # fmt: skip
-    try:
+    with _dispatcher(path) as dispatcher:
         conversation = [*range(1024), *range(5000, 5008)]
         dispatcher.served(PromptKey.of_ids(conversation))
         write_offer(path, _offer())
@@ -157,8 +163,6 @@ def test_a_follow_up_of_token_ids_is_judged_at_the_tokens_it_adds(tmp_path: Path
         write_offer(path, _offer(page_size=16))
         time.sleep(REREAD_S)
         assert dispatcher.sooner_remote(PromptKey.of_ids([*conversation, 7]))
-    finally:
-        dispatcher.close()
 
 
 def test_the_scheduler_s_own_limits_come_with_the_offer() -> None:
