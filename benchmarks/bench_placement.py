@@ -340,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
                             k: [r[count].ttft_ms(k, q) for q in (50, 99)]
                             for k in ("fresh", "follow_up")
                         },
+                        # each request's, in the order sent (a slow one is found here)
+                        "ttft_each_ms": {
+                            k: round(a.ttft_s * 1000, 1) for k, a in r[count].answers.items()
+                        },
                         "itl_ms": [r[count].gap_ms(50), r[count].gap_ms(99)],
                         "local_prefills": r[count].local_prefills,
                         "sent_out": r[count].sent_out,
