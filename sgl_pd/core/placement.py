@@ -19,6 +19,7 @@ standard library only.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
@@ -80,18 +81,20 @@ class SentPrefixes:
 class HeldTails:
     """The tokens past the last whole block of each conversation a decoder served (its
     prefix cache holds them to the token; the blocks say whole blocks only), keyed by
-    that last block (oldest forgotten first; one tail a block, the latest)."""
+    that last block (oldest forgotten first; one tail a block, the latest). A tail is
+    kept as 64-bit ints (up to `BLOCK_TOKENS` - 1 of them, about 0.5 KiB: as a tuple of
+    Python ints four times that, and there may be `max_tails` of them)."""
 
     def __init__(self, max_tails: int = MAX_BLOCKS_PER_SERVER) -> None:
         self._max_tails = max_tails
-        self._tails: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        self._tails: OrderedDict[bytes, array[int]] = OrderedDict()
 
     def record(self, conversation: PromptKey) -> None:
         if not conversation.ids:
             return  # (text: no tokens to compare)
         key = conversation.blocks[-1] if conversation.blocks else b""
         self._tails.pop(key, None)
-        self._tails[key] = conversation.ids[len(conversation.blocks) * BLOCK_TOKENS :]
+        self._tails[key] = array("q", conversation.ids[len(conversation.blocks) * BLOCK_TOKENS :])
         while len(self._tails) > self._max_tails:
             self._tails.popitem(last=False)
 
@@ -100,7 +103,7 @@ class HeldTails:
         held: those blocks, and as much of the tail held after them as the prompt goes
         on with (a follow-up turn goes on with its whole conversation)."""
         start = blocks_held * BLOCK_TOKENS
-        tail = self._tails.get(prompt.blocks[blocks_held - 1] if blocks_held else b"", ())
+        tail = self._tails.get(prompt.blocks[blocks_held - 1] if blocks_held else b"", array("q"))
         common = 0
         for held, token in zip(tail, prompt.ids[start:], strict=False):
             if held != token:
