@@ -547,7 +547,8 @@ def local_first_token_s(
     the last step carrying what is left; that step samples the first token) and the
     decode steps between them (`local_share`: the share of iterations with local work
     waiting that ran a local step - after an unmixed step the streams' decode step is
-    one of those)."""
+    one of those, so unmixed steps with streams running have one between each two
+    whatever share steps of the other kind taught)."""
     work = tokens_ahead + max(1, tokens)
     seconds = 0.0
     if plan.then is not None:  # a burst step first, then steps within the SLO
@@ -568,8 +569,10 @@ def _local_steps_s(
     full, rest = divmod(work, per_step)
     local_steps = full + (1 if rest else 0)
     prefill = full * step.seconds(decoded, per_step) + (step.seconds(decoded, rest) if rest else 0)
-    between = local_steps * (1.0 / max(local_share, 0.05) - 1.0) * step.seconds(running, 0)
-    return prefill + between
+    decode_steps = local_steps * (1.0 / max(local_share, 0.05) - 1.0)
+    if not plan.mixed and running > 0:  # (the streams decode after each unmixed step)
+        decode_steps = max(decode_steps, local_steps - 1.0)
+    return prefill + decode_steps * step.seconds(running, 0)
 
 
 class LocalBias:
@@ -630,11 +633,30 @@ def prefill_here_is_sooner(
     prediction times `local_bias`: how far local predictions fell short lately), than
     remote: its prefill and transfer, then the decode step that samples its first token.
     Without both models fitted: here (the placement rules chose it; the steps teach the
-    models)."""
+    models). Where the plan runs more than one unmixed step before any was measured:
+    remote (one such step is the measurement; a request spread over many would wait
+    on a guess)."""
     if step is None or remote is None:
         return True
+    if _unmeasured_steps(step, tokens_ahead + max(1, tokens), plan) > 1:
+        return False  # (steps whose cost is a stand-in: one measures it, many are a guess)
     here = local_first_token_s(step, running, tokens_ahead, tokens, plan, local_share)
     return here * local_bias <= remote.seconds(tokens) + step.seconds(running + 1, 0)
+
+
+def _unmeasured_steps(step: StepCoefficients, work: int, plan: LocalStep) -> int:
+    """The steps of `plan` computing `work` local tokens that run unmixed while no
+    unmixed step was measured yet: their cost is a stand-in (`StepCoefficients`), which
+    on a CPU calls a one-page forward several times cheaper than it is."""
+    if step.unmixed_offset is not None:
+        return 0
+    steps = 0
+    if plan.then is not None:  # a burst step first
+        steps += 0 if plan.mixed else 1
+        work, plan = work - plan.tokens, plan.then
+    if work > 0 and not plan.mixed:
+        steps += math.ceil(work / max(1, plan.tokens))
+    return steps
 
 
 def why_sent_out(

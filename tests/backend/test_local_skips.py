@@ -360,3 +360,29 @@ def test_a_request_is_judged_behind_the_remote_queue_in_flight_now_alike_on_ever
     other.origin_input_ids = list(range(40))
     around_add_request_to_queue(_never_queued, scheduler, other)
     assert local.queue == [other]
+
+
+def test_a_request_mid_prefill_past_the_slo_finishes_in_one_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The costs changed while a request was mid-prefill, and no step fits the SLO now.
+    It cannot go out (part of its KV is here): its every step is past the SLO, so it
+    finishes in one of the step's cap - one long gap of the streams, not a page a step
+    (measured on the CPU: 41 one-token steps, its first token 1.1 s late, each of the
+    streams' gaps past the SLO) - and that step spends the burst."""
+    local, scheduler = _past_the_slo(burst_every=200, step_tokens=128)
+    local.pacer.burst.spent()  # no burst allowed now
+    chunked = _router_request(29)
+    chunked.extend_end = 259  # 41 tokens left
+    local.chunked = chunked
+    scheduler.last_batch = None
+    scheduler.waiting_queue = []
+    running = SimpleNamespace(reqs=[object()] * 64, is_empty=lambda: False, batch_is_full=False)
+    planned: list[Any] = []
+    monkeypatch.setattr(
+        local_prefill, "_local_step", lambda s, lp, rb, plan: planned.append(plan) or "step"
+    )
+    assert local_prefill._next_batch(lambda s, rb: "decode", scheduler, local, running) == "step"
+    (plan,) = planned
+    assert plan.tokens == 128 and plan.then is not None and not plan.then.within_slo
+    assert local.pacer.burst.spends(plan, 64, 41)

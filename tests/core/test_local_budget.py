@@ -754,3 +754,43 @@ def test_a_remote_prefill_whose_end_never_came_stops_counting_as_queued() -> Non
     assert remote.in_flight_tokens == 40  # the first: past the bound
     remote.ended(1, 1.0)  # (its late end teaches nothing)
     assert remote.learnt == 0
+
+
+def test_unmixed_steps_with_streams_running_have_their_decode_step_between_each_two() -> None:
+    """After an unmixed local step the streams decode before the next local step runs,
+    whatever share mixed steps taught: 41 one-token steps at 2 streams wait for 40
+    decode steps between them (measured at 2 streams on the CPU: 1.14 s, where leaving
+    them out predicted 0.12 s)."""
+    step = StepCoefficients(0.004, 0.006, 0.001, unmixed_offset=0.011, unmixed_per_token=0.001)
+    one_token = LocalStep(1, mixed=False)
+    seconds = local_first_token_s(step, 2, 0, 41, one_token, local_share=1.0)
+    assert seconds == pytest.approx(41 * step.seconds(0, 1) + 40 * step.seconds(2, 0))
+    # no streams: nothing decodes between them
+    assert local_first_token_s(step, 0, 0, 41, one_token) == pytest.approx(41 * step.seconds(0, 1))
+    # a share below one half still counts its own decode steps
+    assert local_first_token_s(step, 2, 0, 41, one_token, local_share=0.25) == pytest.approx(
+        41 * step.seconds(0, 1) + 41 * 3 * step.seconds(2, 0)
+    )
+
+
+def test_a_request_spread_over_unmixed_steps_not_measured_yet_goes_remote() -> None:
+    """Before any unmixed step was measured its cost is a stand-in (a decode fit's
+    offset: 4 ms, where one such step took 11 ms on the CPU). One page of such steps is
+    the measurement and may stay here; a request needing many would wait on a guess."""
+    unmeasured = StepCoefficients(0.004, 0.006, 0.0001)
+    remote = RemoteCoefficients(offset=0.100, per_token=0.0005)
+    one_page = LocalStep(16, mixed=False)
+    kw = {"running": 2, "tokens_ahead": 0, "plan": one_page}
+    assert prefill_here_is_sooner(unmeasured, remote, tokens=16, **kw)
+    assert not prefill_here_is_sooner(unmeasured, remote, tokens=41, **kw)
+    assert why_sent_out(unmeasured, remote, tokens=41, **kw) == "slower"
+    # measured: its model judges (three 16-token steps of 5.6 ms, two decode steps between)
+    measured = StepCoefficients(0.004, 0.006, 0.0001, unmixed_offset=0.004)
+    assert prefill_here_is_sooner(measured, remote, tokens=41, **kw)
+    # mixed steps are measured with the first local steps: many of them are judged too
+    assert prefill_here_is_sooner(
+        unmeasured, remote, tokens=41, **{**kw, "plan": LocalStep(16, True)}
+    )
+    # a burst step alone carries the work: one step
+    burst = LocalStep(64, mixed=False, then=one_page)
+    assert prefill_here_is_sooner(unmeasured, remote, tokens=41, **{**kw, "plan": burst})

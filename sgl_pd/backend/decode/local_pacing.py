@@ -84,11 +84,16 @@ class StepPacer:
         self._local_steps = 0  # launched, counted alike on every rank
         self._reported_s = -REPORT_INTERVAL_S
 
-    def plan(self, running: int, *, can_mix: bool = True, to_run: bool = False) -> LocalStep:
+    def plan(
+        self, running: int, *, can_mix: bool = True, to_run: bool = False, past_slo: bool = False
+    ) -> LocalStep:
         """How the next local step runs with `running` streams: its local tokens, and
         whether it mixes their decode in (`can_mix`: SGLang would). `to_run`: the plan of
         a step about to run (every `PROBE_EVERY`th carries half: a probe for the fit),
-        not a prediction. A burst while one is allowed (`BurstAllowance`), in both."""
+        not a prediction. A burst while one is allowed (`BurstAllowance`), in both.
+        `past_slo`: the step runs past the SLO whatever it carries (no step fits it, and
+        its work may not go out): a burst, allowed or not - one long gap of the streams
+        instead of many, each past the SLO too, and the work's first tokens at once."""
         plan = plan_local_step(
             self.step_model,
             running,
@@ -97,7 +102,7 @@ class StepPacer:
             page_size=self.page_size,
             can_mix=can_mix,
             probe=to_run and self._local_steps % PROBE_EVERY == PROBE_EVERY - 1,
-            burst=self.burst.ready,
+            burst=self.burst.ready or past_slo,
         )
         if to_run:
             self._to_run = plan

@@ -568,6 +568,8 @@ def _next_batch(original: Any, scheduler: Any, local: LocalPrefills, running_bat
         if not plan.within_slo:  # (the costs changed since they were placed here)
             _send_out_queued(scheduler, local, {r.rid for r in local.queue}, "itl_slo")
             plan = _plan(scheduler, local, running_batch)
+            if not plan.within_slo:  # what may not go out (a request mid-prefill too)
+                plan = _plan(scheduler, local, running_batch, past_slo=True)
         elif plan.then is not None and not plan.then.within_slo:
             # a burst, after which no step fits the SLO: what it cannot finish goes out
             _send_out_queued(scheduler, local, _past_the_burst(local, plan.tokens), "itl_slo")
@@ -581,11 +583,16 @@ def _next_batch(original: Any, scheduler: Any, local: LocalPrefills, running_bat
     return original(scheduler, running_batch)
 
 
-def _plan(scheduler: Any, local: LocalPrefills, running_batch: Any) -> LocalStep:
-    """The next local step's plan. Mixed only where SGLang will mix whatever the step
-    admits: no request waiting (or mid-prefill) asks for logprobs."""
+def _plan(
+    scheduler: Any, local: LocalPrefills, running_batch: Any, *, past_slo: bool = False
+) -> LocalStep:
+    """The next local step's plan (`past_slo`: `StepPacer.plan`'s). Mixed only where
+    SGLang will mix whatever the step admits: no request waiting (or mid-prefill) asks
+    for logprobs."""
     can_mix = _can_mix(scheduler, local.chunked, *local.queue)
-    return local.pacer.plan(len(running_batch.reqs), can_mix=can_mix, to_run=True)
+    return local.pacer.plan(
+        len(running_batch.reqs), can_mix=can_mix, to_run=True, past_slo=past_slo
+    )
 
 
 def _past_the_burst(local: LocalPrefills, burst_tokens: int) -> set[str]:
