@@ -11,6 +11,10 @@ a time:
 - off: the same with `--pd-local-prefill-max-tokens 0`: every prompt goes to the prefill
   server (which transfers only what the decoder lacks).
 
+Each set is warmed up first (`warm_up`): short fresh prompts of a few lengths and a
+conversation while two streams run, and for `on` until its decoder's step model is
+fitted - its first local steps, planned before any was measured, are measurements.
+
 Workload, the same for each, once per running stream count of the sweep (`--streams`,
 2 and 20 with --quick; 2, 20, 64 and 300 in the full run): that many decode streams run
 throughout (a 100-token prompt, `--stream-tokens` output tokens, restarted when done);
@@ -58,6 +62,7 @@ from sgl_pd.cluster.local import direct_cluster, local_patience, monolithic_serv
 from sgl_pd.cluster.multiturn import Request
 from sgl_pd.cluster.prompts import long_prompt_ids
 from sgl_pd.cluster.streaming import Answer, judge, metric_by_label, metric_sums, send
+from sgl_pd.core.local_budget import MIN_SAMPLES
 
 MODES = ("mono", "on", "off")
 COMMON = ["--chunked-prefill-size", "512", "--log-level", "warning"]
@@ -177,8 +182,7 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[int, ModeR
         )  # fmt: skip
     with servers as started:
         url = started.url if mode == "mono" else started.decoders[0].url
-        # warm-up: the first requests compile kernels and open connections
-        conversation_turns(url, 1, 1, args.fresh_tokens, args.message_tokens, timeout_s, 0)
+        warm_up(url, mode, args, timeout_s)
         for count in args.streams:
             print(f"[bench] {mode}: {count} running streams ...", flush=True)
             result = ModeResult()
@@ -198,6 +202,39 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[int, ModeR
                 result.unmixed_steps = after["unmixed"] - before["unmixed"]
             results[count] = result
     return results
+
+
+# warm-up: the short fresh prompts (remote on a PD decoder) that teach it a remote
+# prefill's rate a token besides its fixed cost - as a decoder serving for a while has
+# seen prompts of many lengths - and the local steps its step model is fitted from
+WARM_UP_PROMPTS = (48, 96, 192, 384)
+WARM_UP_MIXED_STEPS = 2 * MIN_SAMPLES
+WARM_UP_ROUNDS = 8  # at most, each a conversation with its follow-ups and the prompts
+
+
+def warm_up(url: str, mode: str, args: argparse.Namespace, timeout_s: float) -> None:
+    """Before anything is measured: kernels compiled and connections open, and the `on`
+    decoder's models fitted (a decoder's first local steps, before them, are planned
+    without an SLO: they are its measurements), as on a decoder that has served for a
+    while. Two streams run meanwhile (mixed steps need streams); every mode gets the
+    first round, `on` more until its decoder ran `WARM_UP_MIXED_STEPS` mixed local steps
+    (or `WARM_UP_ROUNDS` rounds)."""
+    with Streams(url, 2, args.stream_tokens).running():
+        for round_ in range(WARM_UP_ROUNDS):
+            conversation_turns(
+                url, 1, 3, args.fresh_tokens, args.message_tokens, timeout_s, 50 + round_
+            )
+            for i, tokens in enumerate(WARM_UP_PROMPTS):
+                start = 700_000 + 10_000 * (len(WARM_UP_PROMPTS) * round_ + i)
+                prompt = tuple(long_prompt_ids(tokens, start=start))
+                request = Request(f"warm{round_}/{tokens}", prompt, 1)
+                answer = send(url, request, timeout_s, logprobs=False, extra_key=None)
+                if answer.error:
+                    raise RuntimeError(f"warm-up request {request.key}: {answer.error}")
+            if mode != "on" or _local_counts(url)["mixed"] >= WARM_UP_MIXED_STEPS:
+                break
+    if mode == "on":
+        print(f"[bench] on: warmed up ({_local_counts(url)['mixed']:.0f} mixed local steps)")
 
 
 def _local_counts(url: str) -> dict[str, float]:
