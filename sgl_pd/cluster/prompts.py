@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import random
+import threading
 from typing import Any
 
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
@@ -24,13 +25,24 @@ def varied_prompts(count: int, seed: int = 7) -> list[str]:
     return prompts
 
 
+_TOKENIZER_LOCK = threading.Lock()
+
+
 @functools.lru_cache(maxsize=1)
-def _tokenizer() -> Any:
+def _loaded_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
     from sgl_pd.models import TINY_LLAMA_PATH
 
     return AutoTokenizer.from_pretrained(TINY_LLAMA_PATH)
+
+
+def _tokenizer() -> Any:
+    """The bundled model's tokenizer, loaded once. Threads asking at once (a benchmark's
+    streams starting together) load it one at a time: transformers' lazy first import
+    from several threads at once fails in all but one."""
+    with _TOKENIZER_LOCK:
+        return _loaded_tokenizer()
 
 
 def prompt_ids(text: str) -> list[int]:
