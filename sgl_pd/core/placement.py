@@ -79,11 +79,15 @@ class SentPrefixes:
 
 
 class HeldTails:
-    """The tokens past the last whole block of each conversation a decoder served (its
-    prefix cache holds them to the token; the blocks say whole blocks only), keyed by
-    that last block (oldest forgotten first; one tail a block, the latest). A tail is
-    kept as 64-bit ints (up to `BLOCK_TOKENS` - 1 of them, about 0.5 KiB: as a tuple of
-    Python ints four times that, and there may be `max_tails` of them)."""
+    """What a decoder's prefix cache holds to the token after each block of the
+    conversations it served (the blocks say whole blocks only): after each block, the
+    conversation's tokens up to its next block boundary - the next block, or past the
+    last one its tail. Keyed by that block (the latest conversation through it kept;
+    oldest forgotten first). So a prompt is held to the token both where it goes on
+    with a conversation (a follow-up turn) and where it ends inside one (a retry, or a
+    stream sending its prompt again). Kept as 64-bit ints (up to `BLOCK_TOKENS` of them,
+    about 0.5 KiB: a tuple of Python ints is four times that, and there may be
+    `max_tails` of them)."""
 
     def __init__(self, max_tails: int = MAX_BLOCKS_PER_SERVER) -> None:
         self._max_tails = max_tails
@@ -92,16 +96,18 @@ class HeldTails:
     def record(self, conversation: PromptKey) -> None:
         if not conversation.ids:
             return  # (text: no tokens to compare)
-        key = conversation.blocks[-1] if conversation.blocks else b""
-        self._tails.pop(key, None)
-        self._tails[key] = array("q", conversation.ids[len(conversation.blocks) * BLOCK_TOKENS :])
+        for i in range(len(conversation.blocks) + 1):
+            key = conversation.blocks[i - 1] if i else b""
+            self._tails.pop(key, None)
+            start = i * BLOCK_TOKENS
+            self._tails[key] = array("q", conversation.ids[start : start + BLOCK_TOKENS])
         while len(self._tails) > self._max_tails:
             self._tails.popitem(last=False)
 
     def held_tokens(self, prompt: PromptKey, blocks_held: int) -> int:
         """Of `prompt`, whose first `blocks_held` whole blocks are held, the tokens
-        held: those blocks, and as much of the tail held after them as the prompt goes
-        on with (a follow-up turn goes on with its whole conversation)."""
+        held: those blocks, and as many of its tokens after them as a conversation
+        served through the last of them had there."""
         start = blocks_held * BLOCK_TOKENS
         tail = self._tails.get(prompt.blocks[blocks_held - 1] if blocks_held else b"", array("q"))
         common = 0

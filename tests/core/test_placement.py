@@ -205,7 +205,28 @@ def test_the_tokens_held_past_the_whole_blocks_are_known_to_the_token() -> None:
     held.record(PromptKey.of_ids([40, 41, 42]))
     assert held.held_tokens(PromptKey.of_ids([40, 41, 43]), 0) == 2
     assert held.held_tokens(PromptKey.of_text("x" * 400, 4), 0) == 0  # (text: no tokens)
-    bounded = HeldTails(max_tails=1)
+    bounded = HeldTails(max_tails=1)  # (a tail a block: the conversation's last kept)
     bounded.record(conversation)
     bounded.record(PromptKey.of_ids([40, 41, 42]))  # (the older tail forgotten)
     assert bounded.held_tokens(PromptKey.of_ids([*LONG, 1, 2]), 8) == len(LONG)
+
+
+def test_a_prompt_ending_inside_a_served_conversation_is_held_to_the_token() -> None:
+    """A stream sending its prompt again, or a retry: the prompt is the start of a
+    conversation served here, and ends inside one of its blocks (which, partial, is not
+    a block of the prompt). All of it is held - judged at its last 36 tokens the
+    decoder would send out a request it keeps."""
+    held, sent = HeldTails(), SentPrefixes()
+    conversation = PromptKey.of_ids([*LONG, 1, 2, 3, 4, 5])  # 8 blocks and 5 tokens
+    held.record(conversation)
+    sent.record("here", conversation.blocks)
+
+    def tokens_held(prompt: PromptKey) -> int:
+        return held.held_tokens(prompt, sent.cached_blocks("here", prompt.blocks))
+
+    assert tokens_held(PromptKey.of_ids(LONG[:100])) == 100
+    assert tokens_held(PromptKey.of_ids([*LONG[:100], -1])) == 100
+    assert tokens_held(PromptKey.of_ids(LONG[:30])) == 30  # (no whole block)
+    # a later conversation going on differently from a shared block is the one kept there
+    held.record(PromptKey.of_ids([*LONG[:64], 7, 7, 7]))
+    assert tokens_held(PromptKey.of_ids(LONG[:100])) == 64
