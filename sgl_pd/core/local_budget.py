@@ -329,9 +329,21 @@ def _within_slo(
     return LocalStep(floor, mixed, within_slo=False)
 
 
+def burst_if_needed(plan: LocalStep, work: int) -> LocalStep:
+    """`plan`, unless it is a burst and the plan the SLO allows computes `work` local
+    tokens in one step within it: then that plan (the burst would cost the streams more
+    and spend the allowance on work that needs none - a stream's prompt sent again, one
+    token)."""
+    if plan.then is not None and plan.then.within_slo and 0 < work <= plan.then.tokens:
+        return plan.then
+    return plan
+
+
 def burst_if_it_fits(plan: LocalStep, work: int) -> LocalStep:
-    """`plan`, unless it is a burst that cannot compute `work` local tokens in its one
-    step: then the plan the SLO allows (its other steps would go past the SLO too)."""
+    """`plan` as `burst_if_needed` has it, unless it is a burst that cannot compute `work`
+    local tokens in its one step: then the plan the SLO allows (its other steps would go
+    past the SLO too)."""
+    plan = burst_if_needed(plan, work)
     if plan.then is None or work <= plan.tokens:
         return plan
     return plan.then

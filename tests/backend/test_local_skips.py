@@ -386,3 +386,32 @@ def test_a_request_mid_prefill_past_the_slo_finishes_in_one_step(
     (plan,) = planned
     assert plan.tokens == 128 and plan.then is not None and not plan.then.within_slo
     assert local.pacer.burst.spends(plan, 64, 41)
+
+
+def test_a_whole_prefix_hit_runs_in_the_slo_plan_and_leaves_the_burst(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream's prompt sent again (nothing uncached: one token to compute) while a
+    burst is allowed: the step the SLO allows carries it, and the burst stays for a
+    follow-up that needs it."""
+    from sgl_pd.core.local_budget import StepCoefficients
+
+    monkeypatch.setattr(local_prefill, "_cached_tokens", lambda tree, req: 300)
+    local = LocalPrefills(256, prefix_cache=True, itl_slo=1.25, page_size=1, burst_every=200)
+    local.pacer.step_model = StepCoefficients(0.010, 0.001, 0.001, unmixed_offset=0.010)
+    scheduler = _Scheduler(local)
+    scheduler.running_batch = SimpleNamespace(reqs=[object()] * 10)
+    req = _router_request(30)
+    around_add_request_to_queue(_never_queued, scheduler, req)
+    assert local.queue == [req]
+    scheduler.last_batch = None
+    scheduler.waiting_queue = []
+    running = SimpleNamespace(reqs=[object()] * 10, is_empty=lambda: False, batch_is_full=False)
+    planned: list[Any] = []
+    monkeypatch.setattr(
+        local_prefill, "_local_step", lambda s, lp, rb, plan: planned.append(plan) or "step"
+    )
+    local_prefill._next_batch(lambda s, rb: "decode", scheduler, local, running)
+    assert planned[0].then is None and planned[0].within_slo
+    local.pacer.launched(10, 1)
+    assert local.pacer.burst.ready

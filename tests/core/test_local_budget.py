@@ -28,6 +28,8 @@ from sgl_pd.core.local_budget import (
     StepCoefficients,
     StepCost,
     adder_budget,
+    burst_if_it_fits,
+    burst_if_needed,
     local_first_token_s,
     pack_models,
     plan_local_step,
@@ -794,3 +796,20 @@ def test_a_request_spread_over_unmixed_steps_not_measured_yet_goes_remote() -> N
     # a burst step alone carries the work: one step
     burst = LocalStep(64, mixed=False, then=one_page)
     assert prefill_here_is_sooner(unmeasured, remote, tokens=41, **{**kw, "plan": burst})
+
+
+def test_work_the_slo_plan_carries_in_one_step_spends_no_burst() -> None:
+    """A stream sending its prompt again computes one token: the step the SLO allows
+    carries it. Judged at the burst instead (a mixed step of the cap into 58 streams,
+    0.44 s predicted) it was sent out, and run as one it spent the burst the next
+    follow-up needed."""
+    cpu = StepCoefficients(0.010, 0.001, 0.001, unmixed_offset=0.010)
+    burst = plan_local_step(cpu, 10, slo_factor=1.25, cap=64, page_size=1, burst=True)
+    assert burst.then == LocalStep(5, True)
+    assert burst_if_needed(burst, 1) == burst_if_it_fits(burst, 1) == LocalStep(5, True)
+    assert burst_if_needed(burst, 5) == LocalStep(5, True)
+    assert burst_if_needed(burst, 6) == burst_if_it_fits(burst, 6) == burst
+    assert burst_if_it_fits(burst, 65) == LocalStep(5, True)  # (the burst cannot finish it)
+    # no page within the SLO: the burst stays, however little the work
+    tight = plan_local_step(cpu, 10, slo_factor=1.01, cap=64, page_size=16, burst=True)
+    assert burst_if_needed(tight, 1) == tight

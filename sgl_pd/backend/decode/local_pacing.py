@@ -34,6 +34,7 @@ from sgl_pd.core.local_budget import (
     RemoteCost,
     StepCoefficients,
     StepCost,
+    burst_if_needed,
     pack_models,
     plan_local_step,
     unpack_models,
@@ -85,7 +86,13 @@ class StepPacer:
         self._reported_s = -REPORT_INTERVAL_S
 
     def plan(
-        self, running: int, *, can_mix: bool = True, to_run: bool = False, past_slo: bool = False
+        self,
+        running: int,
+        *,
+        can_mix: bool = True,
+        to_run: bool = False,
+        past_slo: bool = False,
+        work: int = 0,
     ) -> LocalStep:
         """How the next local step runs with `running` streams: its local tokens, and
         whether it mixes their decode in (`can_mix`: SGLang would). `to_run`: the plan of
@@ -93,7 +100,9 @@ class StepPacer:
         not a prediction. A burst while one is allowed (`BurstAllowance`), in both.
         `past_slo`: the step runs past the SLO whatever it carries (no step fits it, and
         its work may not go out): a burst, allowed or not - one long gap of the streams
-        instead of many, each past the SLO too, and the work's first tokens at once."""
+        instead of many, each past the SLO too, and the work's first tokens at once.
+        `work`: the local tokens waiting (0: not known), which a plan within the SLO may
+        carry in one step without the burst (`burst_if_needed`)."""
         plan = plan_local_step(
             self.step_model,
             running,
@@ -104,6 +113,7 @@ class StepPacer:
             probe=to_run and self._local_steps % PROBE_EVERY == PROBE_EVERY - 1,
             burst=self.burst.ready or past_slo,
         )
+        plan = burst_if_needed(plan, work)
         if to_run:
             self._to_run = plan
         return plan

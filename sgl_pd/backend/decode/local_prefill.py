@@ -590,8 +590,12 @@ def _plan(
     SGLang will mix whatever the step admits: no request waiting (or mid-prefill) asks
     for logprobs."""
     can_mix = _can_mix(scheduler, local.chunked, *local.queue)
+    work = (0 if local.chunked is None else _tokens_left(local.chunked)) + sum(
+        max(1, _queued_work(local, r))
+        for r in local.queue  # (a whole prefix hit: one)
+    )
     return local.pacer.plan(
-        len(running_batch.reqs), can_mix=can_mix, to_run=True, past_slo=past_slo
+        len(running_batch.reqs), can_mix=can_mix, to_run=True, past_slo=past_slo, work=work
     )
 
 
