@@ -17,7 +17,8 @@ fitted - its first local steps, planned before any was measured, are measurement
 
 Workload, the same for each, once per running stream count of the sweep (`--streams`,
 2 and 20 with --quick; 2, 20, 64 and 300 in the full run): that many decode streams run
-throughout (a 100-token prompt, `--stream-tokens` output tokens, restarted when done);
+throughout (a 100-token prompt, `--stream-tokens` output tokens, restarted when done;
+each decoding before the first conversation starts);
 meanwhile `--conversations` conversations run one after another, each a fresh prompt of
 `--fresh-tokens` tokens then `--follow-ups` turns adding the answer and a message of
 `--message-tokens` tokens. Every request is streamed /generate, greedy, EOS ignored
@@ -93,26 +94,46 @@ class Streams:
     def __init__(self, url: str, count: int, tokens: int) -> None:
         self.gaps_s: list[float] = []
         self._stop = threading.Event()
+        self._decoding = threading.Semaphore(0)  # released by each stream's first token
+        self._failed: list[BaseException] = []
         self._threads = [
             threading.Thread(target=self._run, args=(url, i, tokens), daemon=True)
             for i in range(count)
         ]
 
     def _run(self, url: str, i: int, tokens: int) -> None:
-        prompt = long_prompt_ids(100, start=500_000 + 1000 * i)
-        while not self._stop.is_set():
-            last = None
-            for at, _ in stream_generate(url, prompt, tokens, ignore_eos=True):
-                if last is not None and not self._stop.is_set():
-                    self.gaps_s.append(at - last)
-                last = at
+        try:
+            prompt = long_prompt_ids(100, start=500_000 + 1000 * i)
+            first = True
+            while not self._stop.is_set():
+                last = None
+                for at, _ in stream_generate(url, prompt, tokens, ignore_eos=True):
+                    if last is not None and not self._stop.is_set():
+                        self.gaps_s.append(at - last)
+                    elif first:
+                        self._decoding.release()
+                        first = False
+                    last = at
+        except BaseException as e:
+            self._failed.append(e)
+            self._decoding.release()  # (`running` stops waiting and says why)
+            raise
 
     @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
+    def running(self, timeout_s: float) -> Iterator[None]:
+        """The streams decoding - every one has had its first token (at 300 streams the
+        prefill server takes many seconds over their prompts: a conversation started
+        before would measure that queue) - while the body runs."""
         for t in self._threads:
             t.start()
-        time.sleep(2.0)  # the streams are decoding before the first conversation
         try:
+            deadline = time.monotonic() + timeout_s
+            for _ in self._threads:
+                left = deadline - time.monotonic()
+                if not self._decoding.acquire(timeout=max(0.0, left)):
+                    raise RuntimeError(f"the streams were not all decoding in {timeout_s:.0f} s")
+                if self._failed:
+                    raise RuntimeError(f"a stream failed: {self._failed[0]!r}")
             yield
         finally:
             self._stop.set()
@@ -188,7 +209,7 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[int, ModeR
             result = ModeResult()
             before = _local_counts(url) if mode != "mono" else {}
             streams = Streams(url, count, args.stream_tokens)
-            with streams.running():
+            with streams.running(timeout_s):
                 result.answers = conversation_turns(
                     url, args.conversations, args.follow_ups, args.fresh_tokens,
                     args.message_tokens, timeout_s, count, logprobs=mode == "mono",
@@ -219,7 +240,7 @@ def warm_up(url: str, mode: str, args: argparse.Namespace, timeout_s: float) -> 
     while. Two streams run meanwhile (mixed steps need streams); every mode gets the
     first round, `on` more until its decoder ran `WARM_UP_MIXED_STEPS` mixed local steps
     (or `WARM_UP_ROUNDS` rounds)."""
-    with Streams(url, 2, args.stream_tokens).running():
+    with Streams(url, 2, args.stream_tokens).running(timeout_s):
         for round_ in range(WARM_UP_ROUNDS):
             conversation_turns(
                 url, 1, 3, args.fresh_tokens, args.message_tokens, timeout_s, 50 + round_

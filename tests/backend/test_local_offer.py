@@ -247,3 +247,31 @@ def test_the_offer_is_written_at_least_every_quarter_second(tmp_path: Path) -> N
     local.pacer.synced_now = False
     now[0] += 0.5  # one step at 300 streams
     assert local_prefill._offer_due(local) and not local_prefill._offer_due(local)
+
+
+def test_a_prompt_placed_here_for_saturated_prefill_servers_is_judged_too(
+    tmp_path: Path,
+) -> None:
+    """Every prefill server has its saturation's worth queued, so a short fresh prompt is
+    placed here - where, at 300 streams ramping up, no step carried one within the ITL
+    SLO and the scheduler sent 202 of them out, each after a trip through it. The HTTP
+    process asks the offer first, as for a held prefix."""
+    from sgl_pd.core.dispatch import PrefillerLoad
+    from sgl_pd.core.placement import PromptKey
+
+    path = tmp_path / "offers" / "offer.json"
+    with _dispatcher(path) as dispatcher:
+        dispatcher._saturated_tokens = 1000
+        dispatcher._loads["127.0.0.1:9"] = PrefillerLoad(True, 5000)
+        fresh = PromptKey.of_ids(list(range(5000, 5100)))
+        assert dispatcher.local_reason(fresh, plain=True) == "saturated"  # (no offer yet)
+        write_offer(path, _offer(slo_factor=1.01))  # (no page within the SLO)
+        time.sleep(REREAD_S)
+        assert dispatcher.local_reason(fresh, plain=True) is None
+        assert dispatcher.local_reason(fresh, plain=False) == "saturated"  # (never sent out)
+        # a burst of 128 carries it (120 ms), sooner than behind the 5000 queued (570 ms)
+        queueing = RemoteCoefficients(offset=0.060, per_token=0.0001, per_queued_token=0.0001)
+        models = Models(STEP, queueing, 1.0)
+        write_offer(path, _offer(slo_factor=1.01, burst_ready=True, cap=128, models=models))
+        time.sleep(REREAD_S)
+        assert dispatcher.local_reason(fresh, plain=True) == "saturated"

@@ -181,16 +181,29 @@ class DirectDispatcher:
             )  # fmt: skip
         return reason
 
+    def local_reason(self, prompt: PromptKey, *, plain: bool) -> str | None:
+        """Why `prompt` goes to this decoder's scheduler to be prefilled here
+        (`prefill_here`), or None: to a prefill server now - also where the placement
+        rules chose here for a held prefix or for saturated prefill servers, and the
+        scheduler would send a `plain` request out anyway (`sooner_remote`: its first
+        token sooner remote, or no step within the ITL SLO): it goes at once, sparing
+        the trip through the scheduler. (Where no prefill server is available there is
+        nowhere else to go.)"""
+        reason = self.prefill_here(prompt)
+        if reason in ("cached_prefix", "saturated") and plain and self.sooner_remote(prompt):
+            return None
+        return reason
+
     def placed_here(self, reason: str) -> None:
         """A request goes to this decoder's scheduler to be prefilled here (`reason`)."""
         self._metrics.local(reason)
 
     def sooner_remote(self, prompt: PromptKey) -> bool:
         """Whether the decode scheduler's latest offer would send a plain request of
-        `prompt`, placed here for its cached prefix, to a prefill server (no fresh offer:
-        no). The scheduler matches its prefix cache to the token (whole pages): a
-        prompt of token ids is judged at the tokens it goes on with past the
-        conversation this decoder served last (`HeldTails`), in whole pages; a text
+        `prompt`, placed here, to a prefill server (no fresh offer: no). The scheduler
+        matches its prefix cache to the token (whole pages): a prompt of token ids is
+        judged at the tokens past what the conversations this decoder served hold of it
+        (`HeldTails`), in whole pages; a text
         prompt, known here in whole blocks only, at the least the scheduler could find
         uncached (a block more held) - so a request the scheduler would keep is not sent
         out, and one it would send out does not cross it first."""
@@ -522,10 +535,7 @@ async def around_generate_request(
     tried: list[str] = []
     refusals: list[str] = []
     chosen = None
-    local_reason = dispatcher.prefill_here(prompt)
-    if local_reason == "cached_prefix" and _plain(obj) and dispatcher.sooner_remote(prompt):
-        # the scheduler would send it out as slower: it goes at once, sparing the trip
-        local_reason = None
+    local_reason = dispatcher.local_reason(prompt, plain=_plain(obj))
     while local_reason is None:
         chosen = dispatcher.choose(prompt, tried)
         if chosen is None:
