@@ -575,9 +575,14 @@ def _local_steps_s(
     step: StepCoefficients, running: int, work: int, plan: LocalStep, local_share: float
 ) -> float:
     """Seconds for steps as `plan` to compute `work` local tokens, with the decode steps
-    between them."""
+    between them. An unmixed step while streams run, before any was measured, is taken
+    to cost what a mixed step of its tokens would: it computes less (the tokens without
+    the streams' decode), so that bounds it, where the stand-in (`StepCoefficients`: a
+    decode fit's offset, 4 ms on a CPU where such a step took 11) would call it nearly
+    free."""
     per_step = max(1, plan.tokens)
-    decoded = running if plan.mixed else 0
+    unmeasured = not plan.mixed and running > 0 and step.unmixed_offset is None
+    decoded = running if plan.mixed or unmeasured else 0
     full, rest = divmod(work, per_step)
     local_steps = full + (1 if rest else 0)
     prefill = full * step.seconds(decoded, per_step) + (step.seconds(decoded, rest) if rest else 0)
@@ -645,30 +650,11 @@ def prefill_here_is_sooner(
     prediction times `local_bias`: how far local predictions fell short lately), than
     remote: its prefill and transfer, then the decode step that samples its first token.
     Without both models fitted: here (the placement rules chose it; the steps teach the
-    models). Where the plan runs more than one unmixed step before any was measured:
-    remote (one such step is the measurement; a request spread over many would wait
-    on a guess)."""
+    models)."""
     if step is None or remote is None:
         return True
-    if _unmeasured_steps(step, tokens_ahead + max(1, tokens), plan) > 1:
-        return False  # (steps whose cost is a stand-in: one measures it, many are a guess)
     here = local_first_token_s(step, running, tokens_ahead, tokens, plan, local_share)
     return here * local_bias <= remote.seconds(tokens) + step.seconds(running + 1, 0)
-
-
-def _unmeasured_steps(step: StepCoefficients, work: int, plan: LocalStep) -> int:
-    """The steps of `plan` computing `work` local tokens that run unmixed while no
-    unmixed step was measured yet: their cost is a stand-in (`StepCoefficients`), which
-    on a CPU calls a one-page forward several times cheaper than it is."""
-    if step.unmixed_offset is not None:
-        return 0
-    steps = 0
-    if plan.then is not None:  # a burst step first
-        steps += 0 if plan.mixed else 1
-        work, plan = work - plan.tokens, plan.then
-    if work > 0 and not plan.mixed:
-        steps += math.ceil(work / max(1, plan.tokens))
-    return steps
 
 
 def why_sent_out(

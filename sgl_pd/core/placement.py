@@ -85,9 +85,10 @@ class HeldTails:
     last one its tail. Keyed by that block (the latest conversation through it kept;
     oldest forgotten first). So a prompt is held to the token both where it goes on
     with a conversation (a follow-up turn) and where it ends inside one (a retry, or a
-    stream sending its prompt again). Kept as 64-bit ints (up to `BLOCK_TOKENS` of them,
-    about 0.5 KiB: a tuple of Python ints is four times that, and there may be
-    `max_tails` of them)."""
+    stream sending its prompt again). Kept as 64-bit ints (up to `BLOCK_TOKENS` of them:
+    about 0.8 KiB an entry with its key and place in the table, 50 MiB at the default
+    bound - which is one entry per block served, about 4M tokens - where tuples of
+    Python ints would take three times that)."""
 
     def __init__(self, max_tails: int = MAX_BLOCKS_PER_SERVER) -> None:
         self._max_tails = max_tails

@@ -262,11 +262,13 @@ def test_a_prompt_placed_here_for_saturated_prefill_servers_is_judged_too(
     path = tmp_path / "offers" / "offer.json"
     with _dispatcher(path) as dispatcher:
         dispatcher._saturated_tokens = 1000
+        # (its prober would find nothing at that address and mark it unavailable)
+        dispatcher._mark = lambda addr, *, available: None  # type: ignore[method-assign]
         dispatcher._loads["127.0.0.1:9"] = PrefillerLoad(True, 5000)
         fresh = PromptKey.of_ids(list(range(5000, 5100)))
         assert dispatcher.local_reason(fresh, plain=True) == "saturated"  # (no offer yet)
         write_offer(path, _offer(slo_factor=1.01))  # (no page within the SLO)
-        time.sleep(REREAD_S)
+        time.sleep(max(REREAD_S, 1.5))  # (past the prober's first timeout too)
         assert dispatcher.local_reason(fresh, plain=True) is None
         assert dispatcher.local_reason(fresh, plain=False) == "saturated"  # (never sent out)
         # a burst of 128 carries it (120 ms), sooner than behind the 5000 queued (570 ms)

@@ -14,7 +14,7 @@ import pytest
 from sgl_pd.backend.decode import local_prefill
 from sgl_pd.backend.decode.local_fallback import LOCAL_HOST
 from sgl_pd.backend.decode.local_prefill import LocalPrefills, around_add_request_to_queue
-from sgl_pd.core.local_budget import RemoteCost
+from sgl_pd.core.local_budget import LocalStep, RemoteCost
 
 BOOTSTRAP_PORT = 8998
 
@@ -393,12 +393,16 @@ def test_a_whole_prefix_hit_runs_in_the_slo_plan_and_leaves_the_burst(
 ) -> None:
     """A stream's prompt sent again (nothing uncached: one token to compute) while a
     burst is allowed: the step the SLO allows carries it, and the burst stays for a
-    follow-up that needs it."""
+    follow-up that needs it. (Here mixing costs the streams past the SLO - a mixed
+    step's own 10 ms - and the burst of the cap runs mixed, the SLO's steps alone: a
+    burst step of one token would have been of the other kind, which spends it.)"""
     from sgl_pd.core.local_budget import StepCoefficients
 
     monkeypatch.setattr(local_prefill, "_cached_tokens", lambda tree, req: 300)
     local = LocalPrefills(256, prefix_cache=True, itl_slo=1.25, page_size=1, burst_every=200)
-    local.pacer.step_model = StepCoefficients(0.010, 0.001, 0.001, unmixed_offset=0.010)
+    local.pacer.step_model = StepCoefficients(
+        0.010, 0.001, 0.0001, mixed_offset=0.010, unmixed_offset=0.001, unmixed_per_token=0.001
+    )
     scheduler = _Scheduler(local)
     scheduler.running_batch = SimpleNamespace(reqs=[object()] * 10)
     req = _router_request(30)
@@ -412,6 +416,18 @@ def test_a_whole_prefix_hit_runs_in_the_slo_plan_and_leaves_the_burst(
         local_prefill, "_local_step", lambda s, lp, rb, plan: planned.append(plan) or "step"
     )
     local_prefill._next_batch(lambda s, rb: "decode", scheduler, local, running)
-    assert planned[0].then is None and planned[0].within_slo
-    local.pacer.launched(10, 1)
+    (plan,) = planned
+    assert plan == LocalStep(4, mixed=False)
+    local.pacer.launched(10 if plan.mixed else 0, 1)
     assert local.pacer.burst.ready
+
+
+def test_a_retracted_request_counts_its_output_among_the_work_queued() -> None:
+    """A local request retracted without a backup recomputes its prompt's uncached
+    tokens and its whole output: the work the next plans and placements see."""
+    local, scheduler, _ = _measuring()
+    retracted = _router_request(31)  # 40 tokens uncached of 300
+    retracted.bootstrap_host, retracted.output_ids = LOCAL_HOST, list(range(25))
+    around_add_request_to_queue(_never_queued, scheduler, retracted, is_retracted=True)
+    assert local.queue == [retracted]
+    assert local_prefill._work_ahead(local) == 40 + 25

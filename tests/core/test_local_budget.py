@@ -775,27 +775,33 @@ def test_unmixed_steps_with_streams_running_have_their_decode_step_between_each_
     )
 
 
-def test_a_request_spread_over_unmixed_steps_not_measured_yet_goes_remote() -> None:
-    """Before any unmixed step was measured its cost is a stand-in (a decode fit's
-    offset: 4 ms, where one such step took 11 ms on the CPU). One page of such steps is
-    the measurement and may stay here; a request needing many would wait on a guess."""
-    unmeasured = StepCoefficients(0.004, 0.006, 0.0001)
-    remote = RemoteCoefficients(offset=0.100, per_token=0.0005)
+def test_an_unmixed_step_not_measured_yet_is_judged_at_what_a_mixed_one_costs() -> None:
+    """Before any unmixed step was measured its stand-in is a decode fit's offset (4 ms,
+    where such a step took 11 on the CPU). A mixed step of the same tokens computes more
+    (the streams' decode besides), so its cost bounds the unmixed one's: judged at it, a
+    one-step suffix goes remote where that is sooner, and stays where the remote queue
+    is long (which the measurement then comes from)."""
+    # 2 streams: decode 16 ms; mixing them in costs 20 ms more and 0.7 ms a local token
+    unmeasured = StepCoefficients(0.004, 0.006, 0.0007, mixed_offset=0.020)
     one_page = LocalStep(16, mixed=False)
     kw = {"running": 2, "tokens_ahead": 0, "plan": one_page}
-    assert prefill_here_is_sooner(unmeasured, remote, tokens=16, **kw)
-    assert not prefill_here_is_sooner(unmeasured, remote, tokens=41, **kw)
-    assert why_sent_out(unmeasured, remote, tokens=41, **kw) == "slower"
-    # measured: its model judges (three 16-token steps of 5.6 ms, two decode steps between)
-    measured = StepCoefficients(0.004, 0.006, 0.0001, unmixed_offset=0.004)
-    assert prefill_here_is_sooner(measured, remote, tokens=41, **kw)
-    # mixed steps are measured with the first local steps: many of them are judged too
-    assert prefill_here_is_sooner(
-        unmeasured, remote, tokens=41, **{**kw, "plan": LocalStep(16, True)}
+    assert local_first_token_s(unmeasured, 2, 0, 16, one_page) == pytest.approx(
+        unmeasured.seconds(2, 16)  # 47 ms, not the stand-in's 15
     )
-    # a burst step alone carries the work: one step
-    burst = LocalStep(64, mixed=False, then=one_page)
-    assert prefill_here_is_sooner(unmeasured, remote, tokens=41, **{**kw, "plan": burst})
+    remote = RemoteCoefficients(offset=0.015, per_token=0.0005)  # 45 ms with the decode step
+    assert not prefill_here_is_sooner(unmeasured, remote, tokens=16, **kw)
+    assert why_sent_out(unmeasured, remote, tokens=16, **kw) == "slower"
+    queued = RemoteCoefficients(offset=0.020, per_token=0.0005, queue_s=10.0)
+    assert prefill_here_is_sooner(unmeasured, queued, tokens=16, **kw)
+    # measured: its own cost (two 16-token steps of 5.6 ms, the streams' 16 ms between)
+    measured = StepCoefficients(
+        0.004, 0.006, 0.0007, unmixed_offset=0.004, unmixed_per_token=0.0001
+    )
+    assert local_first_token_s(measured, 2, 0, 32, one_page) == pytest.approx(
+        2 * measured.seconds(0, 16) + measured.seconds(2, 0)
+    )
+    # no streams: nothing to mix with, the stand-in
+    assert local_first_token_s(unmeasured, 0, 0, 16, one_page) == unmeasured.seconds(0, 16)
 
 
 def test_work_the_slo_plan_carries_in_one_step_spends_no_burst() -> None:

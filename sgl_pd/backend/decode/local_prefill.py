@@ -230,6 +230,8 @@ def around_add_request_to_queue(
     uncached = len(req.origin_input_ids) - (
         _cached_tokens(scheduler.tree_cache, req) if local.prefix_cache else 0
     )
+    if is_retracted:  # (it recomputes its output as well, never held: it was decoding)
+        uncached += len(req.output_ids or ())
     # what the request meets here: the streams, the next step's plan, the local tokens
     # queued before it (for the placement and for the prediction it is measured by)
     streams = _streams(scheduler, local)
