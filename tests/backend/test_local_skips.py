@@ -362,6 +362,23 @@ def test_a_request_is_judged_behind_the_remote_queue_in_flight_now_alike_on_ever
     assert local.queue == [other]
 
 
+def _next_local_plan(
+    monkeypatch: pytest.MonkeyPatch, local: LocalPrefills, scheduler: _Scheduler, running: int
+) -> LocalStep:
+    """The plan of the local step the next scheduling iteration runs, `running` streams
+    decoding (SGLang's own scheduling is not run: the plan is what is judged)."""
+    scheduler.last_batch = None
+    scheduler.waiting_queue = []
+    batch = SimpleNamespace(reqs=[object()] * running, is_empty=lambda: False, batch_is_full=False)
+    planned: list[LocalStep] = []
+    monkeypatch.setattr(
+        local_prefill, "_local_step", lambda s, lp, rb, plan: planned.append(plan) or "step"
+    )
+    assert local_prefill._next_batch(lambda s, rb: "decode", scheduler, local, batch) == "step"
+    (plan,) = planned
+    return plan
+
+
 def test_a_request_mid_prefill_past_the_slo_finishes_in_one_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -375,15 +392,7 @@ def test_a_request_mid_prefill_past_the_slo_finishes_in_one_step(
     chunked = _router_request(29)
     chunked.extend_end = 259  # 41 tokens left
     local.chunked = chunked
-    scheduler.last_batch = None
-    scheduler.waiting_queue = []
-    running = SimpleNamespace(reqs=[object()] * 64, is_empty=lambda: False, batch_is_full=False)
-    planned: list[Any] = []
-    monkeypatch.setattr(
-        local_prefill, "_local_step", lambda s, lp, rb, plan: planned.append(plan) or "step"
-    )
-    assert local_prefill._next_batch(lambda s, rb: "decode", scheduler, local, running) == "step"
-    (plan,) = planned
+    plan = _next_local_plan(monkeypatch, local, scheduler, running=64)
     assert plan.tokens == 128 and plan.then is not None and not plan.then.within_slo
     assert local.pacer.burst.spends(plan, 64, 41)
 
@@ -408,15 +417,7 @@ def test_a_whole_prefix_hit_runs_in_the_slo_plan_and_leaves_the_burst(
     req = _router_request(30)
     around_add_request_to_queue(_never_queued, scheduler, req)
     assert local.queue == [req]
-    scheduler.last_batch = None
-    scheduler.waiting_queue = []
-    running = SimpleNamespace(reqs=[object()] * 10, is_empty=lambda: False, batch_is_full=False)
-    planned: list[Any] = []
-    monkeypatch.setattr(
-        local_prefill, "_local_step", lambda s, lp, rb, plan: planned.append(plan) or "step"
-    )
-    local_prefill._next_batch(lambda s, rb: "decode", scheduler, local, running)
-    (plan,) = planned
+    plan = _next_local_plan(monkeypatch, local, scheduler, running=10)
     assert plan == LocalStep(4, mixed=False)
     local.pacer.launched(10 if plan.mixed else 0, 1)
     assert local.pacer.burst.ready

@@ -4,6 +4,8 @@ measured rate."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -185,14 +187,22 @@ def test_direct_rooms_are_told_apart_from_router_rooms() -> None:
     assert not any(is_direct_room(r) for r in router_rooms)
 
 
-def test_the_tokens_held_past_the_whole_blocks_are_known_to_the_token() -> None:
+def _served(conversation: PromptKey) -> tuple[HeldTails, Callable[[PromptKey], int]]:
+    """A decoder that served `conversation`: its tails, and the tokens of a prompt it
+    holds (its whole blocks as the placement knows them, then its tail)."""
     held, sent = HeldTails(), SentPrefixes()
-    conversation = PromptKey.of_ids([*LONG, 1, 2, 3, 4, 5])  # 8 blocks and 5 tokens
     held.record(conversation)
     sent.record("here", conversation.blocks)
 
     def tokens_held(prompt: PromptKey) -> int:
         return held.held_tokens(prompt, sent.cached_blocks("here", prompt.blocks))
+
+    return held, tokens_held
+
+
+def test_the_tokens_held_past_the_whole_blocks_are_known_to_the_token() -> None:
+    conversation = PromptKey.of_ids([*LONG, 1, 2, 3, 4, 5])  # 8 blocks and 5 tokens
+    held, tokens_held = _served(conversation)
 
     assert tokens_held(PromptKey.of_ids([*LONG, 1, 2, 3, 4, 5, 6, 7])) == len(LONG) + 5
     assert tokens_held(PromptKey.of_ids([*LONG, 1, 2, 9, 4, 5, 6])) == len(LONG) + 2
@@ -216,13 +226,7 @@ def test_a_prompt_ending_inside_a_served_conversation_is_held_to_the_token() -> 
     conversation served here, and ends inside one of its blocks (which, partial, is not
     a block of the prompt). All of it is held - judged at its last 36 tokens the
     decoder would send out a request it keeps."""
-    held, sent = HeldTails(), SentPrefixes()
-    conversation = PromptKey.of_ids([*LONG, 1, 2, 3, 4, 5])  # 8 blocks and 5 tokens
-    held.record(conversation)
-    sent.record("here", conversation.blocks)
-
-    def tokens_held(prompt: PromptKey) -> int:
-        return held.held_tokens(prompt, sent.cached_blocks("here", prompt.blocks))
+    held, tokens_held = _served(PromptKey.of_ids([*LONG, 1, 2, 3, 4, 5]))  # 8 blocks, 5 tokens
 
     assert tokens_held(PromptKey.of_ids(LONG[:100])) == 100
     assert tokens_held(PromptKey.of_ids([*LONG[:100], -1])) == 100
