@@ -271,8 +271,18 @@ def _work_ahead(local: LocalPrefills) -> int:
     """The local tokens a step computes before those of a request queued now: what the
     request mid-prefill has left, and each queued request's uncached tokens (a request
     a pause handed back recomputes its whole prompt and output)."""
-    left = 0 if local.chunked is None else _tokens_left(local.chunked)
-    return left + sum(_queued_work(local, r) for r in local.queue)
+    return _chunked_left(local) + sum(_queued_work(local, r) for r in local.queue)
+
+
+def _step_work(local: LocalPrefills) -> int:
+    """The local tokens the next steps compute for the work waiting: `_work_ahead`, but
+    a whole prefix hit counts as the one token SGLang computes again."""
+    return _chunked_left(local) + sum(max(1, _queued_work(local, r)) for r in local.queue)
+
+
+def _chunked_left(local: LocalPrefills) -> int:
+    """What the request mid-prefill has left to compute (none: 0)."""
+    return 0 if local.chunked is None else _tokens_left(local.chunked)
 
 
 def _queued_work(local: LocalPrefills, req: Any) -> int:
@@ -592,19 +602,19 @@ def _plan(
     SGLang will mix whatever the step admits: no request waiting (or mid-prefill) asks
     for logprobs."""
     can_mix = _can_mix(scheduler, local.chunked, *local.queue)
-    work = (0 if local.chunked is None else _tokens_left(local.chunked)) + sum(
-        max(1, _queued_work(local, r))
-        for r in local.queue  # (a whole prefix hit: one)
-    )
     return local.pacer.plan(
-        len(running_batch.reqs), can_mix=can_mix, to_run=True, past_slo=past_slo, work=work
+        len(running_batch.reqs),
+        can_mix=can_mix,
+        to_run=True,
+        past_slo=past_slo,
+        work=_step_work(local),
     )
 
 
 def _past_the_burst(local: LocalPrefills, burst_tokens: int) -> set[str]:
     """The queued requests a burst step of `burst_tokens` would not finish (the request
     mid-prefill comes first, then the queue in its order)."""
-    done = 0 if local.chunked is None else _tokens_left(local.chunked)
+    done = _chunked_left(local)
     past = set()
     for req in local.queue:
         done += max(1, _queued_work(local, req))
