@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 import requests
@@ -105,6 +106,27 @@ def test_fresh_prompts_are_shared_between_the_prefill_servers(
     assert all(b > a for a, b in zip(before, after, strict=True)), (before, after)
 
 
+def _kept_here(prompt: list[int], suffix: int, max_new_tokens: int) -> dict[str, Any]:
+    """A greedy request of `prompt` that stays on the decoder once placed there, whatever
+    its models predict: it asks for the logprobs of its last `suffix` prompt tokens, which
+    only a prefill of them gives, and the decoder prefills them itself. (A plain request
+    goes where its first token is predicted sooner: on a loaded machine, where the
+    decoder's two ranks compute a token three times slower than the prefill server, that
+    can be the prefill server - which the unit tests of `core.local_budget` cover.)"""
+    return {
+        "input_ids": prompt,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
+        "return_logprob": True,
+        "logprob_start_len": len(prompt) - suffix,
+    }
+
+
+def _output_ids(url: str, body: dict[str, Any]) -> list[int]:
+    response = requests.post(f"{url}/generate", json=body, timeout=300)
+    response.raise_for_status()
+    return [int(t) for t in response.json()["output_ids"]]
+
+
 def _metric(decoder: Server, name: str, reason: str) -> float:
     metrics = requests.get(f"{decoder.url}/metrics", timeout=30).text
     found = re.search(rf'{name}\{{reason="{reason}"\}} (\S+)', metrics)
@@ -115,8 +137,8 @@ def test_follow_up_turns_are_prefilled_on_the_decoder(
     mono: Server, two_prefills: DirectCluster
 ) -> None:
     """The first, long turn goes to a prefill server; each follow-up adds a short message
-    to what the decoder holds (the history and its own answers) and is prefilled there,
-    token-identical to monolithic serving."""
+    to what the decoder holds (the history and its own answers) and is prefilled there
+    (`_kept_here`), token-identical to monolithic serving."""
     decoder = two_prefills.decoders[0]
     prompt = long_prompt_ids(5 * BLOCK_TOKENS, start=41)
     before = _prefilled(two_prefills)
@@ -126,8 +148,9 @@ def test_follow_up_turns_are_prefilled_on_the_decoder(
     local_before = _metric(decoder, "sgl_pd_local_prefills_total", "cached_prefix")
     for turn in range(3):
         prompt = [*prompt, *answer, *long_prompt_ids(24, start=9000 + 100 * turn)]
-        answer = generate_ids(decoder.url, prompt, 8)
-        assert answer == generate_ids(mono.url, prompt, 8), f"turn {turn}"
+        body = _kept_here(prompt, 24, 8)
+        answer = _output_ids(decoder.url, body)
+        assert answer == _output_ids(mono.url, body), f"turn {turn}"
     local = _metric(decoder, "sgl_pd_local_prefills_total", "cached_prefix") - local_before
     assert local == 3
     time.sleep(1)  # (a prefill server logs a request after its answer: none may come)
@@ -192,12 +215,12 @@ def test_short_prompts_go_local_while_every_prefill_server_is_saturated(
     ):  # both long prompts taken: one each, over the saturation bound
         assert time.monotonic() < deadline, "the long prompts were not placed"
         time.sleep(0.05)
-    short = long_prompt_ids(40, start=130_000)
-    got = generate_ids(decoder.url, short, 6)
+    short = _kept_here(long_prompt_ids(40, start=130_000), 40, 6)
+    got = _output_ids(decoder.url, short)
     for t in threads:
         t.join(timeout=300)
     assert _metric(decoder, "sgl_pd_local_prefills_total", "saturated") == saturated + 1
-    assert got == generate_ids(mono.url, short, 6)
+    assert got == _output_ids(mono.url, short)
 
 
 def test_local_prefills_aborted_at_any_point_end_cleanly(two_prefills: DirectCluster) -> None:
@@ -239,10 +262,8 @@ def test_a_retracting_pause_recomputes_local_requests_on_the_decoder(
     history = long_prompt_ids(4 * BLOCK_TOKENS, start=170_000 + int(1000 * pause_after_s))
     answer = generate_ids(decoder.url, history, 4)
     prompt = [*history, *answer, *long_prompt_ids(20, start=180_000)]
-    body = {
-        "input_ids": prompt,
-        "sampling_params": {"temperature": 0, "max_new_tokens": 160, "ignore_eos": True},
-    }
+    body = _kept_here(prompt, 20, 160)
+    body["sampling_params"]["ignore_eos"] = True
     local_before = _metric(decoder, "sgl_pd_local_prefills_total", "cached_prefix")
     with ThreadPoolExecutor(1) as pool:
         answer_future = pool.submit(
