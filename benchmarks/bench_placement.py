@@ -14,6 +14,12 @@ a time:
 Each set is warmed up first (`warm_up`): short fresh prompts of a few lengths and a
 conversation while two streams run, and for `on` until its decoder's step model is
 fitted - its first local steps, planned before any was measured, are measurements.
+Then two streams run alone for a few seconds: the set's idle decode pace. Server sets of
+the same settings have been seen to decode 1.28x apart on this kind of machine, which
+would read as a ratio between modes; so `on` and `off` each start `--rounds` sets (2 in
+the full run), alternating which goes first, and their figures pool the rounds, each
+round's ratios and each set's idle pace (and the CPU time the host took, where
+/proc/stat tells) printed beside them.
 
 Workload, the same for each, once per running stream count of the sweep (`--streams`,
 2 and 20 with --quick; 2, 20, 64 and 300 in the full run): that many decode streams run
@@ -38,7 +44,8 @@ The last line is JSON, each ratio the worst over the sweep: tokens_identical,
 followup_ttft_p50_on_over_off (target <= 1.0: never slower than always remote),
 followup_ttft_p50_on_over_mono_at_<fewest>_streams (target <= 1.2),
 fresh_ttft_p50_on_over_off (target <= 1.1), itl_p99_on_over_off (target <= 1.2),
-local_prefills_on, sent_out_on, and the stream counts of the worst cases.
+local_prefills_on, sent_out_on, followup_ttft_p50_on_over_off_by_round, each set's
+idle pace (idle_itl_ms), and the stream counts of the worst cases.
 SGLPD_LOCAL_PATIENCE=3 makes every wait three times longer on a loaded machine.
 """
 
@@ -79,6 +86,16 @@ class ModeResult:
     sent_out: float = 0.0  # of the local prefills, sent to the prefill server after all
     mixed_steps: float = 0.0  # local steps that decoded the running streams in their forward
     unmixed_steps: float = 0.0  # local steps that ran the local tokens alone
+
+    def add(self, other: ModeResult, round_: int) -> None:
+        """`other`, one round's result of the same mode and stream count, pooled in (its
+        answers keyed by round: the same conversations run in each)."""
+        self.answers.update({f"r{round_}/{k}": a for k, a in other.answers.items()})
+        self.gaps_s.extend(other.gaps_s)
+        self.local_prefills += other.local_prefills
+        self.sent_out += other.sent_out
+        self.mixed_steps += other.mixed_steps
+        self.unmixed_steps += other.unmixed_steps
 
     def ttft_ms(self, kind: str, q: float) -> float:
         values = [a.ttft_s for k, a in self.answers.items() if k.endswith(kind)]
@@ -170,7 +187,17 @@ def conversation_turns(
     return answers
 
 
-def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[int, ModeResult]:
+@dataclass
+class Phase:
+    """One server set's run: its results per stream count, how fast it decoded before
+    any conversation ran, and the CPU time the machine's host took from it."""
+
+    results: dict[int, ModeResult]
+    idle_itl_ms: float  # 2 streams' ITL p50 after warm-up, nothing else running
+    steal_pct: float  # of the CPU time while the phase ran (/proc/stat; nan without)
+
+
+def run_mode(mode: str, args: argparse.Namespace, work: Path) -> Phase:
     """One mode's servers, every stream count of the sweep in turn."""
     patience = local_patience()
     timeout_s = patience.seconds(600)
@@ -182,14 +209,14 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[int, ModeR
         "--max-total-tokens", str(max(32768, 640 * (max(args.streams) + 32))),
     ]  # fmt: skip
     if mode == "mono":
-        servers = monolithic_server(work / mode, extra=common, patience=patience)
+        servers = monolithic_server(work, extra=common, patience=patience)
     else:
         local = str(LOCAL_MAX_TOKENS if mode == "on" else 0)
         step = args.local_step_tokens if mode == "on" and args.local_step_tokens else None
         slo = args.itl_slo if mode == "on" else None
         burst = args.burst_every if mode == "on" else None
         servers = direct_cluster(
-            work / mode,
+            work,
             prefill_extra=COMMON,
             decode_extra=[
                 *common, "--enable-metrics", "--disaggregation-decode-enable-radix-cache",
@@ -201,9 +228,12 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[int, ModeR
             decoders=1,
             patience=patience,
         )  # fmt: skip
+    steal_before = cpu_steal()
     with servers as started:
         url = started.url if mode == "mono" else started.decoders[0].url
         warm_up(url, mode, args, timeout_s)
+        idle_itl_ms = idle_pace_ms(url, args, timeout_s)
+        print(f"[bench] {mode}: 2 streams alone step {idle_itl_ms:.1f} ms apart", flush=True)
         for count in args.streams:
             print(f"[bench] {mode}: {count} running streams ...", flush=True)
             result = ModeResult()
@@ -222,7 +252,36 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[int, ModeR
                 result.mixed_steps = after["mixed"] - before["mixed"]
                 result.unmixed_steps = after["unmixed"] - before["unmixed"]
             results[count] = result
-    return results
+    return Phase(results, idle_itl_ms, steal_share(steal_before, cpu_steal()))
+
+
+IDLE_PACE_S = 3.0  # how long 2 streams run alone to time a server set's decode steps
+
+
+def idle_pace_ms(url: str, args: argparse.Namespace, timeout_s: float) -> float:
+    """The ITL p50 of 2 streams with nothing else running: how fast this server set
+    decodes before local prefill has anything to do - where two sets of the same
+    settings differ, the machine does (a phase's ratios then carry that)."""
+    streams = Streams(url, 2, args.stream_tokens)
+    with streams.running(timeout_s):
+        time.sleep(IDLE_PACE_S)
+    return float(np.percentile(streams.gaps_s, 50)) * 1000 if streams.gaps_s else float("nan")
+
+
+def cpu_steal() -> tuple[int, int] | None:
+    """(steal, total) jiffies of every CPU since boot (/proc/stat), None where unknown."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7], sum(fields)) if len(fields) > 7 else None
+
+
+def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float:
+    """Percent of the CPU time between two `cpu_steal` readings the host took."""
+    if before is None or after is None or after[1] <= before[1]:
+        return float("nan")
+    return 100.0 * (after[0] - before[0]) / (after[1] - before[1])
 
 
 # warm-up: the short fresh prompts (remote on a PD decoder) that teach it a remote
@@ -298,7 +357,14 @@ def main(argv: list[str] | None = None) -> int:
         "--burst-every", type=int, default=None,
         help="--pd-local-prefill-burst-every of the `on` decoder (default: the server's)",
     )  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=int, default=None,
+        help="server sets started for each of on and off, alternating which goes first"
+        " (default: 1 with --quick, else 2): a set that runs slow as a whole then shows as"
+        " a spread between rounds rather than as a ratio",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    args.rounds = args.rounds or (1 if args.quick else 2)
     args.conversations = args.conversations or (3 if args.quick else 12)
     args.follow_ups = args.follow_ups or (3 if args.quick else 5)
     args.streams = args.streams or ([2, 20] if args.quick else [2, 20, 64, 300])
@@ -312,11 +378,17 @@ def main(argv: list[str] | None = None) -> int:
         f" logs in {work}",
         flush=True,
     )
-    results = {mode: run_mode(mode, args, work) for mode in MODES}
+    phases: dict[str, list[Phase]] = {mode: [] for mode in MODES}
+    for mode in run_order(args.rounds):
+        phase = run_mode(mode, args, work / f"{mode}{len(phases[mode])}")
+        phases[mode].append(phase)
+    results = {"mono": phases["mono"][0].results} | {
+        mode: pooled(phases[mode], args.streams) for mode in ("on", "off")
+    }
 
     verdicts = {
         (mode, count): [
-            judge(results["mono"][count].answers[k], a)
+            judge(results["mono"][count].answers[k.split("/", 1)[1]], a)
             for k, a in results[mode][count].answers.items()
         ]
         for mode in ("on", "off")
@@ -338,8 +410,11 @@ def main(argv: list[str] | None = None) -> int:
             )
     print(
         "(milliseconds; ITL: the running streams' gaps between tokens; local: follow-ups"
-        " placed for local prefill, out: of them sent to the prefill server after all)"
+        " placed for local prefill, out: of them sent to the prefill server after all;"
+        f" on and off pooled over {args.rounds} server set(s) each)"
     )
+    by_round = round_ratios(phases, args.streams)
+    print_rounds(phases, by_round)
     png = args.out / "placement_ttft.png"
     plot_grouped_bars(
         {
@@ -435,6 +510,10 @@ def main(argv: list[str] | None = None) -> int:
         "itl_p99_on_over_off": worst("itl_p99_on_over_off"),
         "local_prefills_on": sum(per_count[c]["local_prefills_on"] for c in args.streams),
         "sent_out_on": sum(per_count[c]["sent_out_on"] for c in args.streams),
+        "followup_ttft_p50_on_over_off_by_round": [
+            max(r["followup_ttft_p50_on_over_off"].values()) for r in by_round
+        ],
+        "idle_itl_ms": {m: [round(p.idle_itl_ms, 2) for p in phases[m]] for m in MODES},
         "worst_streams": {
             key: max(args.streams, key=lambda c, key=key: per_count[c][key])
             for key in ("followup_ttft_p50_on_over_off", "itl_p99_on_over_off")
@@ -442,6 +521,59 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(headline))
     return 0
+
+
+def run_order(rounds: int) -> list[str]:
+    """The server sets in the order they run: the monolithic reference once, then `on`
+    and `off` per round, alternating which goes first (a machine slowing down over the
+    run slows each mode alike)."""
+    order = ["mono"]
+    for r in range(rounds):
+        order += ["on", "off"] if r % 2 == 0 else ["off", "on"]
+    return order
+
+
+def pooled(mode_phases: list[Phase], counts: list[int]) -> dict[int, ModeResult]:
+    """A mode's results per stream count over every round, its answers keyed
+    "r<round>/<key>"."""
+    results = {count: ModeResult() for count in counts}
+    for i, phase in enumerate(mode_phases):
+        for count in counts:
+            results[count].add(phase.results[count], i)
+    return results
+
+
+def round_ratios(phases: dict[str, list[Phase]], counts: list[int]) -> list[dict]:
+    """Per round, on over off for each stream count: follow-up TTFT p50, fresh TTFT p50,
+    and the streams' ITL p50 (how fast each set decoded with the same load)."""
+    ratios = []
+    for on, off in zip(phases["on"], phases["off"], strict=True):
+        ratios.append(
+            {
+                name: {c: _ratio(measure(on.results[c]), measure(off.results[c])) for c in counts}
+                for name, measure in (
+                    ("followup_ttft_p50_on_over_off", lambda r: r.ttft_ms("follow_up", 50)),
+                    ("fresh_ttft_p50_on_over_off", lambda r: r.ttft_ms("fresh", 50)),
+                    ("itl_p50_on_over_off", lambda r: r.gap_ms(50)),
+                )
+            }
+        )
+    return ratios
+
+
+def print_rounds(phases: dict[str, list[Phase]], by_round: list[dict]) -> None:
+    """Each server set's idle decode pace and host steal, and each round's on/off
+    ratios: the spread the pooled figures above average over."""
+    for mode in MODES:
+        sets = ", ".join(f"{p.idle_itl_ms:.1f} ms (steal {p.steal_pct:.1f}%)" for p in phases[mode])
+        print(f"{mode:>4} server sets, 2 streams alone step apart: {sets}")
+    for i, ratios in enumerate(by_round):
+        cells = "; ".join(
+            f"{name.removesuffix('_on_over_off')} "
+            + " ".join(f"{c}:{v:.2f}x" for c, v in values.items())
+            for name, values in ratios.items()
+        )
+        print(f"round {i} on/off by streams: {cells}")
 
 
 def _ratio(a: float, b: float) -> float:

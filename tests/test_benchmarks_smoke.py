@@ -151,3 +151,78 @@ def test_the_load_benchmark_counts_sglangs_work_under_sgl_pd_hooks_as_sglangs() 
     assert share.own == pytest.approx(3 / 20)
     assert share.with_calls == pytest.approx(10 / 20)  # (the harness stands in for SGLang)
     assert share.frames == [("put (/w/sgl_pd/messenger/keyed_workers.py:67)", 3)]
+
+
+def test_the_placement_benchmark_alternates_and_pools_its_server_sets(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`on` and `off` start a server set each round, alternating which goes first; their
+    answers pool under the round's key (the same conversations in each), and each round's
+    ratios print beside each set's idle pace, so a set that ran slow as a whole shows."""
+    from sgl_pd.cluster.streaming import Answer
+
+    module = _load(BENCHMARKS / "bench_placement.py")
+    assert module.run_order(3) == ["mono", "on", "off", "off", "on", "on", "off"]
+
+    def phase(follow_up_s: float, gap_s: float, idle_ms: float) -> object:
+        result = module.ModeResult(
+            answers={"c0t1/follow_up": Answer("c0t1/follow_up", 40, (1,), follow_up_s)},
+            gaps_s=[gap_s] * 3,
+            local_prefills=2.0,
+        )
+        return module.Phase({2: result}, idle_ms, float("nan"))
+
+    phases = {
+        "mono": [phase(0.05, 0.010, 10.0)],
+        "on": [phase(0.20, 0.016, 16.0), phase(0.10, 0.012, 12.0)],
+        "off": [phase(0.10, 0.012, 12.0), phase(0.10, 0.012, 12.0)],
+    }
+    pooled = module.pooled(phases["on"], [2])[2]
+    assert sorted(pooled.answers) == ["r0/c0t1/follow_up", "r1/c0t1/follow_up"]
+    assert pooled.local_prefills == 4.0 and len(pooled.gaps_s) == 6
+    by_round = module.round_ratios(phases, [2])
+    assert [r["followup_ttft_p50_on_over_off"][2] for r in by_round] == [2.0, 1.0]
+    assert [r["itl_p50_on_over_off"][2] for r in by_round] == [1.333, 1.0]
+    module.print_rounds(phases, by_round)
+    out = capsys.readouterr().out
+    assert "16.0 ms" in out and "round 1 on/off by streams: followup_ttft_p50 2:1.00x" in out
+    assert module.steal_share((10, 1000), (30, 1100)) == 20.0
+    assert module.steal_share(None, (30, 1100)) != module.steal_share(None, (30, 1100))  # nan
+
+
+def test_the_placement_benchmark_reports_pooled_rounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The whole report of a two-round run, its servers stood in for: every mode judged
+    against the reference, the pooled table, the rounds, and the headline JSON last."""
+    from sgl_pd.cluster.streaming import Answer
+
+    module = _load(BENCHMARKS / "bench_placement.py")
+    started: list[str] = []
+
+    def run_mode(mode: str, args: object, work: Path) -> object:
+        started.append(mode)
+        slow = 2.0 if (mode, started.count(mode)) == ("on", 1) else 1.0
+        results = {
+            count: module.ModeResult(
+                answers={
+                    f"c0t{t}/{kind}": Answer(f"c0t{t}/{kind}", 40, (1, 2), slow * s)
+                    for t, kind, s in ((0, "fresh", 0.6), (1, "follow_up", 0.1))
+                },
+                gaps_s=[slow * 0.012] * 4,
+            )
+            for count in (2, 20)
+        }
+        return module.Phase(results, slow * 12.0, 0.5)
+
+    monkeypatch.setattr(module, "run_mode", run_mode)
+    assert module.main(["--quick", "--rounds", "2", "--out", str(tmp_path)]) == 0
+    assert started == ["mono", "on", "off", "off", "on"]
+    lines = capsys.readouterr().out.strip().splitlines()
+    headline = json.loads(lines[-1])
+    assert headline["tokens_identical"] is True
+    assert headline["followup_ttft_p50_on_over_off_by_round"] == [2.0, 1.0]
+    assert headline["followup_ttft_p50_on_over_off"] == 1.5  # (0.2 + 0.1) / 2 / 0.1
+    assert headline["idle_itl_ms"] == {"mono": [12.0], "on": [24.0, 12.0], "off": [12.0, 12.0]}
+    assert any(line.startswith("round 0 on/off by streams") for line in lines)
+    assert (tmp_path / "placement.json").exists()
