@@ -4,8 +4,10 @@ measured rate."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -81,6 +83,37 @@ def test_a_prefix_shares_blocks_only_when_everything_before_matches() -> None:
     assert a[0] == b[0] and a[1] != b[1]
     assert c[0] != a[0] and c[1] != a[1]  # block 1's tokens equal, its prefix not
     assert prefix_blocks([1] * (BLOCK_TOKENS - 1)) == []  # no whole block
+
+
+@given(
+    st.lists(st.integers(0, 2**32 - 1), max_size=300),
+    st.integers(1, 70),
+    st.one_of(st.none(), st.integers(-(2**40), -1), st.integers(2**32, 2**40)),
+)
+def test_each_block_is_named_by_every_token_up_to_its_end(
+    tokens: list[int], block_tokens: int, out_of_range: int | None
+) -> None:
+    """The names are the chained hash of each token as 4 bytes, little-endian - as a
+    token-by-token loop computes them; a token past the last whole block is not read
+    (a prompt's partial tail may hold anything), one inside a whole block outside
+    [0, 2**32) raises OverflowError."""
+    h, expected = hashlib.blake2b(digest_size=16), []
+    for i, token in enumerate(tokens[: len(tokens) - len(tokens) % block_tokens]):
+        h.update(token.to_bytes(4, "little"))
+        if (i + 1) % block_tokens == 0:
+            expected.append(h.copy().digest())
+    assert prefix_blocks(tokens, block_tokens) == expected
+    assert prefix_blocks(tuple(tokens), block_tokens) == expected
+    assert prefix_blocks(bytes(t % 256 for t in tokens), block_tokens) == prefix_blocks(
+        [t % 256 for t in tokens], block_tokens
+    )
+    if out_of_range is not None:
+        whole = len(tokens) - len(tokens) % block_tokens
+        past_the_blocks = [*tokens[:whole], out_of_range]
+        if block_tokens > 1:
+            assert prefix_blocks(past_the_blocks, block_tokens) == expected
+        with pytest.raises(OverflowError):
+            prefix_blocks([out_of_range, *tokens], 1)
 
 
 def test_text_prompts_share_prefixes_too() -> None:
@@ -219,6 +252,31 @@ def test_the_tokens_held_past_the_whole_blocks_are_known_to_the_token() -> None:
     bounded.record(conversation)
     bounded.record(PromptKey.of_ids([40, 41, 42]))  # (the older tail forgotten)
     assert bounded.held_tokens(PromptKey.of_ids([*LONG, 1, 2]), 8) == len(LONG)
+
+
+def test_each_turn_builds_the_tails_of_its_new_blocks_alone() -> None:
+    """A follow-up turn served re-marks its conversation's earlier tails recent without
+    building them again (a block's name covers the whole block after it), and builds
+    those of its new blocks; a block whose next block changed gets the new tail."""
+    turn = [*LONG, 1, 2, 3]  # 8 whole blocks and a partial tail
+    held = HeldTails()
+    held.record(PromptKey.of_ids(turn))
+    before = dict(held._tails)
+    longer = [*turn, *range(5000, 5000 + BLOCK_TOKENS)]  # block 8 whole now, a new tail
+    held.record(PromptKey.of_ids(longer))
+    after = held._tails
+    blocks = PromptKey.of_ids(longer).blocks
+    for key in (b"", *blocks[:7]):  # tails that are whole next blocks: kept as they were
+        assert after[key] is before[key]
+    assert after[blocks[7]] is not before[blocks[7]]  # was the partial tail [1, 2, 3]
+    assert list(after[blocks[7]][1]) == longer[8 * BLOCK_TOKENS : 9 * BLOCK_TOKENS]
+    assert list(after[blocks[8]][1]) == longer[9 * BLOCK_TOKENS :]
+    # another conversation's tail at the start, then this one served again: its own
+    held.record(PromptKey.of_ids([40, 41, 42]))
+    assert held.held_tokens(PromptKey.of_ids(longer[:10]), 0) == 0
+    held.record(PromptKey.of_ids(longer))
+    assert held.held_tokens(PromptKey.of_ids(longer[:10]), 0) == 10
+    assert held.held_tokens(PromptKey.of_ids([*longer, 9]), len(blocks)) == len(longer)
 
 
 def test_a_prompt_ending_inside_a_served_conversation_is_held_to_the_token() -> None:
