@@ -42,7 +42,7 @@ def prefix_blocks(token_ids: Sequence[int], block_tokens: int = BLOCK_TOKENS) ->
     it and everything before. Each token is hashed as 4 bytes, little-endian: converted
     at C speed (`array`: a 32k-token prompt in well under a millisecond, where a Python
     loop over its tokens took 9 ms of the HTTP process), OverflowError for a token of a
-    whole block outside [0, 2**32)."""
+    whole block outside [0, 2**32) (TypeError for one not an integer)."""
     whole = token_ids[: len(token_ids) - len(token_ids) % block_tokens]
     if isinstance(whole, (bytes, bytearray)):
         whole = list(whole)  # (a text prompt's bytes, each a unit, not raw words)
@@ -195,26 +195,34 @@ def fastest(predictions: Sequence[Prediction], turn: int = 0) -> Prediction | No
 class PromptKey:
     """A prompt as the placement sees it: its prefix blocks over `units` (token ids, or
     the UTF-8 bytes of a text prompt not tokenized yet), its size in tokens, and its
-    token ids where it came as ids (empty for text)."""
+    token ids where it came as ids (empty for text), and how much of it any cache may
+    serve (`reusable`): SGLang computes every prompt token from a request's
+    `logprob_start_len` on, whatever its cache holds (their logprobs are asked for)."""
 
     blocks: tuple[bytes, ...]
     tokens: int
     ids: tuple[int, ...] = ()
+    reusable: int | None = None  # leading tokens a cache may serve; None: no bound
 
     @classmethod
-    def of_ids(cls, ids: Sequence[int]) -> PromptKey:
-        return cls(tuple(prefix_blocks(ids)), len(ids), tuple(ids))
+    def of_ids(cls, ids: Sequence[int], reusable: int | None = None) -> PromptKey:
+        return cls(tuple(prefix_blocks(ids)), len(ids), tuple(ids), reusable)
 
     @classmethod
-    def of_text(cls, text: str, chars_per_token: int) -> PromptKey:
+    def of_text(cls, text: str, chars_per_token: int, reusable: int | None = None) -> PromptKey:
         data = text.encode()
         blocks = prefix_blocks(data, BLOCK_TOKENS * chars_per_token)
-        return cls(tuple(blocks), len(data) // chars_per_token + 1)
+        return cls(tuple(blocks), len(data) // chars_per_token + 1, reusable=reusable)
 
     def cached_tokens(self, prefixes: SentPrefixes, addr: str) -> int:
-        """The prompt tokens `addr` is expected to hold already (a block is about
-        `BLOCK_TOKENS` tokens either way)."""
-        return min(self.tokens, prefixes.cached_blocks(addr, self.blocks) * BLOCK_TOKENS)
+        """The prompt tokens `addr` is expected to serve from its cache (a block is
+        about `BLOCK_TOKENS` tokens either way)."""
+        held = prefixes.cached_blocks(addr, self.blocks) * BLOCK_TOKENS
+        return self.served_of(min(self.tokens, held))
+
+    def served_of(self, held: int) -> int:
+        """Of `held` leading tokens a cache holds, those it serves this prompt."""
+        return held if self.reusable is None else max(0, min(held, self.reusable))
 
 
 def choose_prefiller(

@@ -277,3 +277,35 @@ def test_a_prompt_placed_here_for_saturated_prefill_servers_is_judged_too(
         write_offer(path, _offer(slo_factor=1.01, burst_ready=True, cap=128, models=models))
         time.sleep(REREAD_S)
         assert dispatcher.local_reason(fresh, plain=True) == "saturated"
+
+
+def test_a_request_asking_for_its_prompt_s_logprobs_is_judged_by_what_sglang_recomputes(
+    tmp_path: Path,
+) -> None:
+    """SGLang computes every prompt token from `logprob_start_len` on, cached or not: a
+    follow-up asking for its whole prompt's logprobs is a whole prefill (too long for
+    here: a prefill server's), one asking for its new tokens' is its short suffix."""
+    from types import SimpleNamespace
+
+    from sgl_pd.backend.decode.direct import UNSUPPORTED, _prompt_key
+    from sgl_pd.core.placement import PromptKey
+
+    conversation = list(range(400))
+    prompt = [*conversation, *range(1000, 1020)]
+
+    def request(**logprobs: object) -> Any:
+        return SimpleNamespace(
+            input_ids=prompt, text=None, **dict.fromkeys(UNSUPPORTED), **logprobs
+        )
+
+    with _dispatcher(tmp_path / "offer.json") as dispatcher:
+        dispatcher.served(PromptKey.of_ids(conversation))
+        for logprobs, reason in (
+            ({}, "cached_prefix"),
+            ({"return_logprob": True, "logprob_start_len": -1}, "cached_prefix"),
+            ({"return_logprob": True, "logprob_start_len": len(prompt) - 20}, "cached_prefix"),
+            ({"return_logprob": False, "logprob_start_len": 0}, "cached_prefix"),
+            ({"return_logprob": True, "logprob_start_len": 0}, None),
+        ):
+            key = _prompt_key(request(**logprobs))
+            assert dispatcher.local_reason(key, plain=not logprobs) == reason, logprobs

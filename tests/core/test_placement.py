@@ -116,6 +116,17 @@ def test_each_block_is_named_by_every_token_up_to_its_end(
             prefix_blocks([out_of_range, *tokens], 1)
 
 
+def test_a_prompt_whose_logprobs_are_asked_is_served_from_a_cache_up_to_their_start() -> None:
+    prefixes = SentPrefixes()
+    prefixes.record("b:1", PromptKey.of_ids(LONG).blocks)
+    assert PromptKey.of_ids([*LONG, 1]).cached_tokens(prefixes, "b:1") == len(LONG)
+    assert PromptKey.of_ids([*LONG, 1], reusable=100).cached_tokens(prefixes, "b:1") == 100
+    assert PromptKey.of_ids([*LONG, 1], reusable=0).cached_tokens(prefixes, "b:1") == 0
+    text = PromptKey.of_text("You are a helpful assistant. " * 40, 4, reusable=10)
+    prefixes.record("b:1", text.blocks)
+    assert text.cached_tokens(prefixes, "b:1") == 10
+
+
 def test_text_prompts_share_prefixes_too() -> None:
     prefixes = SentPrefixes()
     history = "You are a helpful assistant. " * 40

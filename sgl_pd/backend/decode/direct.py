@@ -213,7 +213,7 @@ class DirectDispatcher:
         with self._lock:
             blocks = self._held.cached_blocks(_HERE, prompt.blocks)
             if prompt.ids:
-                held = self._held_tails.held_tokens(prompt, blocks)
+                held = prompt.served_of(self._held_tails.held_tokens(prompt, blocks))
                 least = prompt.tokens - (held - held % max(1, offer.page_size))
             else:
                 least = prompt.tokens - blocks * BLOCK_TOKENS - (BLOCK_TOKENS - 1)
@@ -460,9 +460,19 @@ def _prompt_key(obj: Any) -> PromptKey:
         raise ValueError(
             "direct mode takes one prompt per request: send a batch as separate requests"
         )
+    reusable = _logprob_start(obj)
     if isinstance(ids, list):
-        return PromptKey.of_ids(ids)
-    return PromptKey.of_text(text or "", CHARS_PER_TOKEN)
+        return PromptKey.of_ids(ids, reusable)
+    return PromptKey.of_text(text or "", CHARS_PER_TOKEN, reusable)
+
+
+def _logprob_start(obj: Any) -> int | None:
+    """The first prompt position whose logprob the request asks for (SGLang computes the
+    prompt from there on, cached or not), or None."""
+    start = getattr(obj, "logprob_start_len", None)
+    if getattr(obj, "return_logprob", False) is True and isinstance(start, int) and start >= 0:
+        return start
+    return None
 
 
 def after_init_req_state(result: Any, manager: Any, obj: Any, *args: Any, **kw: Any) -> Any:

@@ -471,12 +471,15 @@ _UNKNOWN_PREFILLERS = {"router": PrefillerLoad(available=True, outstanding_token
 
 
 def _cached_tokens(tree_cache: Any, req: Any) -> int:
-    """The prompt tokens this decoder's tree cache holds (a lookup: nothing locked)."""
+    """The prompt tokens this decoder's tree cache serves `req` (a lookup: nothing
+    locked): what it holds, up to what SGLang reuses - never the last token, nor any
+    from a `logprob_start_len` on (those logprobs are computed)."""
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.common import _req_radix_key
 
     key = _req_radix_key(tree_cache, req, req.origin_input_ids, None)
-    return int(tree_cache.match_prefix(MatchPrefixParams(key=key, req=req)).device_prefix_len)
+    held = int(tree_cache.match_prefix(MatchPrefixParams(key=key, req=req)).device_prefix_len)
+    return min(held, req._compute_max_prefix_len(len(req.origin_input_ids)))
 
 
 def around_get_next_batch(original: Any, scheduler: Any, running_batch: Any) -> Any:

@@ -1,0 +1,60 @@
+"""What the decoder's tree cache serves a local request (`local_prefill._cached_tokens`),
+against SGLang's real RadixCache and Req: what it holds of the prompt, up to what SGLang
+reuses - never the prompt's last token, nor any from a `logprob_start_len` on, whose
+logprobs SGLang computes however much is cached (so a follow-up asking for its whole
+prompt's logprobs is a whole prefill, not its short suffix)."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+import torch
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+from sgl_pd.backend.decode import local_prefill
+
+HELD = list(range(1000, 1300))  # a conversation the decoder served: 300 tokens
+
+
+def _tree() -> RadixCache:
+    allocator = TokenToKVPoolAllocator(1 << 12, torch.float16, "cpu", None, False)
+    tree = RadixCache(
+        CacheInitParams(
+            disable=False,
+            req_to_token_pool=None,  # type: ignore[arg-type]
+            token_to_kv_pool_allocator=allocator,
+            page_size=1,
+        )
+    )
+    tree.insert(InsertParams(key=RadixKey(array("q", HELD)), value=torch.arange(len(HELD))))
+    return tree
+
+
+def _req(prompt: list[int], logprob_start: int | None = None) -> Req:
+    params = SamplingParams(max_new_tokens=8)
+    params.normalize(None)
+    req = Req("r", "", array("q", prompt), params, return_logprob=logprob_start is not None)
+    req.logprob_start_len = -1 if logprob_start is None else logprob_start  # (as queued)
+    return req
+
+
+@pytest.mark.parametrize(
+    ("prompt", "logprob_start", "served"),
+    [
+        ([*HELD, 1, 2, 3], None, 300),  # a follow-up: all it holds
+        ([*HELD, 1, 2, 3], 290, 290),  # logprobs of its last 13: those recomputed
+        ([*HELD, 1, 2, 3], 0, 0),  # its whole prompt's logprobs: nothing served
+        (HELD, None, 299),  # the whole prompt held: its last token still computed
+        (HELD[:100], None, 99),
+    ],
+)
+def test_the_cache_serves_what_it_holds_up_to_what_sglang_reuses(
+    prompt: list[int], logprob_start: int | None, served: int
+) -> None:
+    assert local_prefill._cached_tokens(_tree(), _req(prompt, logprob_start)) == served
