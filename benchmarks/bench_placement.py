@@ -194,7 +194,7 @@ class Phase:
 
     results: dict[int, ModeResult]
     idle_itl_ms: float  # 2 streams' ITL p50 after warm-up, nothing else running
-    steal_pct: float  # of the CPU time while the phase ran (/proc/stat; nan without)
+    steal_pct: float  # of the CPU time while it ran, start-up included (/proc/stat)
 
 
 def run_mode(mode: str, args: argparse.Namespace, work: Path) -> Phase:
@@ -232,7 +232,7 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> Phase:
     with servers as started:
         url = started.url if mode == "mono" else started.decoders[0].url
         warm_up(url, mode, args, timeout_s)
-        idle_itl_ms = idle_pace_ms(url, args, timeout_s)
+        idle_itl_ms = idle_pace_ms(url, timeout_s)
         print(f"[bench] {mode}: 2 streams alone step {idle_itl_ms:.1f} ms apart", flush=True)
         for count in args.streams:
             print(f"[bench] {mode}: {count} running streams ...", flush=True)
@@ -256,13 +256,15 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> Phase:
 
 
 IDLE_PACE_S = 3.0  # how long 2 streams run alone to time a server set's decode steps
+IDLE_PACE_TOKENS = 512  # each stream's answer: longer than the window at >= 6 ms a step
 
 
-def idle_pace_ms(url: str, args: argparse.Namespace, timeout_s: float) -> float:
-    """The ITL p50 of 2 streams with nothing else running: how fast this server set
-    decodes before local prefill has anything to do - where two sets of the same
-    settings differ, the machine does (a phase's ratios then carry that)."""
-    streams = Streams(url, 2, args.stream_tokens)
+def idle_pace_ms(url: str, timeout_s: float) -> float:
+    """The ITL p50 of 2 streams with nothing else running and no prompt arriving (their
+    answers outlast the window, so neither restarts in it - on `on` a restart is a local
+    prefill): how fast this server set decodes. Where two sets of the same settings
+    differ, the machine does, and a round's ratios carry that."""
+    streams = Streams(url, 2, IDLE_PACE_TOKENS)
     with streams.running(timeout_s):
         time.sleep(IDLE_PACE_S)
     return float(np.percentile(streams.gaps_s, 50)) * 1000 if streams.gaps_s else float("nan")
@@ -274,7 +276,10 @@ def cpu_steal() -> tuple[int, int] | None:
         fields = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
     except (OSError, ValueError):
         return None
-    return (fields[7], sum(fields)) if len(fields) > 7 else None
+    if len(fields) < 8:
+        return None
+    # (guest time, fields 9 and 10, is counted in user and nice already)
+    return fields[7], sum(fields[:8])
 
 
 def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float:
@@ -364,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         " a spread between rounds rather than as a ratio",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.rounds is not None and args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     args.rounds = args.rounds or (1 if args.quick else 2)
     args.conversations = args.conversations or (3 if args.quick else 12)
     args.follow_ups = args.follow_ups or (3 if args.quick else 5)

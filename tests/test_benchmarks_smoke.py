@@ -216,6 +216,7 @@ def test_the_placement_benchmark_reports_pooled_rounds(
         return module.Phase(results, slow * 12.0, 0.5)
 
     monkeypatch.setattr(module, "run_mode", run_mode)
+    monkeypatch.setattr(module.tempfile, "mkdtemp", lambda prefix: str(tmp_path / prefix))
     assert module.main(["--quick", "--rounds", "2", "--out", str(tmp_path)]) == 0
     assert started == ["mono", "on", "off", "off", "on"]
     lines = capsys.readouterr().out.strip().splitlines()

@@ -160,8 +160,10 @@ def test_follow_up_turns_are_prefilled_on_the_decoder(
 def test_running_streams_go_on_while_the_decoder_prefills(
     mono: Server, two_prefills: DirectCluster
 ) -> None:
-    """Local prefills share the decode loop with running streams: both get monolithic's
-    tokens (the stream's pace is the benchmark's business: bench_placement.py)."""
+    """Follow-ups while a stream runs - prefilled here, mixed into the stream's decode
+    steps, or remote where the decoder predicts their first token sooner there (on a
+    loaded machine it may) - and the stream all get monolithic's tokens (the stream's
+    pace is the benchmark's business: bench_placement.py)."""
     decoder = two_prefills.decoders[0]
     stream_prompt = long_prompt_ids(100, start=61_000)
     streamed: list[int] = []
