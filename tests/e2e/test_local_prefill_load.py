@@ -181,8 +181,10 @@ def test_a_chunked_local_request_goes_on_while_the_streams_outgrow_its_budget(
     """A 120-token suffix at 16 tokens a step takes 8 local steps; meanwhile 30 streams
     join the running batch (more than the step's 16 tokens: SGLang's adder took one
     token per stream from the step's budget, which starved the step and then chunked
-    the request by a negative length). The request asks for its prompt's logprobs,
-    which only a whole prefill gives: it stays here whatever the streams do."""
+    the request by a negative length). The request asks for its new tokens' logprobs,
+    which only a prefill of them gives: it stays here whatever the streams do. (From
+    further back SGLang would recompute more than the decoder prefills itself: a
+    prefill server's, `core.placement.PromptKey.reusable`.)"""
     decoder = loaded.decoders[1]
     prompt, answer = _history(decoder, 3_000_000)
     prompt = [*prompt, *answer, *long_prompt_ids(120, start=3_100_000)]
@@ -190,7 +192,7 @@ def test_a_chunked_local_request_goes_on_while_the_streams_outgrow_its_budget(
         "input_ids": prompt,
         "sampling_params": {"temperature": 0, "max_new_tokens": 32},
         "return_logprob": True,
-        "logprob_start_len": len(prompt) - 130,
+        "logprob_start_len": len(prompt) - 120,
     }
     placed_before = _metric(decoder, LOCAL)
     sent_before = _metric(decoder, SENT_OUT)
