@@ -7,10 +7,12 @@ prompt's logprobs is a whole prefill, not its short suffix)."""
 from __future__ import annotations
 
 from array import array
+from typing import Any
 
 import pytest
 import torch
 from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -22,14 +24,19 @@ from sgl_pd.backend.decode import local_prefill
 HELD = list(range(1000, 1300))  # a conversation the decoder served: 300 tokens
 
 
-def _tree() -> RadixCache:
-    allocator = TokenToKVPoolAllocator(1 << 12, torch.float16, "cpu", None, False)
+def _tree(page_size: int = 1) -> RadixCache:
+    if page_size == 1:
+        allocator: Any = TokenToKVPoolAllocator(1 << 12, torch.float16, "cpu", None, False)
+    else:
+        allocator = PagedTokenToKVPoolAllocator(
+            1 << 12, page_size, torch.float16, "cpu", None, False
+        )
     tree = RadixCache(
         CacheInitParams(
             disable=False,
             req_to_token_pool=None,  # type: ignore[arg-type]
             token_to_kv_pool_allocator=allocator,
-            page_size=1,
+            page_size=page_size,
         )
     )
     tree.insert(InsertParams(key=RadixKey(array("q", HELD)), value=torch.arange(len(HELD))))
@@ -57,4 +64,27 @@ def _req(prompt: list[int], logprob_start: int | None = None) -> Req:
 def test_the_cache_serves_what_it_holds_up_to_what_sglang_reuses(
     prompt: list[int], logprob_start: int | None, served: int
 ) -> None:
-    assert local_prefill._cached_tokens(_tree(), _req(prompt, logprob_start)) == served
+    tree, req = _tree(), _req(prompt, logprob_start)
+    assert local_prefill._cached_tokens(tree, req) == served
+    req.init_next_round_input(tree)  # SGLang's own match for the request agrees
+    assert req.prefix_len == served
+
+
+@pytest.mark.parametrize(
+    ("prompt", "logprob_start", "served"),
+    [
+        ([*HELD, 1, 2, 3], None, 288),  # the held whole pages: 18 of 16 tokens
+        (HELD[:288], None, 272),  # a prompt held whole, in whole pages: its last page again
+        ([*HELD, 1, 2, 3], 290, 288),
+        ([*HELD, 1, 2, 3], 280, 272),  # (from the start's page on)
+    ],
+)
+def test_with_pages_the_cache_serves_whole_pages(
+    prompt: list[int], logprob_start: int | None, served: int
+) -> None:
+    tree = _tree(page_size=16)
+    req = _req(prompt, logprob_start)
+    assert local_prefill._cached_tokens(tree, req) == served
+    # as SGLang's own match for the request finds it
+    req.init_next_round_input(tree)
+    assert req.prefix_len == served

@@ -473,13 +473,16 @@ _UNKNOWN_PREFILLERS = {"router": PrefillerLoad(available=True, outstanding_token
 def _cached_tokens(tree_cache: Any, req: Any) -> int:
     """The prompt tokens this decoder's tree cache serves `req` (a lookup: nothing
     locked): what it holds, up to what SGLang reuses - never the last token, nor any
-    from a `logprob_start_len` on (those logprobs are computed)."""
+    from a `logprob_start_len` on (those logprobs are computed) - in whole pages, as it
+    matches (a prompt held whole recomputes its last page)."""
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.common import _req_radix_key
 
     key = _req_radix_key(tree_cache, req, req.origin_input_ids, None)
     held = int(tree_cache.match_prefix(MatchPrefixParams(key=key, req=req)).device_prefix_len)
-    return min(held, req._compute_max_prefix_len(len(req.origin_input_ids)))
+    limit = req._compute_max_prefix_len(len(req.origin_input_ids))
+    page = max(1, int(getattr(tree_cache, "page_size", 1) or 1))
+    return min(held, limit - limit % page)
 
 
 def around_get_next_batch(original: Any, scheduler: Any, running_batch: Any) -> Any:
