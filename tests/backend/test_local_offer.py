@@ -165,6 +165,27 @@ def test_a_follow_up_of_token_ids_is_judged_at_the_tokens_it_adds(tmp_path: Path
         assert dispatcher.sooner_remote(PromptKey.of_ids([*conversation, 7]))
 
 
+def test_a_prompt_held_whole_is_judged_at_its_last_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retry of a prompt that ends inside a served conversation: SGLang computes its
+    last token at least, so in pages of 16 its last page."""
+    from sgl_pd.backend.decode import direct
+    from sgl_pd.core.placement import PromptKey
+
+    judged: list[int] = []
+    monkeypatch.setattr(direct, "remote_is_sooner", lambda o, n, q: judged.append(n) or False)
+    path = tmp_path / "offers" / "offer.json"
+    with _dispatcher(path) as dispatcher:
+        conversation = [*range(1024), *range(5000, 5008)]
+        dispatcher.served(PromptKey.of_ids(conversation))
+        for page_size, least in ((1, 1), (16, 16)):
+            write_offer(path, _offer(page_size=page_size))
+            time.sleep(REREAD_S)
+            dispatcher.sooner_remote(PromptKey.of_ids(conversation[:1024]))
+            assert judged.pop() == least
+
+
 def test_the_scheduler_s_own_limits_come_with_the_offer() -> None:
     # it never sends out (--pd-first-token prefill)
     assert not remote_is_sooner(_offer(may_send_out=False), 40)

@@ -214,6 +214,7 @@ class DirectDispatcher:
             blocks = self._held.cached_blocks(_HERE, prompt.blocks)
             if prompt.ids:
                 held = prompt.served_of(self._held_tails.held_tokens(prompt, blocks))
+                held = min(held, prompt.tokens - 1)  # (SGLang computes the last token)
                 least = prompt.tokens - (held - held % max(1, offer.page_size))
             else:
                 least = prompt.tokens - blocks * BLOCK_TOKENS - (BLOCK_TOKENS - 1)
