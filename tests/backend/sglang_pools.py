@@ -19,3 +19,30 @@ def hybrid_swa_allocator(size: int, page_size: int) -> Any:
         device="cpu", enable_memory_saver=False,
     )  # fmt: skip
     return SWATokenToKVPoolAllocator(size, size, page_size, torch.float16, "cpu", pool, False)
+
+
+def token_allocator(size: int, page_size: int) -> Any:
+    """SGLang's token-to-KV allocator of `size` tokens: paged where pages are over one."""
+    import torch
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    if page_size == 1:
+        return TokenToKVPoolAllocator(size, torch.float16, "cpu", None, False)
+    return PagedTokenToKVPoolAllocator(size, page_size, torch.float16, "cpu", None, False)
+
+
+def radix_cache(allocator: Any, page_size: int, *, disable: bool = False) -> Any:
+    """SGLang's RadixCache over `allocator` (no request pool: nothing under test frees
+    a request's slots)."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    return RadixCache(
+        CacheInitParams(
+            disable=disable,
+            req_to_token_pool=None,  # type: ignore[arg-type]
+            token_to_kv_pool_allocator=allocator,
+            page_size=page_size,
+        )
+    )

@@ -9,18 +9,15 @@ from array import array
 from typing import Any
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
-from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 from sgl_pd.core.local_budget import adder_budget
+
+from .sglang_pools import radix_cache, token_allocator
 
 POOL_TOKENS = 1 << 16
 
@@ -34,20 +31,8 @@ class _Running:
 
 
 def _adder(page_size: int, budget: int, running: int) -> PrefillAdder:
-    if page_size == 1:
-        allocator: Any = TokenToKVPoolAllocator(POOL_TOKENS, torch.float16, "cpu", None, False)
-    else:
-        allocator = PagedTokenToKVPoolAllocator(
-            POOL_TOKENS, page_size, torch.float16, "cpu", None, False
-        )
-    tree = RadixCache(
-        CacheInitParams(
-            disable=True,
-            req_to_token_pool=None,  # type: ignore[arg-type]
-            token_to_kv_pool_allocator=allocator,
-            page_size=page_size,
-        )
-    )
+    allocator = token_allocator(POOL_TOKENS, page_size)
+    tree = radix_cache(allocator, page_size, disable=True)
     # what the scheduler passes: mixed decode tokens = the running streams (SGLang
     # takes them out of both budgets when is_mixed_chunk is set, as a local step sets it)
     return PrefillAdder(page_size, tree, allocator, _Running(), 0.5, budget, budget, running)

@@ -7,38 +7,23 @@ prompt's logprobs is a whole prefill, not its short suffix)."""
 from __future__ import annotations
 
 from array import array
-from typing import Any
 
 import pytest
 import torch
 from sglang.srt.managers.schedule_batch import Req
-from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 from sgl_pd.backend.decode import local_prefill
 
+from .sglang_pools import radix_cache, token_allocator
+
 HELD = list(range(1000, 1300))  # a conversation the decoder served: 300 tokens
 
 
 def _tree(page_size: int = 1) -> RadixCache:
-    if page_size == 1:
-        allocator: Any = TokenToKVPoolAllocator(1 << 12, torch.float16, "cpu", None, False)
-    else:
-        allocator = PagedTokenToKVPoolAllocator(
-            1 << 12, page_size, torch.float16, "cpu", None, False
-        )
-    tree = RadixCache(
-        CacheInitParams(
-            disable=False,
-            req_to_token_pool=None,  # type: ignore[arg-type]
-            token_to_kv_pool_allocator=allocator,
-            page_size=page_size,
-        )
-    )
+    tree = radix_cache(token_allocator(1 << 12, page_size), page_size)
     tree.insert(InsertParams(key=RadixKey(array("q", HELD)), value=torch.arange(len(HELD))))
     return tree
 
