@@ -552,7 +552,7 @@ def pooled(mode_phases: list[Phase], counts: list[int]) -> dict[int, ModeResult]
 
 def round_ratios(phases: dict[str, list[Phase]], counts: list[int]) -> list[dict]:
     """Per round, on over off for each stream count: follow-up TTFT p50, fresh TTFT p50,
-    and the streams' ITL p50 (how fast each set decoded with the same load)."""
+    and the streams' ITL p50 (how fast each set decoded with the same load) and p99."""
     ratios = []
     for on, off in zip(phases["on"], phases["off"], strict=True):
         ratios.append(
@@ -562,6 +562,7 @@ def round_ratios(phases: dict[str, list[Phase]], counts: list[int]) -> list[dict
                     ("followup_ttft_p50_on_over_off", lambda r: r.ttft_ms("follow_up", 50)),
                     ("fresh_ttft_p50_on_over_off", lambda r: r.ttft_ms("fresh", 50)),
                     ("itl_p50_on_over_off", lambda r: r.gap_ms(50)),
+                    ("itl_p99_on_over_off", lambda r: r.gap_ms(99)),
                 )
             }
         )
