@@ -565,8 +565,6 @@ def local_first_token_s(
     seconds = 0.0
     if plan.then is not None:  # a burst step first, then steps within the SLO
         seconds += _local_steps_s(step, running, min(work, plan.tokens), plan, local_share)
-        if work > plan.tokens and not plan.mixed and running > 0:
-            seconds += step.seconds(running, 0)  # (the streams' turn after it, alone)
         work, plan = work - plan.tokens, plan.then
     if work > 0:
         seconds += _local_steps_s(step, running, work, plan, local_share)

@@ -534,12 +534,6 @@ def test_a_burst_step_carries_the_cap_once_and_then_the_slo_plan() -> None:
     assert local_first_token_s(cpu, 10, 0, 74, burst) == pytest.approx(
         cpu.seconds(10, 64) + 2 * cpu.seconds(10, 5)
     )
-    # an unmixed burst then unmixed steps: the streams' decode step after each, the
-    # burst's included - 64 tokens alone, decode, 5 alone, decode, 5 alone
-    alone = LocalStep(64, False, then=LocalStep(5, False))
-    assert local_first_token_s(costly_mix, 10, 0, 74, alone) == pytest.approx(
-        costly_mix.seconds(0, 64) + 2 * costly_mix.seconds(10, 0) + 2 * costly_mix.seconds(0, 5)
-    )
 
 
 def test_a_burst_is_allowed_once_in_every_n_gaps_of_the_streams() -> None:
