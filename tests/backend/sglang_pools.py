@@ -32,9 +32,11 @@ def token_allocator(size: int, page_size: int) -> Any:
     return PagedTokenToKVPoolAllocator(size, page_size, torch.float16, "cpu", None, False)
 
 
-def radix_cache(allocator: Any, page_size: int, *, disable: bool = False) -> Any:
+def radix_cache(
+    allocator: Any, page_size: int, *, disable: bool = False, eagle: bool = False
+) -> Any:
     """SGLang's RadixCache over `allocator` (no request pool: nothing under test frees
-    a request's slots)."""
+    a request's slots); `eagle`: keyed by token pairs, as where EAGLE drafts."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
@@ -44,5 +46,6 @@ def radix_cache(allocator: Any, page_size: int, *, disable: bool = False) -> Any
             req_to_token_pool=None,  # type: ignore[arg-type]
             token_to_kv_pool_allocator=allocator,
             page_size=page_size,
+            is_eagle=eagle,
         )
     )

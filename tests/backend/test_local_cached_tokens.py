@@ -22,8 +22,8 @@ from .sglang_pools import radix_cache, token_allocator
 HELD = list(range(1000, 1300))  # a conversation the decoder served: 300 tokens
 
 
-def _tree(page_size: int = 1) -> RadixCache:
-    tree = radix_cache(token_allocator(1 << 12, page_size), page_size)
+def _tree(page_size: int = 1, *, eagle: bool = False) -> RadixCache:
+    tree = radix_cache(token_allocator(1 << 12, page_size), page_size, eagle=eagle)
     tree.insert(InsertParams(key=RadixKey(array("q", HELD)), value=torch.arange(len(HELD))))
     return tree
 
@@ -73,3 +73,22 @@ def test_with_pages_the_cache_serves_whole_pages(
     # as SGLang's own match for the request finds it
     req.init_next_round_input(tree)
     assert req.prefix_len == served
+
+
+def test_over_eagle_s_bigram_keys_the_cache_serves_what_sglang_finds() -> None:
+    """A decoder drafting with EAGLE keys its tree by token pairs: a prompt held whole
+    is served all but its last two tokens."""
+    tree = _tree(eagle=True)
+    for prompt, served in ((HELD, 298), ([*HELD, 1, 2, 3], 299)):
+        req = _req(prompt)
+        assert local_prefill._cached_tokens(tree, req) == served
+        req.init_next_round_input(tree)
+        assert req.prefix_len == served
+
+
+def test_a_retracted_request_is_served_its_prompt_and_recomputes_its_output() -> None:
+    tree, req = _tree(), _req(HELD)
+    req.output_ids = array("q", [5, 6, 7])  # (decoded before the retraction: not held)
+    assert local_prefill._cached_tokens(tree, req) == 300
+    req.init_next_round_input(tree)
+    assert req.prefix_len == 300

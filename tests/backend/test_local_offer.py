@@ -308,7 +308,7 @@ def test_a_request_asking_for_its_prompt_s_logprobs_is_judged_by_what_sglang_rec
     here: a prefill server's), one asking for its new tokens' is its short suffix."""
     from types import SimpleNamespace
 
-    from sgl_pd.backend.decode.direct import UNSUPPORTED, _prompt_key
+    from sgl_pd.backend.decode.direct import UNSUPPORTED, _plain, _prompt_key
     from sgl_pd.core.placement import PromptKey
 
     conversation = list(range(400))
@@ -327,6 +327,9 @@ def test_a_request_asking_for_its_prompt_s_logprobs_is_judged_by_what_sglang_rec
             ({"return_logprob": True, "logprob_start_len": len(prompt) - 20}, "cached_prefix"),
             ({"return_logprob": False, "logprob_start_len": 0}, "cached_prefix"),
             ({"return_logprob": True, "logprob_start_len": 0}, None),
+            # from inside the held prefix: 320 tokens computed, past the 256 done here
+            ({"return_logprob": True, "logprob_start_len": 100}, None),
         ):
-            key = _prompt_key(request(**logprobs))
-            assert dispatcher.local_reason(key, plain=not logprobs) == reason, logprobs
+            obj = request(**logprobs)
+            assert dispatcher.local_reason(_prompt_key(obj), plain=_plain(obj)) == reason
+            assert dispatcher.local_reason(_prompt_key(obj), plain=False) == reason

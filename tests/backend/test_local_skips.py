@@ -64,8 +64,11 @@ def _router_request(room: int) -> Any:
 
 @pytest.fixture(autouse=True)
 def _held_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
-    # the decoder's tree holds all but the last 40 tokens of every prompt
-    monkeypatch.setattr(local_prefill, "_cached_tokens", lambda tree, req: 260)
+    # the decoder's tree holds all but the last 40 tokens of every prompt (SGLang serves
+    # a prompt held whole all but its last token)
+    monkeypatch.setattr(
+        local_prefill, "_cached_tokens", lambda tree, req: min(260, len(req.origin_input_ids) - 1)
+    )
 
 
 def _never_queued(req: Any) -> Any:

@@ -227,11 +227,12 @@ def around_add_request_to_queue(
         if fallback is not None:
             skip_pending(scheduler, fallback)
         return None
-    uncached = len(req.origin_input_ids) - (
-        _cached_tokens(scheduler.tree_cache, req) if local.prefix_cache else 0
+    # (a retracted request recomputes its output as well)
+    uncached = (
+        len(req.origin_input_ids)
+        + len(req.output_ids or ())
+        - (_cached_tokens(scheduler.tree_cache, req) if local.prefix_cache else 0)
     )
-    if is_retracted:  # (it recomputes its output as well, never held: it was decoding)
-        uncached += len(req.output_ids or ())
     # what the request meets here: the streams, the next step's plan, the local tokens
     # queued before it (for the placement and for the prediction it is measured by)
     streams = _streams(scheduler, local)
@@ -327,11 +328,13 @@ def _remember_prediction(
     """When `req` (just queued behind `ahead` local tokens, `streams` running, the next
     step as `plan`) was queued and its first token's predicted seconds, on the request
     itself (it leaves with it: sent out, aborted or answered). Not for a request with
-    nothing to prefill (its whole prompt cached, nothing queued before it): its first
-    token is one step's fixed costs, whose error would scale every prefill's prediction
-    (`LocalBias` is a ratio), and one step here is always far sooner than remote."""
+    nothing to prefill but what SGLang computes again of a prompt held whole (its last
+    token, or page; two tokens over EAGLE's bigram keys) and nothing queued before it:
+    its first token is one step's fixed costs, whose error would scale every prefill's
+    prediction (`LocalBias` is a ratio), and one step here is always far sooner than
+    remote."""
     pacer = local.pacer
-    if pacer.step_model is None or ahead + uncached == 0:
+    if pacer.step_model is None or (ahead == 0 and uncached <= max(2, pacer.page_size)):
         return
     seconds = local_first_token_s(
         pacer.step_model, streams, ahead, uncached, plan, pacer.share.value
@@ -471,18 +474,18 @@ _UNKNOWN_PREFILLERS = {"router": PrefillerLoad(available=True, outstanding_token
 
 
 def _cached_tokens(tree_cache: Any, req: Any) -> int:
-    """The prompt tokens this decoder's tree cache serves `req` (a lookup: nothing
-    locked): what it holds, up to what SGLang reuses - never the last token, nor any
-    from a `logprob_start_len` on (those logprobs are computed) - in whole pages, as it
-    matches (a prompt held whole recomputes its last page)."""
+    """The tokens of `req` (its prompt, and the output of one retracted) this decoder's
+    tree cache serves it, as SGLang's own match will find them (a lookup: nothing
+    locked): what the tree holds up to SGLang's limit - never the last token, nor any
+    from a `logprob_start_len` on (those logprobs are computed) - in whole pages, over
+    EAGLE's bigram keys where it drafts."""
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.common import _req_radix_key
 
-    key = _req_radix_key(tree_cache, req, req.origin_input_ids, None)
-    held = int(tree_cache.match_prefix(MatchPrefixParams(key=key, req=req)).device_prefix_len)
-    limit = req._compute_max_prefix_len(len(req.origin_input_ids))
-    page = max(1, int(getattr(tree_cache, "page_size", 1) or 1))
-    return min(held, limit - limit % page)
+    tokens = req.origin_input_ids + req.output_ids if req.output_ids else req.origin_input_ids
+    limit = req._compute_max_prefix_len(len(tokens))
+    key = _req_radix_key(tree_cache, req, tokens, limit)
+    return int(tree_cache.match_prefix(MatchPrefixParams(key=key, req=req)).device_prefix_len)
 
 
 def around_get_next_batch(original: Any, scheduler: Any, running_batch: Any) -> Any:
