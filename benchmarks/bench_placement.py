@@ -61,6 +61,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -195,6 +196,9 @@ class Phase:
     results: dict[int, ModeResult]
     idle_itl_ms: float  # 2 streams' ITL p50 after warm-up, nothing else running
     steal_pct: float  # of the CPU time while it ran, start-up included (/proc/stat)
+    # CPU seconds each server process used over the sweep (after warm-up), by role and
+    # process name: where a set that runs slow spends its time
+    cpu_s: dict[str, float] = field(default_factory=dict)
 
 
 def run_mode(mode: str, args: argparse.Namespace, work: Path) -> Phase:
@@ -234,6 +238,12 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> Phase:
         warm_up(url, mode, args, timeout_s)
         idle_itl_ms = idle_pace_ms(url, timeout_s)
         print(f"[bench] {mode}: 2 streams alone step {idle_itl_ms:.1f} ms apart", flush=True)
+        roles = (
+            {"server": _pid(started)}
+            if mode == "mono"
+            else {"decode": _pid(started.decoders[0]), "prefill": _pid(started.prefill)}
+        )
+        cpu_before = cpu_seconds(roles)
         for count in args.streams:
             print(f"[bench] {mode}: {count} running streams ...", flush=True)
             result = ModeResult()
@@ -252,7 +262,40 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> Phase:
                 result.mixed_steps = after["mixed"] - before["mixed"]
                 result.unmixed_steps = after["unmixed"] - before["unmixed"]
             results[count] = result
-    return Phase(results, idle_itl_ms, steal_share(steal_before, cpu_steal()))
+        cpu_after = cpu_seconds(roles)
+    cpu_s = {k: round(v - cpu_before.get(k, 0.0), 1) for k, v in cpu_after.items()}
+    return Phase(results, idle_itl_ms, steal_share(steal_before, cpu_steal()), cpu_s)
+
+
+def _pid(server: Any) -> int | None:
+    popen = server.process.process
+    return None if popen is None else popen.pid
+
+
+def cpu_seconds(roles: dict[str, int | None]) -> dict[str, float]:
+    """CPU seconds (user and system) each process of each role's process tree used so
+    far, keyed "role/name" (SGLang names its scheduler and detokenizer processes; a
+    name shared by several processes sums them)."""
+    import psutil
+
+    used: dict[str, float] = {}
+    for role, pid in roles.items():
+        if pid is None:
+            continue
+        try:
+            root = psutil.Process(pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for process in tree:
+            try:
+                with process.oneshot():
+                    times = process.cpu_times()
+                    key = f"{role}/{process.name()}"
+            except psutil.NoSuchProcess:
+                continue
+            used[key] = used.get(key, 0.0) + times.user + times.system
+    return used
 
 
 IDLE_PACE_S = 3.0  # how long 2 streams run alone to time a server set's decode steps
@@ -575,6 +618,11 @@ def print_rounds(phases: dict[str, list[Phase]], by_round: list[dict]) -> None:
     for mode in MODES:
         sets = ", ".join(f"{p.idle_itl_ms:.1f} ms (steal {p.steal_pct:.1f}%)" for p in phases[mode])
         print(f"{mode:>4} server sets, 2 streams alone step apart: {sets}")
+    for mode in MODES:
+        for i, p in enumerate(phases[mode]):
+            busiest = sorted(p.cpu_s.items(), key=lambda kv: -kv[1])[:6]
+            cells = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in busiest)
+            print(f"{mode:>4} set {i} CPU over the sweep: {cells or 'unknown'}")
     for i, ratios in enumerate(by_round):
         cells = "; ".join(
             f"{name.removesuffix('_on_over_off')} "

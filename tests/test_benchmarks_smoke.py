@@ -186,6 +186,7 @@ def test_the_placement_benchmark_alternates_and_pools_its_server_sets(
     module.print_rounds(phases, by_round)
     out = capsys.readouterr().out
     assert "16.0 ms" in out and "round 1 on/off by streams: followup_ttft_p50 2:1.00x" in out
+    assert "on set 1 CPU over the sweep: unknown" in out
     assert module.steal_share((10, 1000), (30, 1100)) == 20.0
     assert module.steal_share(None, (30, 1100)) != module.steal_share(None, (30, 1100))  # nan
 
@@ -227,3 +228,15 @@ def test_the_placement_benchmark_reports_pooled_rounds(
     assert headline["idle_itl_ms"] == {"mono": [12.0], "on": [24.0, 12.0], "off": [12.0, 12.0]}
     assert any(line.startswith("round 0 on/off by streams") for line in lines)
     assert (tmp_path / "placement.json").exists()
+
+
+def test_the_placement_benchmark_reads_each_server_process_s_cpu_time() -> None:
+    """By role and process name over a process tree: here, this test's own process."""
+    import os
+
+    module = _load(BENCHMARKS / "bench_placement.py")
+    before = module.cpu_seconds({"me": os.getpid(), "gone": None})
+    sum(i * i for i in range(300_000))  # (some CPU time to see)
+    after = module.cpu_seconds({"me": os.getpid(), "gone": None})
+    (key,) = [k for k in after if k.startswith("me/")]
+    assert after[key] > before[key] and not any(k.startswith("gone/") for k in after)
