@@ -19,7 +19,8 @@ the same settings have been seen to decode 1.28x apart on this kind of machine, 
 would read as a ratio between modes; so `on` and `off` each start `--rounds` sets (2 in
 the full run), alternating which goes first, and their figures pool the rounds, each
 round's ratios and each set's idle pace (and the CPU time the host took, where
-/proc/stat tells) printed beside them.
+/proc/stat tells, and each server process's CPU seconds over the sweep) printed beside
+them.
 
 Workload, the same for each, once per running stream count of the sweep (`--streams`,
 2 and 20 with --quick; 2, 20, 64 and 300 in the full run): that many decode streams run
