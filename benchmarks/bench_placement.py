@@ -279,13 +279,14 @@ def cpu_seconds(roles: dict[str, int | None]) -> dict[str, float]:
     name shared by several processes sums them)."""
     import psutil
 
+    from sgl_pd.cluster.soak import process_tree
+
     used: dict[str, float] = {}
     for role, pid in roles.items():
         if pid is None:
             continue
         try:
-            root = psutil.Process(pid)
-            tree = [root, *root.children(recursive=True)]
+            tree = process_tree(pid)
         except psutil.NoSuchProcess:
             continue
         for process in tree:
@@ -489,23 +490,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     per_count = {
         count: {
-            "followup_ttft_p50_on_over_off": _ratio(
-                results["on"][count].ttft_ms("follow_up", 50),
-                results["off"][count].ttft_ms("follow_up", 50),
-            ),
+            **on_over_off(results["on"][count], results["off"][count]),
             "followup_ttft_p50_on_over_mono": _ratio(
                 results["on"][count].ttft_ms("follow_up", 50),
                 results["mono"][count].ttft_ms("follow_up", 50),
-            ),
-            "fresh_ttft_p50_on_over_off": _ratio(
-                results["on"][count].ttft_ms("fresh", 50),
-                results["off"][count].ttft_ms("fresh", 50),
-            ),
-            "itl_p99_on_over_off": _ratio(
-                results["on"][count].gap_ms(99), results["off"][count].gap_ms(99)
-            ),
-            "itl_p50_on_over_off": _ratio(
-                results["on"][count].gap_ms(50), results["off"][count].gap_ms(50)
             ),
             "local_prefills_on": results["on"][count].local_prefills,
             "sent_out_on": results["on"][count].sent_out,
@@ -594,22 +582,27 @@ def pooled(mode_phases: list[Phase], counts: list[int]) -> dict[int, ModeResult]
     return results
 
 
+# on over off: follow-up and fresh TTFT p50, and the streams' ITL p50 (how fast each
+# set decoded with the same load) and p99
+ON_OVER_OFF = (
+    ("followup_ttft_p50_on_over_off", lambda r: r.ttft_ms("follow_up", 50)),
+    ("fresh_ttft_p50_on_over_off", lambda r: r.ttft_ms("fresh", 50)),
+    ("itl_p99_on_over_off", lambda r: r.gap_ms(99)),
+    ("itl_p50_on_over_off", lambda r: r.gap_ms(50)),
+)
+
+
+def on_over_off(on: ModeResult, off: ModeResult) -> dict[str, float]:
+    """`ON_OVER_OFF`'s ratios of one stream count."""
+    return {name: _ratio(measure(on), measure(off)) for name, measure in ON_OVER_OFF}
+
+
 def round_ratios(phases: dict[str, list[Phase]], counts: list[int]) -> list[dict]:
-    """Per round, on over off for each stream count: follow-up TTFT p50, fresh TTFT p50,
-    and the streams' ITL p50 (how fast each set decoded with the same load) and p99."""
+    """Per round, `ON_OVER_OFF`'s ratios by name, then by stream count."""
     ratios = []
     for on, off in zip(phases["on"], phases["off"], strict=True):
-        ratios.append(
-            {
-                name: {c: _ratio(measure(on.results[c]), measure(off.results[c])) for c in counts}
-                for name, measure in (
-                    ("followup_ttft_p50_on_over_off", lambda r: r.ttft_ms("follow_up", 50)),
-                    ("fresh_ttft_p50_on_over_off", lambda r: r.ttft_ms("fresh", 50)),
-                    ("itl_p50_on_over_off", lambda r: r.gap_ms(50)),
-                    ("itl_p99_on_over_off", lambda r: r.gap_ms(99)),
-                )
-            }
-        )
+        by_count = {c: on_over_off(on.results[c], off.results[c]) for c in counts}
+        ratios.append({name: {c: by_count[c][name] for c in counts} for name, _ in ON_OVER_OFF})
     return ratios
 
 

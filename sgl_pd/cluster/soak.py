@@ -50,12 +50,17 @@ class ProcessSample:
     fds: int
 
 
+def process_tree(root_pid: int) -> list[psutil.Process]:
+    """`root_pid` and its descendants (NoSuchProcess where the root is gone)."""
+    root = psutil.Process(root_pid)
+    return [root, *root.children(recursive=True)]
+
+
 def tree_sample(root_pid: int) -> ProcessSample:
     """Resident memory, threads and open file descriptors summed over `root_pid` and
     its descendants (those that exit while read are skipped)."""
     rss = threads = fds = 0
-    root = psutil.Process(root_pid)
-    for process in [root, *root.children(recursive=True)]:
+    for process in process_tree(root_pid):
         try:
             with process.oneshot():
                 rss += process.memory_info().rss
