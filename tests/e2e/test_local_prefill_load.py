@@ -15,6 +15,7 @@ for the router flow):
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -42,6 +43,7 @@ LOCAL = "sgl_pd_local_prefills_total"
 SENT_OUT = "sgl_pd_local_prefills_sent_out_total"
 LOCAL_STEPS = "sgl_pd_local_prefill_steps_total"  # mixed or unmixed
 RUNNING = "sglang:num_running_reqs"
+STREAM_CAP_TOKENS = 1024  # a stream's answer at most (streams run until a test ends them)
 
 
 @pytest.fixture(scope="module")
@@ -73,39 +75,74 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DirectCluster]:
 def _streams(
     decoder: Server,
     count: int,
-    tokens: int,
     patience: Patience,
     *,
     seed: int,
     start: Callable[[], None] | None = None,
-) -> Iterator[list[requests.Response]]:
-    """`count` requests decoding `tokens` tokens each on `decoder`, all running before
-    the body runs; their answers once it is over (all of them). `start`: called once
-    the streams are sent, before they run."""
-    answers: list[requests.Response] = []
+) -> Iterator[list[list[int]]]:
+    """`count` streamed requests decoding on `decoder`, all running before the body runs
+    and each running until the body is over: then its connection is closed, which SGLang
+    answers by aborting it (none reaches STREAM_CAP_TOKENS first unless the body outlasts
+    that many steps). Yields, once the body is over, each stream's tokens by then - after
+    the decoder runs as many requests as before. `start`: called once the streams are
+    sent, before they run."""
+    tokens: list[list[int]] = []
     if count == 0:
-        yield answers
+        yield tokens
         return
     before = _metric(decoder, RUNNING)
+    over = threading.Event()
 
-    def one(i: int) -> requests.Response:
+    def one(i: int) -> list[int]:
         body = {
-            "input_ids": long_prompt_ids(STREAM_PROMPT_TOKENS, start=seed + 97 * i),
-            "sampling_params": {"temperature": 0, "max_new_tokens": tokens, "ignore_eos": True},
-        }
-        return requests.post(f"{decoder.url}/generate", json=body, timeout=patience.seconds(900))
+            "input_ids": _stream_prompt(seed, i),
+            "sampling_params": {
+                "temperature": 0, "max_new_tokens": STREAM_CAP_TOKENS, "ignore_eos": True,
+            },
+            "stream": True,
+        }  # fmt: skip
+        last = b""
+        with requests.post(
+            f"{decoder.url}/generate", json=body, stream=True, timeout=patience.seconds(900)
+        ) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():  # a chunk a step: the latest holds all
+                if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
+                    last = line
+                if over.is_set():
+                    break  # (leaving the block closes the connection)
+        return [int(t) for t in json.loads(last[len(b"data:") :])["output_ids"]] if last else []
 
     with ThreadPoolExecutor(count) as pool:
         futures = [pool.submit(one, i) for i in range(count)]
         if start is not None:
             start()
         deadline = time.monotonic() + patience.seconds(300)
-        while _metric(decoder, RUNNING) < before + count:
-            assert time.monotonic() < deadline, f"{count} streams were not all running"
-            assert not any(f.done() for f in futures), "a stream ended before all ran"
-            time.sleep(0.2)
-        yield answers
-        answers.extend(f.result() for f in futures)
+        try:
+            while _metric(decoder, RUNNING) < before + count:
+                assert time.monotonic() < deadline, f"{count} streams were not all running"
+                assert not any(f.done() for f in futures), "a stream ended before all ran"
+                time.sleep(0.2)
+            yield tokens
+        finally:
+            over.set()
+        tokens.extend(f.result() for f in futures)
+    deadline = time.monotonic() + patience.seconds(120)
+    while _metric(decoder, RUNNING) > before:
+        assert time.monotonic() < deadline, "the closed streams still run on the decoder"
+        time.sleep(0.2)
+
+
+def _stream_prompt(seed: int, i: int) -> list[int]:
+    return long_prompt_ids(STREAM_PROMPT_TOKENS, start=seed + 97 * i)
+
+
+def _check_streams(mono: Server, streams: list[list[int]], seed: int) -> None:
+    """A sample of the streams decoded monolithic's tokens as far as each went."""
+    for i in range(0, len(streams), max(1, len(streams) // 4)):
+        got = streams[i]
+        assert got, f"stream {i} gave no token"
+        assert got == generate_ids(mono.url, _stream_prompt(seed, i), len(got)), f"stream {i}"
 
 
 def _metric(server: Server, name: str, **labels: str) -> float:
@@ -153,8 +190,7 @@ def test_follow_ups_are_answered_whatever_runs_on_the_decoder(
     sent_before = _metric(decoder, SENT_OUT)
     steps_before = _metric(decoder, LOCAL_STEPS)
     follow_ups = []
-    tokens = 96 if streams < 100 else 192  # (running until the last stream joined)
-    with _streams(decoder, streams, tokens, patience, seed=seed + 5000) as answers:
+    with _streams(decoder, streams, patience, seed=seed + 5000) as answers:
         for turn in range(2):
             prompt = [*prompt, *answer, *long_prompt_ids(24, start=seed + 100 * turn + 50)]
             answer = generate_ids(decoder.url, prompt, ANSWER_TOKENS)
@@ -167,12 +203,8 @@ def test_follow_ups_are_answered_whatever_runs_on_the_decoder(
         assert _metric(decoder, LOCAL_STEPS) > steps_before
     for asked, got in follow_ups:
         assert got == generate_ids(mono.url, asked, ANSWER_TOKENS)
-    assert len(answers) == streams and all(a.status_code == 200 for a in answers)
-    for i in range(0, streams, max(1, streams // 4)):  # a sample of the streams
-        expected = generate_ids(
-            mono.url, long_prompt_ids(STREAM_PROMPT_TOKENS, start=seed + 5000 + 97 * i), tokens
-        )
-        assert answers[i].json()["output_ids"] == expected, f"stream {i}"
+    assert len(answers) == streams
+    _check_streams(mono, answers, seed + 5000)
 
 
 def test_a_chunked_local_request_goes_on_while_the_streams_outgrow_its_budget(
@@ -204,8 +236,7 @@ def test_a_chunked_local_request_goes_on_while_the_streams_outgrow_its_budget(
         )
 
     thread = threading.Thread(target=follow_up, daemon=True)
-    # 160 tokens each: the first streams still run once the last one's prefill is done
-    with _streams(decoder, 30, 160, patience, seed=3_200_000, start=thread.start) as answers:
+    with _streams(decoder, 30, patience, seed=3_200_000, start=thread.start) as answers:
         thread.join(timeout=patience.seconds(600))
     assert not thread.is_alive() and got, "the chunked local request was not answered"
     assert got[0].status_code == 200, got[0].text[:300]
@@ -213,7 +244,7 @@ def test_a_chunked_local_request_goes_on_while_the_streams_outgrow_its_budget(
     assert _metric(decoder, SENT_OUT) == sent_before, "it was sent out, not chunked here"
     expected = requests.post(f"{mono.url}/generate", json=body, timeout=300).json()
     assert got[0].json()["output_ids"] == expected["output_ids"]
-    assert all(a.status_code == 200 for a in answers)
+    _check_streams(mono, answers, 3_200_000)
 
 
 @pytest.mark.parametrize("flow", ["direct", "router"])
@@ -237,31 +268,49 @@ def test_a_local_request_the_decoder_has_no_room_for_goes_to_the_prefill_server(
         "sampling_params": {"temperature": 0, "max_new_tokens": ANSWER_TOKENS},
     }
     local_before = _metric(decoder, LOCAL)
-    # 320 tokens each: the first streams still run once the follow-up's fate is decided
-    with _streams(decoder, SMALL_RUNNING, 320, patience, seed=seed + 5000) as answers:
-        placed_before = _placements(decoder)  # (once the streams were placed)
+    answered: list[requests.Response] = []  # the decoder's answer (and the prefill server's)
+
+    def follow_up() -> None:
         if flow == "direct":
-            response = requests.post(
-                f"{decoder.url}/generate", json=body, timeout=patience.seconds(600)
+            answered.append(
+                requests.post(f"{decoder.url}/generate", json=body, timeout=patience.seconds(600))
             )
-        else:
-            prefilled, response = send_as_router(
-                loaded.prefill.url,
-                decoder.url,
-                loaded.bootstrap_port,
-                body,
-                timeout_s=patience.seconds(600),
-            )
-            assert prefilled.ok, prefilled.text[:300]
-            assert not prefilled.json()["meta_info"].get("pd_prefilled_by_decoder")
-        placed_remote = _placements(decoder) - placed_before
+            return
+        prefilled, decoded = send_as_router(
+            loaded.prefill.url,
+            decoder.url,
+            loaded.bootstrap_port,
+            body,
+            timeout_s=patience.seconds(600),
+        )
+        answered.extend((decoded, prefilled))
+
+    def went_out() -> float:  # (placements: direct mode only)
+        sent = sum(n - sent_before[why] for why, n in _sent_out(decoder).items())
+        return sent + _placements(decoder) - placed_before
+
+    thread = threading.Thread(target=follow_up, daemon=True)
+    with _streams(decoder, SMALL_RUNNING, patience, seed=seed + 5000) as answers:
+        placed_before = _placements(decoder)  # (once the streams were placed)
+        thread.start()
+        deadline = time.monotonic() + patience.seconds(300)
+        # its fate is decided while every slot is taken; it is answered once they free
+        while went_out() < 1 and thread.is_alive():
+            assert time.monotonic() < deadline, "the follow-up was neither sent out nor answered"
+            time.sleep(0.2)
+    thread.join(timeout=patience.seconds(600))
+    assert not thread.is_alive() and answered, "the follow-up was not answered"
+    response = answered[0]
+    if flow == "router":
+        prefilled = answered[1]
+        assert prefilled.ok, prefilled.text[:300]
+        assert not prefilled.json()["meta_info"].get("pd_prefilled_by_decoder")
     assert response.ok, response.text[:300]
     sent = {why: n - sent_before[why] for why, n in _sent_out(decoder).items()}
-    went_out = sum(sent.values()) + placed_remote  # (placements: direct mode only)
     local = _metric(decoder, LOCAL) - local_before
-    assert went_out == 1 and sent["unadmitted"] == 0, (sent, placed_remote, local)
+    assert went_out() == 1 and sent["unadmitted"] == 0, (sent, went_out(), local)
     assert response.json()["output_ids"] == generate_ids(mono.url, prompt, ANSWER_TOKENS)
-    assert all(a.status_code == 200 for a in answers)
+    _check_streams(mono, answers, seed + 5000)
 
 
 def test_every_page_is_free_again(loaded: DirectCluster, patience: Patience) -> None:
