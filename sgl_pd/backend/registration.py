@@ -180,6 +180,20 @@ def register_backend() -> None:
         HookType.AROUND,
     )
 
+    from sgl_pd.backend.decode import local_switch
+
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler_components.internal_state"
+        ".SchedulerInternalStateController._update_handlers",
+        local_switch.around_update_handlers,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.set_internal_state",
+        local_switch.around_set_internal_state,
+        HookType.AROUND,
+    )
+
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
         request_checks.before_validate_one_request,

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import requests
 
-from sgl_pd.cluster.client import generate_ids, stream_generate
+from sgl_pd.cluster.client import generate_ids, send_as_router, stream_generate
 from sgl_pd.cluster.local import DirectCluster, Patience, Server, direct_cluster
 from sgl_pd.cluster.logs import pools_idle, timing_lines, unexpected_warnings, wait_pools_idle
 from sgl_pd.cluster.prompts import long_prompt_ids
@@ -155,6 +155,55 @@ def test_follow_up_turns_are_prefilled_on_the_decoder(
     assert local == 3
     time.sleep(1)  # (a prefill server logs a request after its answer: none may come)
     assert sum(_prefilled(two_prefills)) == sum(before) + 1, "a follow-up went to a prefiller"
+
+
+def _local_prefill_limit(decoder: Server, tokens: int) -> list[bool]:
+    """SGLang's /set_internal_state with sgl_pd's setting (`local_switch`): whether each
+    data-parallel group's ranks took it."""
+    response = requests.post(
+        f"{decoder.url}/set_internal_state",
+        json={"server_args": {"pd_local_prefill_max_tokens": tokens}},
+        timeout=60,
+    )
+    response.raise_for_status()
+    return [bool(x) for x in response.json()]
+
+
+def test_local_prefill_turned_off_while_serving_sends_follow_ups_out_until_turned_on(
+    mono: Server, two_prefills: DirectCluster
+) -> None:
+    """At 0, a follow-up the decoder holds all but 24 tokens of goes to a prefill server,
+    sent directly or as a router sends it (both ranks took the setting); back at its
+    start-up value, the next follow-up is prefilled here again."""
+    decoder = two_prefills.decoders[0]
+    prompt = long_prompt_ids(4 * BLOCK_TOKENS, start=71_000)
+    prefilled_before = sum(_prefilled(two_prefills))
+    answer = generate_ids(decoder.url, prompt, 4)  # (prefilled remotely: 1)
+    local_before = _metric(decoder, "sgl_pd_local_prefills_total", "cached_prefix")
+    try:
+        assert _local_prefill_limit(decoder, 0) == [True]
+        prompt = [*prompt, *answer, *long_prompt_ids(24, start=72_000)]
+        body = _kept_here(prompt, 24, 4)  # (kept here, were it placed here)
+        answer = _output_ids(decoder.url, body)
+        assert answer == _output_ids(mono.url, body)
+        prompt = [*prompt, *answer, *long_prompt_ids(24, start=73_000)]
+        plain = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
+        prefilled, decoded = send_as_router(
+            two_prefills.prefill.url, decoder.url, two_prefills.bootstrap_port, plain
+        )
+        assert prefilled.ok and decoded.ok, (prefilled.text[:300], decoded.text[:300])
+        assert not prefilled.json()["meta_info"].get("pd_prefilled_by_decoder")
+        answer = [int(t) for t in decoded.json()["output_ids"]]
+        assert answer == generate_ids(mono.url, prompt, 4)
+        assert _metric(decoder, "sgl_pd_local_prefills_total", "cached_prefix") == local_before
+        assert sum(_prefilled(two_prefills, prefilled_before + 3)) == prefilled_before + 3
+    finally:
+        assert _local_prefill_limit(decoder, LOCAL_MAX_TOKENS) == [True]
+    prompt = [*prompt, *answer, *long_prompt_ids(24, start=74_000)]
+    body = _kept_here(prompt, 24, 4)
+    assert _output_ids(decoder.url, body) == _output_ids(mono.url, body)
+    local = _metric(decoder, "sgl_pd_local_prefills_total", "cached_prefix") - local_before
+    assert local == 1
 
 
 def test_running_streams_go_on_while_the_decoder_prefills(

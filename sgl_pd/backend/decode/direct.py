@@ -194,6 +194,12 @@ class DirectDispatcher:
             return None
         return reason
 
+    def set_local_max_tokens(self, tokens: int) -> None:
+        """The largest uncached suffix placed here from now on (`local_switch`: every
+        scheduler rank took it already)."""
+        with self._lock:
+            self._local_max_tokens = tokens
+
     def placed_here(self, reason: str) -> None:
         """A request goes to this decoder's scheduler to be prefilled here (`reason`)."""
         self._metrics.local(reason)
@@ -391,7 +397,7 @@ _dispatcher: DirectDispatcher | None = None
 _dispatcher_lock = threading.Lock()
 
 
-def _dispatcher_for(manager: Any) -> DirectDispatcher | None:
+def dispatcher_of(manager: Any) -> DirectDispatcher | None:
     """This decoder's dispatcher; None unless it serves sgl_pd PD decode in direct mode."""
     global _dispatcher
     server_args = manager.server_args
@@ -535,7 +541,7 @@ async def around_generate_request(
 ) -> AsyncIterator[Any]:
     """AROUND hook of ``TokenizerManager.generate_request``: direct requests are submitted
     to a prefill server first, then served like router requests."""
-    dispatcher = _dispatcher_for(manager) if _direct(obj) else None
+    dispatcher = dispatcher_of(manager) if _direct(obj) else None
     if dispatcher is None:
         async for out in original(manager, obj, request):
             yield out

@@ -107,7 +107,9 @@ class LocalPrefills:
         may_send_out: bool = True,
         offer_path: Path | None = None,
     ) -> None:
-        self.max_tokens = max_tokens  # the largest uncached suffix prefilled here
+        # the largest uncached suffix prefilled here; turned down at run time to as low as
+        # 0 and up to what it started with (`local_switch`)
+        self.max_tokens = self.start_max_tokens = max_tokens
         self.step_tokens = step_tokens or max_tokens  # prompt tokens a step carries, at most
         self.pacer = StepPacer(
             cap=self.step_tokens,
@@ -148,7 +150,7 @@ class LocalPrefills:
         return held or (waiting and bool(self.queue))
 
 
-def _state(scheduler: Any) -> LocalPrefills | None:
+def local_prefills_of(scheduler: Any) -> LocalPrefills | None:
     """This scheduler's local prefills; None unless it is an sgl_pd decoder that serves
     them (read once, at its first scheduling step)."""
     if not hasattr(scheduler, _STATE):
@@ -205,7 +207,7 @@ def around_add_request_to_queue(
     to a prefill server (`local_fallback`). A local request retracted without a KV backup
     (it resumes by recomputing its KV) is recomputed here too: it has no prefill server
     to do it."""
-    local = _state(scheduler)
+    local = local_prefills_of(scheduler)
     if local is None:
         return original(scheduler, req, is_retracted)
     if is_retracted:
@@ -492,7 +494,7 @@ def around_get_next_batch(original: Any, scheduler: Any, running_batch: Any) -> 
     """AROUND hook of ``get_next_disagg_decode_batch_to_run``: times the step that just
     ended, merges the last local batch into the running one, sends out local requests
     that waited too long, then runs either a local step or SGLang's decode step."""
-    local = _state(scheduler)
+    local = local_prefills_of(scheduler)
     if local is None:
         return original(scheduler, running_batch)
     manager = scheduler.disagg_decode_prealloc_queue.kv_manager
@@ -736,7 +738,7 @@ def around_pause_generation(original: Any, scheduler: Any, recv_req: Any) -> Any
     """A retracting pause retracts SGLang's own request mid-prefill: the local one too.
     Any pause ends the step timing in flight, and a retracting one the last local batch
     (its requests retracted)."""
-    local = _state(scheduler)
+    local = local_prefills_of(scheduler)
     if local is not None:
         local.pacer.paused()  # (the step in flight is not timed across the pause)
         local.pauses += 1  # (nor is a first token predicted before it)
@@ -766,7 +768,7 @@ def around_hold_rebootstrap(original: Any, queue: Any, req: Any) -> Any:
     """A request a retracting pause took recomputes its KV on resume; a local one has no
     prefill server to do it, so it waits in the local queue with its output whole, as a
     retracted request does on a monolithic server."""
-    local = _state(queue.scheduler)
+    local = local_prefills_of(queue.scheduler)
     if local is None or not is_local(req):
         return original(queue, req)
     forced = getattr(req, "pd_rebootstrap_forced_output_id", None)
@@ -781,7 +783,7 @@ def around_hold_rebootstrap(original: Any, queue: Any, req: Any) -> Any:
 def around_abort_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
     """Queued local requests hold nothing yet: they leave the queue and their client is
     told, as SGLang does for its own waiting queue. Running ones are SGLang's."""
-    local = _state(scheduler)
+    local = local_prefills_of(scheduler)
     chunked = local.chunked if local is not None else None
     if chunked is not None and (recv_req.abort_all or chunked.rid.startswith(recv_req.rid)):
         scheduler._pending_chunked_abort_req = chunked  # ended at the next local step
