@@ -20,7 +20,10 @@ would read as a ratio between modes; so `on` and `off` each start `--rounds` set
 the full run), alternating which goes first, and their figures pool the rounds, each
 round's ratios and each set's idle pace (and the CPU time the host took, where
 /proc/stat tells, and each server process's CPU seconds over the sweep) printed beside
-them.
+them. `--paired` removes that spread instead: one server set a round, local prefill on,
+switched off and on again between conversations as the decoder serves (SGLang's
+`/set_internal_state`), so both modes meet the same machine at the same moments
+(`run_paired`).
 
 Workload, the same for each, once per running stream count of the sweep (`--streams`,
 2 and 20 with --quick; 2, 20, 64 and 300 in the full run): that many decode streams run
@@ -39,7 +42,8 @@ tokens (a first divergence where monolithic's top two logprobs were within 0.05 
 near tie, as `sgl_pd.cluster.streaming.TIE_NATS` counts them). PNGs and a JSON file go
 under --out.
 
-    python benchmarks/bench_placement.py [--quick] [--streams N ...] [--out benchmarks/out]
+    python benchmarks/bench_placement.py [--quick] [--paired] [--rounds N] [--streams N ...]
+        [--out benchmarks/out]
 
 The last line is JSON, each ratio the worst over the sweep: tokens_identical,
 followup_ttft_p50_on_over_off (target <= 1.0: never slower than always remote),
@@ -99,6 +103,13 @@ class ModeResult:
         self.mixed_steps += other.mixed_steps
         self.unmixed_steps += other.unmixed_steps
 
+    def count_local(self, before: dict[str, float], after: dict[str, float]) -> None:
+        """Adds the decoder's local prefill counters' growth (`_local_counts`)."""
+        self.local_prefills += after["local"] - before["local"]
+        self.sent_out += after["sent_out"] - before["sent_out"]
+        self.mixed_steps += after["mixed"] - before["mixed"]
+        self.unmixed_steps += after["unmixed"] - before["unmixed"]
+
     def ttft_ms(self, kind: str, q: float) -> float:
         values = [a.ttft_s for k, a in self.answers.items() if k.endswith(kind)]
         return float(np.percentile(values, q)) * 1000 if values else float("nan")
@@ -112,6 +123,7 @@ class Streams:
 
     def __init__(self, url: str, count: int, tokens: int) -> None:
         self.gaps_s: list[float] = []
+        self.gap_ends_s: list[float] = []  # when each gap ended (time.perf_counter())
         self._stop = threading.Event()
         self._decoding = threading.Semaphore(0)  # released by each stream's first token
         self._failed: list[BaseException] = []
@@ -129,6 +141,7 @@ class Streams:
                 for at, _ in stream_generate(url, prompt, tokens, ignore_eos=True):
                     if last is not None and not self._stop.is_set():
                         self.gaps_s.append(at - last)
+                        self.gap_ends_s.append(at)
                     elif first:
                         self._decoding.release()
                         first = False
@@ -159,10 +172,18 @@ class Streams:
             for t in self._threads:
                 t.join(timeout=600)
 
+    def gaps_within(self, windows: list[tuple[float, float]]) -> list[float]:
+        """The gaps that ended inside any of `windows` ((start, end), perf_counter)."""
+        return [
+            gap
+            for gap, end in zip(self.gaps_s, self.gap_ends_s, strict=True)
+            if any(start <= end < stop for start, stop in windows)
+        ]
+
 
 def conversation_turns(
     url: str,
-    conversations: int,
+    conversations: int | range,
     follow_ups: int,
     fresh: int,
     message: int,
@@ -171,13 +192,14 @@ def conversation_turns(
     *,
     logprobs: bool = False,
 ) -> dict[str, Answer]:
-    """Runs the conversations one after another; answers keyed "c<i>t<turn>/fresh" or
-    "/follow_up". The follow-up prompts are built from this server's answers; `seed`
-    makes each sweep point's conversations its own (nothing cached from another).
+    """Runs the conversations (a count from the first, or which) one after another;
+    answers keyed "c<i>t<turn>/fresh" or "/follow_up". The follow-up prompts are built
+    from this server's answers; `seed` makes each sweep point's conversations its own
+    (nothing cached from another).
     `logprobs`: the top two per token (the reference's margins, for near ties); SGLang
     does not mix a logprob request's prefill into running decode, so PD asks for none."""
     answers: dict[str, Answer] = {}
-    for c in range(conversations):
+    for c in range(conversations) if isinstance(conversations, int) else conversations:
         prompt = tuple(long_prompt_ids(fresh, start=10_000 + 20_000 * c + 997 * seed))
         for turn in range(follow_ups + 1):
             kind = "fresh" if turn == 0 else "follow_up"
@@ -202,11 +224,10 @@ class Phase:
     cpu_s: dict[str, float] = field(default_factory=dict)
 
 
-def run_mode(mode: str, args: argparse.Namespace, work: Path) -> Phase:
-    """One mode's servers, every stream count of the sweep in turn."""
+def servers_of(mode: str, args: argparse.Namespace, work: Path) -> Any:
+    """A mode's server set, to start (`with`): the monolithic server, or 1P1D direct
+    mode with local prefill on or off."""
     patience = local_patience()
-    timeout_s = patience.seconds(600)
-    results: dict[int, ModeResult] = {}
     # room for the most streams the sweep runs, beside the conversations
     common = [
         *COMMON, "--max-running-requests", str(max(args.streams) + 32),
@@ -214,36 +235,52 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> Phase:
         "--max-total-tokens", str(max(32768, 640 * (max(args.streams) + 32))),
     ]  # fmt: skip
     if mode == "mono":
-        servers = monolithic_server(work, extra=common, patience=patience)
-    else:
-        local = str(LOCAL_MAX_TOKENS if mode == "on" else 0)
-        step = args.local_step_tokens if mode == "on" and args.local_step_tokens else None
-        slo = args.itl_slo if mode == "on" else None
-        burst = args.burst_every if mode == "on" else None
-        servers = direct_cluster(
-            work,
-            prefill_extra=COMMON,
-            decode_extra=[
-                *common, "--enable-metrics", "--disaggregation-decode-enable-radix-cache",
-                "--pd-local-prefill-max-tokens", local,
-                *(["--pd-local-prefill-step-tokens", str(step)] if step else []),
-                *(["--pd-local-prefill-itl-slo", str(slo)] if slo is not None else []),
-                *(["--pd-local-prefill-burst-every", str(burst)] if burst is not None else []),
-            ],
-            decoders=1,
-            patience=patience,
-        )  # fmt: skip
+        return monolithic_server(work, extra=common, patience=patience)
+    local = str(LOCAL_MAX_TOKENS if mode == "on" else 0)
+    step = args.local_step_tokens if mode == "on" and args.local_step_tokens else None
+    slo = args.itl_slo if mode == "on" else None
+    burst = args.burst_every if mode == "on" else None
+    return direct_cluster(
+        work,
+        prefill_extra=COMMON,
+        decode_extra=[
+            *common, "--enable-metrics", "--disaggregation-decode-enable-radix-cache",
+            "--pd-local-prefill-max-tokens", local,
+            *(["--pd-local-prefill-step-tokens", str(step)] if step else []),
+            *(["--pd-local-prefill-itl-slo", str(slo)] if slo is not None else []),
+            *(["--pd-local-prefill-burst-every", str(burst)] if burst is not None else []),
+        ],
+        decoders=1,
+        patience=patience,
+    )  # fmt: skip
+
+
+def _url_and_roles(mode: str, started: Any) -> tuple[str, dict[str, int | None]]:
+    """Where requests go, and the processes whose CPU time is read."""
+    if mode == "mono":
+        return started.url, {"server": _pid(started)}
+    decoder = started.decoders[0]
+    return decoder.url, {"decode": _pid(decoder), "prefill": _pid(started.prefill)}
+
+
+def _warmed_up(mode: str, url: str, args: argparse.Namespace, timeout_s: float) -> float:
+    """`warm_up`, then the set's idle decode pace (ms), printed."""
+    warm_up(url, mode, args, timeout_s)
+    idle_itl_ms = idle_pace_ms(url, timeout_s)
+    print(f"[bench] {mode}: 2 streams alone step {idle_itl_ms:.1f} ms apart", flush=True)
+    return idle_itl_ms
+
+
+def run_mode(mode: str, args: argparse.Namespace, work: Path) -> Phase:
+    """One mode's servers, every stream count of the sweep in turn (the monolithic
+    reference runs each conversation the other modes run)."""
+    timeout_s = local_patience().seconds(600)
+    conversations = args.conversations * (2 if args.paired and mode == "mono" else 1)
+    results: dict[int, ModeResult] = {}
     steal_before = cpu_steal()
-    with servers as started:
-        url = started.url if mode == "mono" else started.decoders[0].url
-        warm_up(url, mode, args, timeout_s)
-        idle_itl_ms = idle_pace_ms(url, timeout_s)
-        print(f"[bench] {mode}: 2 streams alone step {idle_itl_ms:.1f} ms apart", flush=True)
-        roles = (
-            {"server": _pid(started)}
-            if mode == "mono"
-            else {"decode": _pid(started.decoders[0]), "prefill": _pid(started.prefill)}
-        )
+    with servers_of(mode, args, work) as started:
+        url, roles = _url_and_roles(mode, started)
+        idle_itl_ms = _warmed_up(mode, url, args, timeout_s)
         cpu_before = cpu_seconds(roles)
         for count in args.streams:
             print(f"[bench] {mode}: {count} running streams ...", flush=True)
@@ -252,20 +289,79 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> Phase:
             streams = Streams(url, count, args.stream_tokens)
             with streams.running(timeout_s):
                 result.answers = conversation_turns(
-                    url, args.conversations, args.follow_ups, args.fresh_tokens,
+                    url, conversations, args.follow_ups, args.fresh_tokens,
                     args.message_tokens, timeout_s, count, logprobs=mode == "mono",
                 )  # fmt: skip
             result.gaps_s = streams.gaps_s
             if mode != "mono":
-                after = _local_counts(url)
-                result.local_prefills = after["local"] - before["local"]
-                result.sent_out = after["sent_out"] - before["sent_out"]
-                result.mixed_steps = after["mixed"] - before["mixed"]
-                result.unmixed_steps = after["unmixed"] - before["unmixed"]
+                result.count_local(before, _local_counts(url))
             results[count] = result
         cpu_after = cpu_seconds(roles)
     cpu_s = {k: round(v - cpu_before.get(k, 0.0), 1) for k, v in cpu_after.items()}
     return Phase(results, idle_itl_ms, steal_share(steal_before, cpu_steal()), cpu_s)
+
+
+def paired_modes(conversations: int, round_: int) -> list[str]:
+    """Paired design: the mode of each conversation in turn, on and off alternating as
+    ABBA (on, off, off, on, on, ...: a drift over the run weighs on both alike), the
+    other way round in odd rounds; each mode gets `conversations`."""
+    first, second = ("on", "off") if round_ % 2 == 0 else ("off", "on")
+    return [first if ((j + 1) // 2) % 2 == 0 else second for j in range(2 * conversations)]
+
+
+def run_paired(args: argparse.Namespace, work: Path, round_: int) -> dict[str, Phase]:
+    """One server set with local prefill on, switched off and on again between
+    conversations (`/set_internal_state`, `sgl_pd/backend/decode/local_switch.py`):
+    both modes meet the same machine at the same time, so a set that runs slow as a
+    whole weighs on both alike. Each conversation is its own (the monolithic reference
+    runs them all); the streams' gaps count for the mode of the conversation running
+    when each gap ended. The set's pace, steal and CPU time are reported for both."""
+    timeout_s = local_patience().seconds(600)
+    modes = paired_modes(args.conversations, round_)
+    results: dict[str, dict[int, ModeResult]] = {"on": {}, "off": {}}
+    steal_before = cpu_steal()
+    with servers_of("on", args, work) as started:
+        url, roles = _url_and_roles("on", started)
+        idle_itl_ms = _warmed_up("on", url, args, timeout_s)
+        cpu_before = cpu_seconds(roles)
+        for count in args.streams:
+            print(f"[bench] paired: {count} running streams ...", flush=True)
+            for mode in results:
+                results[mode][count] = ModeResult()
+            windows: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
+            streams = Streams(url, count, args.stream_tokens)
+            with streams.running(timeout_s):
+                for c, mode in enumerate(modes):
+                    switch_local_prefill(url, LOCAL_MAX_TOKENS if mode == "on" else 0)
+                    result = results[mode][count]
+                    before, start = _local_counts(url), time.perf_counter()
+                    result.answers |= conversation_turns(
+                        url, range(c, c + 1), args.follow_ups, args.fresh_tokens,
+                        args.message_tokens, timeout_s, count,
+                    )  # fmt: skip
+                    windows[mode].append((start, time.perf_counter()))
+                    result.count_local(before, _local_counts(url))
+            switch_local_prefill(url, LOCAL_MAX_TOKENS)
+            for mode, result in results.items():
+                result.gaps_s = streams.gaps_within(windows[mode])
+        cpu_after = cpu_seconds(roles)
+    cpu_s = {k: round(v - cpu_before.get(k, 0.0), 1) for k, v in cpu_after.items()}
+    steal = steal_share(steal_before, cpu_steal())
+    return {mode: Phase(results[mode], idle_itl_ms, steal, cpu_s) for mode in results}
+
+
+def switch_local_prefill(url: str, tokens: int) -> None:
+    """The decoder's local prefill limit from now on (0: off), on every rank."""
+    import requests
+
+    response = requests.post(
+        f"{url}/set_internal_state",
+        json={"server_args": {"pd_local_prefill_max_tokens": tokens}},
+        timeout=60,
+    )
+    response.raise_for_status()
+    if not all(response.json()):
+        raise RuntimeError(f"the decoder refused local prefill limit {tokens}: {response.text}")
 
 
 def _pid(server: Any) -> int | None:
@@ -413,6 +509,11 @@ def main(argv: list[str] | None = None) -> int:
         " (default: 1 with --quick, else 2): a set that runs slow as a whole then shows as"
         " a spread between rounds rather than as a ratio",
     )  # fmt: skip
+    parser.add_argument(
+        "--paired", action="store_true",
+        help="on and off in one server set per round, local prefill switched between"
+        " conversations (`run_paired`), rather than a server set each",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -431,7 +532,12 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     phases: dict[str, list[Phase]] = {mode: [] for mode in MODES}
-    for mode in run_order(args.rounds):
+    for mode in run_order(args.rounds, paired=args.paired):
+        if mode == "paired":
+            round_ = len(phases["on"])
+            for m, phase in run_paired(args, work / f"paired{round_}", round_).items():
+                phases[m].append(phase)
+            continue
         phase = run_mode(mode, args, work / f"{mode}{len(phases[mode])}")
         phases[mode].append(phase)
     results = {"mono": phases["mono"][0].results} | {
@@ -463,7 +569,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "(milliseconds; ITL: the running streams' gaps between tokens; local: follow-ups"
         " placed for local prefill, out: of them sent to the prefill server after all;"
-        f" on and off pooled over {args.rounds} server set(s) each)"
+        + (
+            f" on and off alternate within each of {args.rounds} server set(s))"
+            if args.paired
+            else f" on and off pooled over {args.rounds} server set(s) each)"
+        )
     )
     by_round = round_ratios(phases, args.streams)
     print_rounds(phases, by_round)
@@ -540,6 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         return max(per_count[c][key] for c in args.streams)
 
     headline = {
+        "design": "paired" if args.paired else "server sets",
         "tokens_identical": all(v in ("ok", "near_tie") for vs in verdicts.values() for v in vs),
         "followup_ttft_p50_on_over_off": worst("followup_ttft_p50_on_over_off"),
         f"followup_ttft_p50_on_over_mono_at_{fewest}_streams": per_count[fewest][
@@ -562,11 +673,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_order(rounds: int) -> list[str]:
+def run_order(rounds: int, *, paired: bool = False) -> list[str]:
     """The server sets in the order they run: the monolithic reference once, then `on`
     and `off` per round, alternating which goes first (a machine slowing down over the
-    run slows each mode alike)."""
+    run slows each mode alike) - or, `paired`, one set a round that runs both."""
     order = ["mono"]
+    if paired:
+        return order + ["paired"] * rounds
     for r in range(rounds):
         order += ["on", "off"] if r % 2 == 0 else ["off", "on"]
     return order

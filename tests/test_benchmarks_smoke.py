@@ -243,3 +243,61 @@ def test_the_placement_benchmark_reads_each_server_process_s_cpu_time() -> None:
     sum(i * i for i in range(300_000))  # (some CPU time to see)
     after = module.cpu_seconds({"me": os.getpid(), "gone": None})
     assert after[key] > before[key] and not any(k.startswith("gone/") for k in after)
+
+
+def test_the_placement_benchmark_pairs_on_and_off_within_one_server_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--paired`: one server set a round runs both modes, conversation by conversation
+    as ABBA (the other way round in odd rounds), each its own; the monolithic reference
+    runs every one of them, and the streams' gaps go to the mode running as each ended."""
+    from sgl_pd.cluster.streaming import Answer
+
+    module = _load(BENCHMARKS / "bench_placement.py")
+    assert module.paired_modes(3, 0) == ["on", "off", "off", "on", "on", "off"]
+    assert module.paired_modes(2, 1) == ["off", "on", "on", "off"]
+    assert module.run_order(2, paired=True) == ["mono", "paired", "paired"]
+    streams = module.Streams("http://unused", 0, 1)
+    streams.gaps_s, streams.gap_ends_s = [0.01, 0.02, 0.03], [1.0, 2.0, 3.0]
+    assert streams.gaps_within([(0.5, 1.5), (2.5, 3.0)]) == [0.01]
+
+    asked: dict[str, int] = {}
+
+    def result(conversations: range, follow_up_s: float) -> object:
+        answers = {
+            f"c{c}t{t}/{kind}": Answer(f"c{c}t{t}/{kind}", 40, (1, 2), s)
+            for c in conversations
+            for t, kind, s in ((0, "fresh", 0.6), (1, "follow_up", follow_up_s))
+        }
+        return module.ModeResult(answers=answers, gaps_s=[0.012] * 4)
+
+    def run_mode(mode: str, args: object, work: Path) -> object:
+        asked[mode] = args.conversations * (2 if args.paired and mode == "mono" else 1)
+        return module.Phase({c: result(range(asked[mode]), 0.05) for c in (2, 20)}, 12.0, 0.5)
+
+    def run_paired(args: object, work: Path, round_: int) -> dict[str, object]:
+        modes = module.paired_modes(args.conversations, round_)
+        return {
+            m: module.Phase(
+                {
+                    c: result(
+                        [j for j, x in enumerate(modes) if x == m], 0.08 if m == "on" else 0.1
+                    )
+                    for c in (2, 20)
+                },
+                12.0,
+                0.5,
+            )
+            for m in ("on", "off")
+        }
+
+    monkeypatch.setattr(module, "run_mode", run_mode)
+    monkeypatch.setattr(module, "run_paired", run_paired)
+    monkeypatch.setattr(module.tempfile, "mkdtemp", lambda prefix: str(tmp_path / prefix))
+    assert module.main(["--quick", "--paired", "--out", str(tmp_path)]) == 0
+    assert asked == {"mono": 6}  # (3 conversations for each mode)
+    lines = capsys.readouterr().out.strip().splitlines()
+    headline = json.loads(lines[-1])
+    assert headline["design"] == "paired" and headline["tokens_identical"] is True
+    assert headline["followup_ttft_p50_on_over_off"] == 0.8
+    assert any("alternate within each of 1 server set" in line for line in lines)
