@@ -122,8 +122,9 @@ class Streams:
     """Decode streams kept running in the background; their token arrival gaps."""
 
     def __init__(self, url: str, count: int, tokens: int) -> None:
-        self.gaps_s: list[float] = []
-        self.gap_ends_s: list[float] = []  # when each gap ended (time.perf_counter())
+        # (when it ended, time.perf_counter(); the gap, seconds): one append each, as
+        # the streams' threads add theirs
+        self.timed_gaps: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._decoding = threading.Semaphore(0)  # released by each stream's first token
         self._failed: list[BaseException] = []
@@ -140,8 +141,7 @@ class Streams:
                 last = None
                 for at, _ in stream_generate(url, prompt, tokens, ignore_eos=True):
                     if last is not None and not self._stop.is_set():
-                        self.gaps_s.append(at - last)
-                        self.gap_ends_s.append(at)
+                        self.timed_gaps.append((at, at - last))
                     elif first:
                         self._decoding.release()
                         first = False
@@ -172,11 +172,15 @@ class Streams:
             for t in self._threads:
                 t.join(timeout=600)
 
+    @property
+    def gaps_s(self) -> list[float]:
+        return [gap for _, gap in self.timed_gaps]
+
     def gaps_within(self, windows: list[tuple[float, float]]) -> list[float]:
         """The gaps that ended inside any of `windows` ((start, end), perf_counter)."""
         return [
             gap
-            for gap, end in zip(self.gaps_s, self.gap_ends_s, strict=True)
+            for end, gap in list(self.timed_gaps)
             if any(start <= end < stop for start, stop in windows)
         ]
 
@@ -222,6 +226,7 @@ class Phase:
     # CPU seconds each server process used over the sweep (after warm-up), by role and
     # process name: where a set that runs slow spends its time
     cpu_s: dict[str, float] = field(default_factory=dict)
+    paired: bool = False  # `run_paired`: one set ran both modes (the figures above, its)
 
 
 def servers_of(mode: str, args: argparse.Namespace, work: Path) -> Any:
@@ -315,7 +320,15 @@ def run_paired(args: argparse.Namespace, work: Path, round_: int) -> dict[str, P
     both modes meet the same machine at the same time, so a set that runs slow as a
     whole weighs on both alike. Each conversation is its own (the monolithic reference
     runs them all); the streams' gaps count for the mode of the conversation running
-    when each gap ended. The set's pace, steal and CPU time are reported for both."""
+    when each gap ended. The set's pace, steal and CPU time are both modes' (reported
+    once, under `on`).
+
+    What `off` is here: local prefill switched off, its machinery still running (step
+    timing, the offers the HTTP process reads - the set-per-mode design measures that
+    cost: the decode schedulers' CPU seconds alike within the spread), and the remote
+    rates both modes teach the decoder shared, as on a decoder switched at run time. A
+    stream's restart may be placed here just before a switch and prefilled just after
+    it, in the other mode's window: conversations do not wait for it."""
     timeout_s = local_patience().seconds(600)
     modes = paired_modes(args.conversations, round_)
     results: dict[str, dict[int, ModeResult]] = {"on": {}, "off": {}}
@@ -342,12 +355,12 @@ def run_paired(args: argparse.Namespace, work: Path, round_: int) -> dict[str, P
                     windows[mode].append((start, time.perf_counter()))
                     result.count_local(before, _local_counts(url))
             switch_local_prefill(url, LOCAL_MAX_TOKENS)
-            for mode, result in results.items():
-                result.gaps_s = streams.gaps_within(windows[mode])
+            for mode, by_count in results.items():
+                by_count[count].gaps_s = streams.gaps_within(windows[mode])
         cpu_after = cpu_seconds(roles)
     cpu_s = {k: round(v - cpu_before.get(k, 0.0), 1) for k, v in cpu_after.items()}
     steal = steal_share(steal_before, cpu_steal())
-    return {mode: Phase(results[mode], idle_itl_ms, steal, cpu_s) for mode in results}
+    return {mode: Phase(results[mode], idle_itl_ms, steal, cpu_s, paired=True) for mode in results}
 
 
 def switch_local_prefill(url: str, tokens: int) -> None:
@@ -663,7 +676,11 @@ def main(argv: list[str] | None = None) -> int:
         "followup_ttft_p50_on_over_off_by_round": [
             max(r["followup_ttft_p50_on_over_off"].values()) for r in by_round
         ],
-        "idle_itl_ms": {m: [round(p.idle_itl_ms, 2) for p in phases[m]] for m in MODES},
+        "idle_itl_ms": {
+            m: [round(p.idle_itl_ms, 2) for p in phases[m]]
+            for m in MODES
+            if not (args.paired and m == "off")  # (paired: the `on` sets')
+        },
         "worst_streams": {
             key: max(args.streams, key=lambda c, key=key: per_count[c][key])
             for key in ("followup_ttft_p50_on_over_off", "itl_p99_on_over_off")
@@ -722,10 +739,14 @@ def round_ratios(phases: dict[str, list[Phase]], counts: list[int]) -> list[dict
 def print_rounds(phases: dict[str, list[Phase]], by_round: list[dict]) -> None:
     """Each server set's idle decode pace and host steal, and each round's on/off
     ratios: the spread the pooled figures above average over."""
-    for mode in MODES:
+    shown = [m for m in MODES if not (m == "off" and all(p.paired for p in phases[m]))]
+    for mode in shown:
         sets = ", ".join(f"{p.idle_itl_ms:.1f} ms (steal {p.steal_pct:.1f}%)" for p in phases[mode])
-        print(f"{mode:>4} server sets, 2 streams alone step apart: {sets}")
-    for mode in MODES:
+        paired = (
+            " (paired: on and off ran in these sets)" if mode == "on" and "off" not in shown else ""
+        )
+        print(f"{mode:>4} server sets, 2 streams alone step apart: {sets}{paired}")
+    for mode in shown:
         for i, p in enumerate(phases[mode]):
             busiest = sorted(p.cpu_s.items(), key=lambda kv: -kv[1])[:6]
             cells = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in busiest)

@@ -10,6 +10,7 @@ import importlib.util
 import io
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -258,7 +259,7 @@ def test_the_placement_benchmark_pairs_on_and_off_within_one_server_set(
     assert module.paired_modes(2, 1) == ["off", "on", "on", "off"]
     assert module.run_order(2, paired=True) == ["mono", "paired", "paired"]
     streams = module.Streams("http://unused", 0, 1)
-    streams.gaps_s, streams.gap_ends_s = [0.01, 0.02, 0.03], [1.0, 2.0, 3.0]
+    streams.timed_gaps = [(1.0, 0.01), (2.0, 0.02), (3.0, 0.03)]
     assert streams.gaps_within([(0.5, 1.5), (2.5, 3.0)]) == [0.01]
 
     asked: dict[str, int] = {}
@@ -287,6 +288,7 @@ def test_the_placement_benchmark_pairs_on_and_off_within_one_server_set(
                 },
                 12.0,
                 0.5,
+                paired=True,
             )
             for m in ("on", "off")
         }
@@ -301,3 +303,70 @@ def test_the_placement_benchmark_pairs_on_and_off_within_one_server_set(
     assert headline["design"] == "paired" and headline["tokens_identical"] is True
     assert headline["followup_ttft_p50_on_over_off"] == 0.8
     assert any("alternate within each of 1 server set" in line for line in lines)
+    assert any("(paired: on and off ran in these sets)" in line for line in lines)
+    assert not any(line.startswith(" off server sets") for line in lines)
+    assert set(headline["idle_itl_ms"]) == {"mono", "on"}
+
+
+def test_the_paired_placement_run_switches_local_prefill_for_each_conversation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`run_paired` with its servers stood in: before each conversation the decoder's
+    limit is set for that conversation's mode (back on at the end of each stream count),
+    each conversation's answers, local prefills and streams' gaps go to its mode."""
+    import argparse
+    import contextlib
+
+    from sgl_pd.cluster.streaming import Answer
+
+    module = _load(BENCHMARKS / "bench_placement.py")
+    limit = [module.LOCAL_MAX_TOKENS]
+    switched: list[int] = []
+    ran: list[tuple[int, int]] = []  # (conversation, the limit it ran under)
+    placed = [0.0]
+
+    def switch(url: str, tokens: int) -> None:
+        switched.append(tokens)
+        limit[0] = tokens
+
+    def turns(url: str, conversations: range, *args: object, **kw: object) -> dict:
+        (c,) = conversations
+        ran.append((c, limit[0]))
+        placed[0] += 1.0 if limit[0] else 0.0  # (one follow-up placed here when on)
+        return {f"c{c}t1/follow_up": Answer(f"c{c}t1/follow_up", 40, (1,), 0.1)}
+
+    def counts(url: str) -> dict[str, float]:
+        return {"local": placed[0], "sent_out": 0.0, "mixed": placed[0], "unmixed": 0.0}
+
+    class Streams:
+        def __init__(self, url: str, count: int, tokens: int) -> None:
+            pass
+
+        @contextlib.contextmanager
+        def running(self, timeout_s: float) -> Iterator[None]:
+            yield
+
+        def gaps_within(self, windows: list[tuple[float, float]]) -> list[float]:
+            return [0.01] * len(windows)  # (a gap per conversation of the mode)
+
+    monkeypatch.setattr(module, "servers_of", lambda *a: contextlib.nullcontext(None))
+    monkeypatch.setattr(module, "_url_and_roles", lambda mode, started: ("http://d", {}))
+    monkeypatch.setattr(module, "_warmed_up", lambda *a: 11.0)
+    monkeypatch.setattr(module, "switch_local_prefill", switch)
+    monkeypatch.setattr(module, "conversation_turns", turns)
+    monkeypatch.setattr(module, "_local_counts", counts)
+    monkeypatch.setattr(module, "Streams", Streams)
+    args = argparse.Namespace(
+        conversations=2, streams=[2, 20], stream_tokens=8, follow_ups=1, fresh_tokens=64,
+        message_tokens=8,
+    )  # fmt: skip
+    phases = module.run_paired(args, Path("/unused"), 1)
+    on, off = module.LOCAL_MAX_TOKENS, 0
+    assert ran == [(0, off), (1, on), (2, on), (3, off)] * 2  # (round 1: off first)
+    assert switched == [off, on, on, off, on] * 2
+    for mode, conversations in (("on", ["c1", "c2"]), ("off", ["c0", "c3"])):
+        result = phases[mode].results[20]
+        assert sorted(k.split("t")[0] for k in result.answers) == conversations
+        assert result.gaps_s == [0.01, 0.01]
+        assert result.local_prefills == (2.0 if mode == "on" else 0.0)
+        assert phases[mode].idle_itl_ms == 11.0

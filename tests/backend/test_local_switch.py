@@ -13,16 +13,18 @@ import pytest
 from sgl_pd.backend.decode import local_switch
 from sgl_pd.backend.decode.direct import DirectDispatcher
 from sgl_pd.backend.decode.local_prefill import _STATE, LocalPrefills
+from sgl_pd.config import CONFIG_ENV, SglPdConfig
 from sgl_pd.core.placement import PromptKey
 
 internal_state = pytest.importorskip("sglang.srt.managers.scheduler_components.internal_state")
 SetInternalStateReq = pytest.importorskip("sglang.srt.managers.io_struct").SetInternalStateReq
 
 
-def _controller(local: LocalPrefills | None) -> Any:
+def _controller(local: LocalPrefills | None, http_workers: int = 1) -> Any:
     """SGLang's controller of a scheduler holding `local` (None: a decoder started
     without local prefill), `_update_handlers` hooked as the registry hooks it."""
-    scheduler = types.SimpleNamespace(max_running_requests=64)
+    server_args = types.SimpleNamespace(tokenizer_worker_num=http_workers)
+    scheduler = types.SimpleNamespace(max_running_requests=64, server_args=server_args)
     setattr(scheduler, _STATE, local)
     controller = internal_state.SchedulerInternalStateController(scheduler, False)
     original = internal_state.SchedulerInternalStateController._update_handlers
@@ -54,6 +56,19 @@ def test_a_value_outside_what_it_started_with_is_refused_and_changes_nothing(
 
 def test_a_decoder_without_local_prefill_does_not_take_the_setting() -> None:
     assert not _set(_controller(None), 0)
+
+
+def test_a_direct_mode_decoder_with_several_http_workers_refuses_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each HTTP worker places its own requests and only the one asked hears the answer:
+    the others would go on placing them here."""
+    monkeypatch.setenv(CONFIG_ENV, SglPdConfig(prefill_bootstrap="127.0.0.1:8998").to_json())
+    local = LocalPrefills(128)
+    assert not _set(_controller(local, http_workers=2), 0) and local.max_tokens == 128
+    assert _set(_controller(local, http_workers=1), 0) and local.max_tokens == 0
+    monkeypatch.delenv(CONFIG_ENV)  # the router flow: the schedulers place
+    assert _set(_controller(local, http_workers=2), 64) and local.max_tokens == 64
 
 
 def test_sglang_s_own_settings_still_work_beside_it() -> None:

@@ -174,7 +174,9 @@ def test_local_prefill_turned_off_while_serving_sends_follow_ups_out_until_turne
 ) -> None:
     """At 0, a follow-up the decoder holds all but 24 tokens of goes to a prefill server,
     sent directly or as a router sends it (both ranks took the setting); back at its
-    start-up value, the next follow-up is prefilled here again."""
+    start-up value, the next follow-ups are placed here again, in both flows (one sent
+    as a router sends it may still go out where its first token is sooner remote: it
+    counts as placed here all the same)."""
     decoder = two_prefills.decoders[0]
     prompt = long_prompt_ids(4 * BLOCK_TOKENS, start=71_000)
     prefilled_before = sum(_prefilled(two_prefills))
@@ -197,13 +199,22 @@ def test_local_prefill_turned_off_while_serving_sends_follow_ups_out_until_turne
         assert answer == generate_ids(mono.url, prompt, 4)
         assert _metric(decoder, "sgl_pd_local_prefills_total", "cached_prefix") == local_before
         assert sum(_prefilled(two_prefills, prefilled_before + 3)) == prefilled_before + 3
-    finally:
-        assert _local_prefill_limit(decoder, LOCAL_MAX_TOKENS) == [True]
+    finally:  # (whatever failed: the module's later tests need local prefill on)
+        restored = _local_prefill_limit(decoder, LOCAL_MAX_TOKENS)
+    assert restored == [True]
     prompt = [*prompt, *answer, *long_prompt_ids(24, start=74_000)]
     body = _kept_here(prompt, 24, 4)
-    assert _output_ids(decoder.url, body) == _output_ids(mono.url, body)
+    answer = _output_ids(decoder.url, body)
+    assert answer == _output_ids(mono.url, body)
+    prompt = [*prompt, *answer, *long_prompt_ids(24, start=75_000)]
+    plain = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
+    prefilled, decoded = send_as_router(
+        two_prefills.prefill.url, decoder.url, two_prefills.bootstrap_port, plain
+    )
+    assert prefilled.ok and decoded.ok, (prefilled.text[:300], decoded.text[:300])
+    assert decoded.json()["output_ids"] == generate_ids(mono.url, prompt, 4)
     local = _metric(decoder, "sgl_pd_local_prefills_total", "cached_prefix") - local_before
-    assert local == 1
+    assert local == 2
 
 
 def test_running_streams_go_on_while_the_decoder_prefills(

@@ -10,8 +10,10 @@ what the decoder started with (`--pd-local-prefill-max-tokens` as
 or not at all, so a decoder started without local prefill answers SGLang's "not
 supported". Both places that choose a request's prefill follow it: each scheduler rank
 (router flow, `local_prefill._router_request_here`) and, once every rank took it, the
-HTTP process (direct mode, `direct.DirectDispatcher`). Requests already placed here are
-prefilled here; so are requests a retracting pause took back (`local_prefill`).
+HTTP process (direct mode, `direct.DirectDispatcher`) - refused on a direct-mode decoder
+with several HTTP workers, of which only the one asked would hear of it. Requests
+already placed here are prefilled here; so are requests a retracting pause took back
+(`local_prefill`). The tokens a local step carries stay as configured.
 
 Hooks (registered in `backend/registration.py`): ``SchedulerInternalStateController.
 _update_handlers`` adds the setting on each rank, ``TokenizerManager.set_internal_state``
@@ -42,8 +44,14 @@ def around_update_handlers(original: Any, controller: Any) -> dict[str, Any]:
     local = local_prefills_of(controller.scheduler)
     if local is None:
         return handlers  # (SGLang: "Updating pd_local_prefill_max_tokens is not supported.")
+    workers = _direct_mode_http_workers(controller.scheduler.server_args)
 
     def validate(key: str, value: Any) -> None:
+        if workers > 1:  # (the answer reaches the worker that asked: the others place on)
+            raise UpdateRejected(
+                f"{key} is set at start-up on a direct-mode decoder with {workers} HTTP "
+                "workers (--tokenizer-worker-num): each places its own requests"
+            )
         if isinstance(value, bool) or not isinstance(value, int):
             raise UpdateRejected(f"{key} takes a whole number of tokens, not {value!r}")
         if not 0 <= value <= local.start_max_tokens:
@@ -58,6 +66,16 @@ def around_update_handlers(original: Any, controller: Any) -> dict[str, Any]:
 
     handlers[SETTING] = _UpdateHandler(validate, apply)
     return handlers
+
+
+def _direct_mode_http_workers(server_args: Any) -> int:
+    """The HTTP worker processes that place this decoder's requests (direct mode), each
+    with its own dispatcher; 0 in the router flow, where the schedulers place them."""
+    from sgl_pd.config import SglPdConfig
+
+    if not SglPdConfig.from_environment().prefill_bootstrap:
+        return 0
+    return int(getattr(server_args, "tokenizer_worker_num", 1) or 1)
 
 
 async def around_set_internal_state(original: Any, manager: Any, obj: Any) -> list[bool]:
