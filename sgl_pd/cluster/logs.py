@@ -126,6 +126,9 @@ EXPECTED_WARNINGS = tuple(
         # a prefill server's SGLang reports a request whose client went away mid-transfer
         # (its decoder aborted it) as a failed bootstrap or transfer
         r"Prefill (bootstrap|transfer) failed for request .*failed: decoder aborted: client$",
+        # ... and its copy of a router's request that the decoder prefilled itself,
+        # aborted in SGLang's bootstrap queue once the decoder said so (`prefill/skips`)
+        r"Prefill bootstrap failed for request .*failed: aborted by the prefill scheduler$",
         # ... and the decoder's SGLang, polling the request it aborted, as a failed one
         r"Decode (handshake|transfer) failed for request .*did not arrive: aborted by the "
         r"decode scheduler$",

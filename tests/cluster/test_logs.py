@@ -56,6 +56,10 @@ def test_a_client_abort_reported_by_sglang_is_expected_and_other_transfer_failur
         f"{prefix}Prefill transfer failed {request} failed: decoder aborted: client": True,
         f"{prefix}Prefill transfer failed {request} failed: decoder aborted: timeout": False,
         f"{prefix}Prefill transfer failed {request} failed: peer lost": False,
+        # a router's copy its decoder prefilled itself, aborted while it waited
+        f"{prefix}Prefill bootstrap failed {request} failed: aborted by the prefill scheduler": (
+            True
+        ),
         f"{prefix}{decode} did not arrive: aborted by the decode scheduler": True,
         f"{prefix}{decode} did not arrive: peer lost": False,
     }

@@ -178,43 +178,57 @@ def test_local_prefill_turned_off_while_serving_sends_follow_ups_out_until_turne
     as a router sends it may still go out where its first token is sooner remote: it
     counts as placed here all the same)."""
     decoder = two_prefills.decoders[0]
-    prompt = long_prompt_ids(4 * BLOCK_TOKENS, start=71_000)
+    history = long_prompt_ids(4 * BLOCK_TOKENS, start=71_000)
     prefilled_before = sum(_prefilled(two_prefills))
-    answer = generate_ids(decoder.url, prompt, 4)  # (prefilled remotely: 1)
+    answer = generate_ids(decoder.url, history, 4)  # (prefilled remotely: 1)
+    turns = _Turns(mono, two_prefills, [*history, *answer])
     local_before = _metric(decoder, "sgl_pd_local_prefills_total", "cached_prefix")
     try:
         assert _local_prefill_limit(decoder, 0) == [True]
-        prompt = [*prompt, *answer, *long_prompt_ids(24, start=72_000)]
-        body = _kept_here(prompt, 24, 4)  # (kept here, were it placed here)
-        answer = _output_ids(decoder.url, body)
-        assert answer == _output_ids(mono.url, body)
-        prompt = [*prompt, *answer, *long_prompt_ids(24, start=73_000)]
-        plain = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
-        prefilled, decoded = send_as_router(
-            two_prefills.prefill.url, decoder.url, two_prefills.bootstrap_port, plain
-        )
-        assert prefilled.ok and decoded.ok, (prefilled.text[:300], decoded.text[:300])
-        assert not prefilled.json()["meta_info"].get("pd_prefilled_by_decoder")
-        answer = [int(t) for t in decoded.json()["output_ids"]]
-        assert answer == generate_ids(mono.url, prompt, 4)
+        turns.kept_here(72_000)  # (kept here, were it placed here)
+        assert not turns.as_router(73_000).get("pd_prefilled_by_decoder")
         assert _metric(decoder, "sgl_pd_local_prefills_total", "cached_prefix") == local_before
         assert sum(_prefilled(two_prefills, prefilled_before + 3)) == prefilled_before + 3
     finally:  # (whatever failed: the module's later tests need local prefill on)
         restored = _local_prefill_limit(decoder, LOCAL_MAX_TOKENS)
     assert restored == [True]
-    prompt = [*prompt, *answer, *long_prompt_ids(24, start=74_000)]
-    body = _kept_here(prompt, 24, 4)
-    answer = _output_ids(decoder.url, body)
-    assert answer == _output_ids(mono.url, body)
-    prompt = [*prompt, *answer, *long_prompt_ids(24, start=75_000)]
-    plain = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
-    prefilled, decoded = send_as_router(
-        two_prefills.prefill.url, decoder.url, two_prefills.bootstrap_port, plain
-    )
-    assert prefilled.ok and decoded.ok, (prefilled.text[:300], decoded.text[:300])
-    assert decoded.json()["output_ids"] == generate_ids(mono.url, prompt, 4)
+    turns.kept_here(74_000)
+    turns.as_router(75_000)
     local = _metric(decoder, "sgl_pd_local_prefills_total", "cached_prefix") - local_before
     assert local == 2
+
+
+class _Turns:
+    """A conversation's follow-ups of 24 tokens on the cluster's decoder, each checked
+    against monolithic's tokens; `conversation`: all of it so far."""
+
+    def __init__(self, mono: Server, cluster: DirectCluster, conversation: list[int]) -> None:
+        self.mono, self.cluster, self.conversation = mono, cluster, conversation
+
+    def kept_here(self, start: int) -> None:
+        """Sent to the decoder, asking for its new tokens' logprobs (`_kept_here`)."""
+        prompt = [*self.conversation, *long_prompt_ids(24, start=start)]
+        body = _kept_here(prompt, 24, 4)
+        answer = _output_ids(self.cluster.decoders[0].url, body)
+        assert answer == _output_ids(self.mono.url, body)
+        self.conversation = [*prompt, *answer]
+
+    def as_router(self, start: int) -> dict[str, Any]:
+        """Sent as a router sends it, plain; the prefill server's meta_info."""
+        prompt = [*self.conversation, *long_prompt_ids(24, start=start)]
+        body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
+        prefilled, decoded = send_as_router(
+            self.cluster.prefill.url,
+            self.cluster.decoders[0].url,
+            self.cluster.bootstrap_port,
+            body,
+        )
+        assert prefilled.ok and decoded.ok, (prefilled.text[:300], decoded.text[:300])
+        answer = [int(t) for t in decoded.json()["output_ids"]]
+        assert answer == generate_ids(self.mono.url, prompt, 4)
+        self.conversation = [*prompt, *answer]
+        meta: dict[str, Any] = prefilled.json()["meta_info"]
+        return meta
 
 
 def test_running_streams_go_on_while_the_decoder_prefills(
