@@ -90,6 +90,7 @@ class ModeResult:
     gaps_s: list[float] = field(default_factory=list)  # running streams' inter-token gaps
     local_prefills: float = 0.0
     sent_out: float = 0.0  # of the local prefills, sent to the prefill server after all
+    sent_out_why: dict[str, float] = field(default_factory=dict)  # the same, by reason
     mixed_steps: float = 0.0  # local steps that decoded the running streams in their forward
     unmixed_steps: float = 0.0  # local steps that ran the local tokens alone
 
@@ -100,6 +101,8 @@ class ModeResult:
         self.gaps_s.extend(other.gaps_s)
         self.local_prefills += other.local_prefills
         self.sent_out += other.sent_out
+        for why, n in other.sent_out_why.items():
+            self.sent_out_why[why] = self.sent_out_why.get(why, 0.0) + n
         self.mixed_steps += other.mixed_steps
         self.unmixed_steps += other.unmixed_steps
 
@@ -107,6 +110,10 @@ class ModeResult:
         """Adds the decoder's local prefill counters' growth (`_local_counts`)."""
         self.local_prefills += after["local"] - before["local"]
         self.sent_out += after["sent_out"] - before["sent_out"]
+        for key in after.keys() - {"local", "sent_out", "mixed", "unmixed"}:
+            why, n = key.removeprefix("out:"), after[key] - before.get(key, 0.0)
+            if n:
+                self.sent_out_why[why] = self.sent_out_why.get(why, 0.0) + n
         self.mixed_steps += after["mixed"] - before["mixed"]
         self.unmixed_steps += after["unmixed"] - before["unmixed"]
 
@@ -478,17 +485,19 @@ def warm_up(url: str, mode: str, args: argparse.Namespace, timeout_s: float) -> 
 
 def _local_counts(url: str) -> dict[str, float]:
     """The decoder's local prefill counters: requests placed for local prefill (`local`),
-    of them sent to the prefill server after all (`sent_out`), and the local steps it ran
-    mixed into the streams' decode (`mixed`) or alone (`unmixed`)."""
+    of them sent to the prefill server after all (`sent_out`, and by reason "out:<why>"),
+    and the local steps it ran mixed into the streams' decode (`mixed`) or alone
+    (`unmixed`)."""
     names = ["sgl_pd_local_prefills_total", "sgl_pd_local_prefills_sent_out_total"]
     sums = metric_sums(url, names)
     steps = metric_by_label(url, "sgl_pd_local_prefill_steps_total", "kind")
+    why = metric_by_label(url, names[1], "why")
     return {
         "local": sums[names[0]],
         "sent_out": sums[names[1]],
         "mixed": steps.get("mixed", 0.0),
         "unmixed": steps.get("unmixed", 0.0),
-    }
+    } | {f"out:{reason}": n for reason, n in why.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -620,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "local_prefills_on": results["on"][count].local_prefills,
             "sent_out_on": results["on"][count].sent_out,
+            "sent_out_why_on": results["on"][count].sent_out_why,
             "local_steps_mixed_on": results["on"][count].mixed_steps,
             "local_steps_unmixed_on": results["on"][count].unmixed_steps,
         }

@@ -336,7 +336,8 @@ def test_the_paired_placement_run_switches_local_prefill_for_each_conversation(
         return {f"c{c}t1/follow_up": Answer(f"c{c}t1/follow_up", 40, (1,), 0.1)}
 
     def counts(url: str) -> dict[str, float]:
-        return {"local": placed[0], "sent_out": 0.0, "mixed": placed[0], "unmixed": 0.0}
+        counters = {"local": placed[0], "sent_out": placed[0], "mixed": 0.0, "unmixed": 0.0}
+        return counters | {"out:itl_slo": placed[0]}  # (each sent out after all)
 
     class Streams:
         def __init__(self, url: str, count: int, tokens: int) -> None:
@@ -369,4 +370,5 @@ def test_the_paired_placement_run_switches_local_prefill_for_each_conversation(
         assert sorted(k.split("t")[0] for k in result.answers) == conversations
         assert result.gaps_s == [0.01, 0.01]
         assert result.local_prefills == (2.0 if mode == "on" else 0.0)
+        assert result.sent_out_why == ({"itl_slo": 2.0} if mode == "on" else {})
         assert phases[mode].idle_itl_ms == 11.0
