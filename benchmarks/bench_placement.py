@@ -63,6 +63,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +71,7 @@ from typing import Any
 
 import numpy as np
 
-from sgl_pd.cluster.client import stream_generate
+from sgl_pd.cluster.client import set_local_prefill_limit, stream_generate
 from sgl_pd.cluster.load import plot_grouped_bars
 from sgl_pd.cluster.local import direct_cluster, local_patience, monolithic_server
 from sgl_pd.cluster.multiturn import Request
@@ -90,7 +91,7 @@ class ModeResult:
     gaps_s: list[float] = field(default_factory=list)  # running streams' inter-token gaps
     local_prefills: float = 0.0
     sent_out: float = 0.0  # of the local prefills, sent to the prefill server after all
-    sent_out_why: dict[str, float] = field(default_factory=dict)  # the same, by reason
+    sent_out_why: Counter[str] = field(default_factory=Counter)  # the same, by reason
     mixed_steps: float = 0.0  # local steps that decoded the running streams in their forward
     unmixed_steps: float = 0.0  # local steps that ran the local tokens alone
 
@@ -101,8 +102,7 @@ class ModeResult:
         self.gaps_s.extend(other.gaps_s)
         self.local_prefills += other.local_prefills
         self.sent_out += other.sent_out
-        for why, n in other.sent_out_why.items():
-            self.sent_out_why[why] = self.sent_out_why.get(why, 0.0) + n
+        self.sent_out_why.update(other.sent_out_why)
         self.mixed_steps += other.mixed_steps
         self.unmixed_steps += other.unmixed_steps
 
@@ -111,9 +111,8 @@ class ModeResult:
         self.local_prefills += after["local"] - before["local"]
         self.sent_out += after["sent_out"] - before["sent_out"]
         for key in after.keys() - {"local", "sent_out", "mixed", "unmixed"}:
-            why, n = key.removeprefix("out:"), after[key] - before.get(key, 0.0)
-            if n:
-                self.sent_out_why[why] = self.sent_out_why.get(why, 0.0) + n
+            if n := after[key] - before.get(key, 0.0):
+                self.sent_out_why[key.removeprefix("out:")] += n
         self.mixed_steps += after["mixed"] - before["mixed"]
         self.unmixed_steps += after["unmixed"] - before["unmixed"]
 
@@ -194,7 +193,7 @@ class Streams:
 
 def conversation_turns(
     url: str,
-    conversations: int | range,
+    conversations: range,
     follow_ups: int,
     fresh: int,
     message: int,
@@ -203,14 +202,14 @@ def conversation_turns(
     *,
     logprobs: bool = False,
 ) -> dict[str, Answer]:
-    """Runs the conversations (a count from the first, or which) one after another;
+    """Runs the conversations (their indices) one after another;
     answers keyed "c<i>t<turn>/fresh" or "/follow_up". The follow-up prompts are built
     from this server's answers; `seed` makes each sweep point's conversations its own
     (nothing cached from another).
     `logprobs`: the top two per token (the reference's margins, for near ties); SGLang
     does not mix a logprob request's prefill into running decode, so PD asks for none."""
     answers: dict[str, Answer] = {}
-    for c in range(conversations) if isinstance(conversations, int) else conversations:
+    for c in conversations:
         prompt = tuple(long_prompt_ids(fresh, start=10_000 + 20_000 * c + 997 * seed))
         for turn in range(follow_ups + 1):
             kind = "fresh" if turn == 0 else "follow_up"
@@ -301,7 +300,7 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> Phase:
             streams = Streams(url, count, args.stream_tokens)
             with streams.running(timeout_s):
                 result.answers = conversation_turns(
-                    url, conversations, args.follow_ups, args.fresh_tokens,
+                    url, range(conversations), args.follow_ups, args.fresh_tokens,
                     args.message_tokens, timeout_s, count, logprobs=mode == "mono",
                 )  # fmt: skip
             result.gaps_s = streams.gaps_s
@@ -309,7 +308,7 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> Phase:
                 result.count_local(before, _local_counts(url))
             results[count] = result
         cpu_after = cpu_seconds(roles)
-    cpu_s = {k: round(v - cpu_before.get(k, 0.0), 1) for k, v in cpu_after.items()}
+    cpu_s = cpu_used(cpu_before, cpu_after)
     return Phase(results, idle_itl_ms, steal_share(steal_before, cpu_steal()), cpu_s)
 
 
@@ -365,23 +364,16 @@ def run_paired(args: argparse.Namespace, work: Path, round_: int) -> dict[str, P
             for mode, by_count in results.items():
                 by_count[count].gaps_s = streams.gaps_within(windows[mode])
         cpu_after = cpu_seconds(roles)
-    cpu_s = {k: round(v - cpu_before.get(k, 0.0), 1) for k, v in cpu_after.items()}
+    cpu_s = cpu_used(cpu_before, cpu_after)
     steal = steal_share(steal_before, cpu_steal())
     return {mode: Phase(results[mode], idle_itl_ms, steal, cpu_s, paired=True) for mode in results}
 
 
 def switch_local_prefill(url: str, tokens: int) -> None:
     """The decoder's local prefill limit from now on (0: off), on every rank."""
-    import requests
-
-    response = requests.post(
-        f"{url}/set_internal_state",
-        json={"server_args": {"pd_local_prefill_max_tokens": tokens}},
-        timeout=60,
-    )
-    response.raise_for_status()
-    if not all(response.json()):
-        raise RuntimeError(f"the decoder refused local prefill limit {tokens}: {response.text}")
+    took = set_local_prefill_limit(url, tokens)
+    if not all(took):
+        raise RuntimeError(f"the decoder refused local prefill limit {tokens}: {took}")
 
 
 def _pid(server: Any) -> int | None:
@@ -414,6 +406,11 @@ def cpu_seconds(roles: dict[str, int | None]) -> dict[str, float]:
                 continue
             used[key] = used.get(key, 0.0) + times.user + times.system
     return used
+
+
+def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds used between two `cpu_seconds` readings, per process key."""
+    return {k: round(v - before.get(k, 0.0), 1) for k, v in after.items()}
 
 
 IDLE_PACE_S = 3.0  # how long 2 streams run alone to time a server set's decode steps
@@ -468,7 +465,7 @@ def warm_up(url: str, mode: str, args: argparse.Namespace, timeout_s: float) -> 
     with Streams(url, 2, args.stream_tokens).running(timeout_s):
         for round_ in range(WARM_UP_ROUNDS):
             conversation_turns(
-                url, 1, 3, args.fresh_tokens, args.message_tokens, timeout_s, 50 + round_
+                url, range(1), 3, args.fresh_tokens, args.message_tokens, timeout_s, 50 + round_
             )
             for i, tokens in enumerate(WARM_UP_PROMPTS):
                 start = 700_000 + 10_000 * (len(WARM_UP_PROMPTS) * round_ + i)

@@ -130,6 +130,21 @@ def stream_generate(
             yield time.perf_counter(), json.loads(payload)
 
 
+def set_local_prefill_limit(decoder_url: str, tokens: int) -> list[bool]:
+    """A serving decoder's local prefill limit from now on (0: off), through SGLang's
+    /set_internal_state (`backend/decode/local_switch.py`): whether each data-parallel
+    group's ranks took it."""
+    from sgl_pd.backend.decode.local_switch import SETTING
+
+    response = requests.post(
+        f"{decoder_url}/set_internal_state",
+        json={"server_args": {SETTING: tokens}},
+        timeout=REQUEST_TIMEOUT_S,
+    )
+    response.raise_for_status()
+    return [bool(x) for x in response.json()]
+
+
 def send_as_router(
     prefill_url: str,
     decoder_url: str,

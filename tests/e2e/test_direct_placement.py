@@ -17,7 +17,12 @@ from typing import Any
 import pytest
 import requests
 
-from sgl_pd.cluster.client import generate_ids, send_as_router, stream_generate
+from sgl_pd.cluster.client import (
+    generate_ids,
+    send_as_router,
+    set_local_prefill_limit,
+    stream_generate,
+)
 from sgl_pd.cluster.local import DirectCluster, Patience, Server, direct_cluster
 from sgl_pd.cluster.logs import pools_idle, timing_lines, unexpected_warnings, wait_pools_idle
 from sgl_pd.cluster.prompts import long_prompt_ids
@@ -157,18 +162,6 @@ def test_follow_up_turns_are_prefilled_on_the_decoder(
     assert sum(_prefilled(two_prefills)) == sum(before) + 1, "a follow-up went to a prefiller"
 
 
-def _local_prefill_limit(decoder: Server, tokens: int) -> list[bool]:
-    """SGLang's /set_internal_state with sgl_pd's setting (`local_switch`): whether each
-    data-parallel group's ranks took it."""
-    response = requests.post(
-        f"{decoder.url}/set_internal_state",
-        json={"server_args": {"pd_local_prefill_max_tokens": tokens}},
-        timeout=60,
-    )
-    response.raise_for_status()
-    return [bool(x) for x in response.json()]
-
-
 def test_local_prefill_turned_off_while_serving_sends_follow_ups_out_until_turned_on(
     mono: Server, two_prefills: DirectCluster
 ) -> None:
@@ -184,13 +177,13 @@ def test_local_prefill_turned_off_while_serving_sends_follow_ups_out_until_turne
     turns = _Turns(mono, two_prefills, [*history, *answer])
     local_before = _metric(decoder, "sgl_pd_local_prefills_total", "cached_prefix")
     try:
-        assert _local_prefill_limit(decoder, 0) == [True]
+        assert set_local_prefill_limit(decoder.url, 0) == [True]
         turns.kept_here(72_000)  # (kept here, were it placed here)
         assert not turns.as_router(73_000).get("pd_prefilled_by_decoder")
         assert _metric(decoder, "sgl_pd_local_prefills_total", "cached_prefix") == local_before
         assert sum(_prefilled(two_prefills, prefilled_before + 3)) == prefilled_before + 3
     finally:  # (whatever failed: the module's later tests need local prefill on)
-        restored = _local_prefill_limit(decoder, LOCAL_MAX_TOKENS)
+        restored = set_local_prefill_limit(decoder.url, LOCAL_MAX_TOKENS)
     assert restored == [True]
     turns.kept_here(74_000)
     turns.as_router(75_000)
