@@ -16,11 +16,13 @@ logger = logging.getLogger("sgl_pd.plugin")
 
 
 def register() -> None:
+    from sgl_pd.backend import hook_propagation
     from sgl_pd.backend.registration import register_backend
     from sgl_pd.harness.cpu_shims import apply_cpu_shims
     from sgl_pd.warnings_log import attach
 
     attach()  # (SGLPD_WARNINGS_LOG: this process's warnings, gathered in one file)
+    hook_propagation.install()  # the same rebinding as SGLang's, seconds sooner a process
     register_backend()
     apply_cpu_shims()  # acts only on SGLang's CPU engine
     logger.info("sgl_pd plugin registered (transfer backend %r)", BACKEND_NAME)
