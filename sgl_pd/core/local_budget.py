@@ -55,6 +55,10 @@ MIN_SAMPLES = 8  # steps of a kind seen before a fit of them is used
 # one stream count a local token's cost and the mixing's are one sum no fit can split,
 # and a split that drifts would end in a wrong plan
 PROBE_EVERY = 4
+# the rooms of direct requests that reached the scheduler a local offer lists: an offer is
+# written at least every 0.25 s, and a claimed burst whose room fell off the list is
+# released when its request ends instead
+ARRIVALS_OFFERED = 64
 # remote prefills seen before theirs is: a decoder sees far fewer of them than steps, and
 # until then every placement stays local
 MIN_REMOTE_SAMPLES = 4
@@ -701,6 +705,10 @@ class LocalOffer:
     page_size: int
     can_mix: bool = True  # no running stream asks for logprobs (SGLang would mix)
     may_send_out: bool = True  # the scheduler sends local requests out at all
+    # the bootstrap rooms of the last requests its HTTP process placed here that reached
+    # the scheduler, newest last (at most `ARRIVALS_OFFERED`): `burst_ready` accounts
+    # for them (`local_offer.OfferReader.claim_burst`)
+    arrived_rooms: tuple[int, ...] = ()
 
     def to_json(self) -> str:
         fields = {k: v for k, v in self.__dict__.items() if k != "models"}
@@ -711,13 +719,15 @@ class LocalOffer:
         """The offer `text` holds; ValueError for anything else (another version's)."""
         try:
             fields = json.loads(text)
-            offer = cls(**{**fields, "models": unpack_models(fields["models"])})
+            arrived = tuple(fields.get("arrived_rooms", ()))
+            models = unpack_models(fields["models"])
+            offer = cls(**{**fields, "models": models, "arrived_rooms": arrived})
             numbers = (offer.written_s, offer.local_share, offer.slo_factor)
             counts = (offer.running, offer.tokens_ahead, offer.cap, offer.page_size)
         except (TypeError, KeyError, IndexError, AttributeError) as e:
             raise ValueError(f"not a local offer: {e}") from None
         if not all(isinstance(v, (int, float)) for v in numbers) or not all(
-            isinstance(v, int) and v >= 0 for v in counts
+            isinstance(v, int) and v >= 0 for v in (*counts, *offer.arrived_rooms)
         ):
             raise ValueError("not a local offer: a field of the wrong type")
         return offer

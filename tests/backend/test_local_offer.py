@@ -333,3 +333,72 @@ def test_a_request_asking_for_its_prompt_s_logprobs_is_judged_by_what_sglang_rec
             obj = request(**logprobs)
             assert dispatcher.local_reason(_prompt_key(obj), plain=_plain(obj)) == reason
             assert dispatcher.local_reason(_prompt_key(obj), plain=False) == reason
+
+
+def test_a_burst_goes_to_one_request_until_the_scheduler_shows_it_arrived(
+    tmp_path: Path,
+) -> None:
+    """Two follow-ups between two offers, each of 40 uncached tokens that only the
+    ready burst carries sooner here than remote: the first is placed here and claims
+    it; the second is judged without it (remote) until an offer lists the first among
+    the requests that reached the scheduler - that offer's own burst state counts."""
+    from sgl_pd.core.placement import PromptKey
+
+    path = tmp_path / "offers" / "offer.json"
+    with _dispatcher(path) as dispatcher:
+        conversation = [*range(1024), *range(5000, 5008)]
+        dispatcher.served(PromptKey.of_ids(conversation))
+        follow_up = PromptKey.of_ids([*conversation, *range(7000, 7040)])
+        write_offer(path, _offer(burst_ready=True))
+        time.sleep(REREAD_S)
+        assert not dispatcher.sooner_remote(follow_up)
+        dispatcher.placed_here("cached_prefix", 11)
+        assert dispatcher.sooner_remote(follow_up)  # the burst is the first one's
+        # an offer written before the first arrived still says ready: still claimed
+        write_offer(path, _offer(burst_ready=True, arrived_rooms=(5, 7)))
+        time.sleep(REREAD_S)
+        assert dispatcher.sooner_remote(follow_up)
+        # it arrived, the burst was refilled since: ready for the next one
+        write_offer(path, _offer(burst_ready=True, arrived_rooms=(7, 11)))
+        time.sleep(REREAD_S)
+        assert not dispatcher.sooner_remote(follow_up)
+        # placed on an offer without a burst, a request claims nothing
+        write_offer(path, _offer(burst_ready=False))
+        time.sleep(REREAD_S)
+        dispatcher.placed_here("cached_prefix", 12)
+        write_offer(path, _offer(burst_ready=True))
+        time.sleep(REREAD_S)
+        assert not dispatcher.sooner_remote(follow_up)
+
+
+def test_a_claimed_burst_is_released_when_its_request_ends_unseen(tmp_path: Path) -> None:
+    """A request placed on the burst that never reached the scheduler (refused before,
+    aborted by its client) must not keep the burst from every later request."""
+    path = tmp_path / "offers" / "offer.json"
+    reader = OfferReader(path)
+    now = time.time()
+    write_offer(path, _offer(written_s=now, burst_ready=True))
+    assert reader.current(now).burst_ready  # type: ignore[union-attr]
+    reader.claim_burst(21)
+    assert not reader.current(now).burst_ready  # type: ignore[union-attr]
+    reader.request_ended(22)  # (another request: not the claim)
+    assert not reader.current(now).burst_ready  # type: ignore[union-attr]
+    reader.request_ended(21)
+    assert reader.current(now).burst_ready  # type: ignore[union-attr]
+
+
+def test_the_rooms_that_arrived_survive_the_file_and_nothing_else_passes_for_them(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "offers" / "offer.json"
+    offer = _offer(arrived_rooms=(3, 2**62))
+    write_offer(path, offer)
+    assert LocalOffer.from_json(path.read_text()) == offer
+    for rooms in (["3"], [-1], [1.5], 7):
+        fields = json.loads(offer.to_json())
+        with pytest.raises(ValueError):
+            LocalOffer.from_json(json.dumps({**fields, "arrived_rooms": rooms}))
+    # an offer of the version before (no rooms): none arrived
+    fields = json.loads(offer.to_json())
+    del fields["arrived_rooms"]
+    assert LocalOffer.from_json(json.dumps(fields)).arrived_rooms == ()

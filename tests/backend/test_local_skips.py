@@ -435,3 +435,21 @@ def test_a_retracted_request_counts_its_output_among_the_work_queued() -> None:
     around_add_request_to_queue(_never_queued, scheduler, retracted, is_retracted=True)
     assert local.queue == [retracted]
     assert local_prefill._work_ahead(local) == 40 + 25
+
+
+def test_the_offer_lists_the_direct_requests_that_arrived(tmp_path: Any) -> None:
+    """The HTTP process learns from the offer that a request it placed on the burst
+    reached the scheduler (`local_offer.OfferReader.claim_burst`): direct requests
+    only, the newest `ARRIVALS_OFFERED`."""
+    from sgl_pd.core.local_budget import ARRIVALS_OFFERED, LocalOffer
+
+    local, scheduler, _ = _measuring()
+    _queued(local, scheduler, 1)  # (a router request: its HTTP process placed nothing)
+    for room in range(10, 12 + ARRIVALS_OFFERED):
+        direct = _router_request(room)
+        direct.bootstrap_host = LOCAL_HOST  # (placed here by the HTTP process)
+        around_add_request_to_queue(_never_queued, scheduler, direct)
+    path = tmp_path / "offer.json"
+    local_prefill._offer(scheduler, local, path)
+    offered = LocalOffer.from_json(path.read_text()).arrived_rooms
+    assert offered == tuple(range(12, 12 + ARRIVALS_OFFERED))

@@ -200,9 +200,18 @@ class DirectDispatcher:
         with self._lock:
             self._local_max_tokens = tokens
 
-    def placed_here(self, reason: str) -> None:
-        """A request goes to this decoder's scheduler to be prefilled here (`reason`)."""
+    def placed_here(self, reason: str, room: int) -> None:
+        """The request of bootstrap room `room` goes to this decoder's scheduler to be
+        prefilled here (`reason`); a burst the scheduler's offer has ready is its."""
         self._metrics.local(reason)
+        offer = None if self._offers is None else self._offers.current()
+        if offer is not None and offer.burst_ready:
+            self._offers.claim_burst(room)  # type: ignore[union-attr]
+
+    def local_ended(self, room: int) -> None:
+        """The request of `room`, placed here, ended."""
+        if self._offers is not None:
+            self._offers.request_ended(room)
 
     def sooner_remote(self, prompt: PromptKey) -> bool:
         """Whether the decode scheduler's latest offer would send a plain request of
@@ -584,7 +593,6 @@ async def around_generate_request(
         local_reason = dispatcher.prefill_here(prompt)
     if chosen is None:  # prefilled here (`local_prefill`): no prefill server involved
         assert local_reason is not None
-        dispatcher.placed_here(local_reason)
         # ... unless its scheduler sends it out after all: then to this one
         fallback = None if refusals else dispatcher.fallback(prompt)
         host, port = _host_and_port(fallback) if fallback else (None, 0)
@@ -596,12 +604,14 @@ async def around_generate_request(
         if fallback is not None:  # its scheduler may send it there: it may be refused
             refused = dispatcher.watch(room)
             outputs = _unless_refused(outputs, refused, lambda: manager.abort_request(obj.rid))
+        dispatcher.placed_here(local_reason, room)
         try:
             async for out in outputs:
                 _note_served(dispatcher, obj, out)
                 yield out
         finally:
             dispatcher.unwatch(room)
+            dispatcher.local_ended(room)
         return
     (obj.bootstrap_host, obj.bootstrap_port), obj.bootstrap_room = _host_and_port(addr), room
     dispatcher.trace_placement(

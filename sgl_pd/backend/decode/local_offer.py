@@ -7,7 +7,15 @@ steps (when its models are synced) and at least every `local_prefill.OFFER_EVERY
 it when a plain direct request could be prefilled here, at most once per `REREAD_S`, and
 uses it only while it is fresh (`MAX_AGE_S`): a scheduler that stopped stepping - paused,
 stuck, gone - offers nothing, and the request is placed as without it (the scheduler
-decides). The file is named by the server's port, in a directory of the user's alone in
+decides).
+
+The burst an offer says is ready (`BurstAllowance`) is one step's: a request placed here
+on an offer with it ready claims it (`OfferReader.claim_burst`), and later requests are
+judged without it until an offer lists the claiming request among those that reached the
+scheduler (its `burst_ready` then accounts for it) or that request ends here. Without
+the claim, every request placed between two offers counted on the same burst, and the
+scheduler sent all but the first out again, each a scheduling step and a hand-off
+later. The file is named by the server's port, in a directory of the user's alone in
 the temp dir, and removed when the HTTP process exits cleanly (a file left behind is
 stale within `MAX_AGE_S`).
 """
@@ -16,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import os
 import tempfile
@@ -68,10 +77,25 @@ class OfferReader:
         self._lock = threading.Lock()
         self._read_s = -REREAD_S
         self._offer: LocalOffer | None = None
+        self._burst_claimed_by: int | None = None  # a room placed here on the burst
         atexit.register(self._remove)
 
+    def claim_burst(self, room: int) -> None:
+        """The request of bootstrap room `room` was placed here while the latest offer
+        said a burst is ready: the burst is its (the scheduler's step would spend it)."""
+        with self._lock:
+            self._burst_claimed_by = room
+
+    def request_ended(self, room: int) -> None:
+        """The request of `room`, placed here, ended (answered, failed, aborted): a burst
+        it claimed is the scheduler's to tell about again, even if it never got there."""
+        with self._lock:
+            if self._burst_claimed_by == room:
+                self._burst_claimed_by = None
+
     def current(self, now_s: float | None = None) -> LocalOffer | None:
-        """The latest offer while it is fresh, else None."""
+        """The latest offer while it is fresh, else None; without its burst while a
+        request placed here claims it and no offer shows that request arrived."""
         now = time.time() if now_s is None else now_s
         with self._lock:
             if now - self._read_s >= REREAD_S:
@@ -83,8 +107,13 @@ class OfferReader:
                 except (OSError, ValueError):
                     self._offer = None  # (none yet, or a file of another version)
             offer = self._offer
-        if offer is None or not 0 <= now - offer.written_s <= MAX_AGE_S:
-            return None
+            if offer is None or not 0 <= now - offer.written_s <= MAX_AGE_S:
+                return None
+            claimed = self._burst_claimed_by
+            if claimed is not None and claimed in offer.arrived_rooms:
+                self._burst_claimed_by = claimed = None
+        if claimed is not None and offer.burst_ready:
+            return dataclasses.replace(offer, burst_ready=False)
         return offer
 
     def _remove(self) -> None:

@@ -47,6 +47,7 @@ import dataclasses
 import logging
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,7 @@ from sgl_pd.backend.first_token import (
 from sgl_pd.backend.metrics import PlacementMetrics
 from sgl_pd.core.dispatch import PrefillerLoad
 from sgl_pd.core.local_budget import (
+    ARRIVALS_OFFERED,
     LocalOffer,
     LocalStep,
     LocalWait,
@@ -125,6 +127,8 @@ class LocalPrefills:
         # meet here (`local_offer`), to send one sooner remote at once
         self.offer_path = offer_path
         self.offer_written_s = -OFFER_EVERY_S  # (the pacer's clock)
+        # the rooms of the last direct requests that reached this scheduler, for the offer
+        self.arrived_rooms: deque[int] = deque(maxlen=ARRIVALS_OFFERED)
         self.fallbacks: dict[str, Fallback] = {}  # rid -> where it goes if not admitted
         self.uncached: dict[str, int] = {}  # rid -> its tokens to prefill here (queued)
         # (when queued, predicted seconds) of local requests whose last chunk ran in the
@@ -215,6 +219,8 @@ def around_add_request_to_queue(
             return original(scheduler, req, is_retracted)  # (a backup: from its host copy)
         fallback = None
     elif is_local(req):  # direct mode: placed by the HTTP process
+        if isinstance(req.bootstrap_room, int):  # (the offer tells it arrived)
+            local.arrived_rooms.append(req.bootstrap_room)
         fallback = direct_fallback(req)
         if fallback is not None and not _sendable(local, req):
             fallback = None  # (its prefill server never saw it: nothing to skip)
@@ -564,6 +570,7 @@ def _offer(scheduler: Any, local: LocalPrefills, path: Path) -> None:
         page_size=pacer.page_size,
         can_mix=_can_mix(scheduler),
         may_send_out=local.may_send_out,
+        arrived_rooms=tuple(local.arrived_rooms),
     )
     write_offer(path, offer)
 
