@@ -706,8 +706,8 @@ class LocalOffer:
     can_mix: bool = True  # no running stream asks for logprobs (SGLang would mix)
     may_send_out: bool = True  # the scheduler sends local requests out at all
     # the bootstrap rooms of the last requests its HTTP process placed here that reached
-    # the scheduler, newest last (at most `ARRIVALS_OFFERED`): `burst_ready` accounts
-    # for them (`local_offer.OfferReader.claim_burst`)
+    # the scheduler and left its local queue, newest last (of the last `ARRIVALS_OFFERED`
+    # to arrive): `burst_ready` accounts for them (`local_offer`)
     arrived_rooms: tuple[int, ...] = ()
 
     def to_json(self) -> str:
@@ -726,8 +726,10 @@ class LocalOffer:
             counts = (offer.running, offer.tokens_ahead, offer.cap, offer.page_size)
         except (TypeError, KeyError, IndexError, AttributeError) as e:
             raise ValueError(f"not a local offer: {e}") from None
-        if not all(isinstance(v, (int, float)) for v in numbers) or not all(
-            isinstance(v, int) and v >= 0 for v in (*counts, *offer.arrived_rooms)
+        if (
+            not all(isinstance(v, (int, float)) for v in numbers)
+            or not all(isinstance(v, int) and v >= 0 for v in counts)
+            or not all(type(room) is int and room >= 0 for room in offer.arrived_rooms)
         ):
             raise ValueError("not a local offer: a field of the wrong type")
         return offer

@@ -5,11 +5,12 @@ nothing differently."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -335,13 +336,14 @@ def test_a_request_asking_for_its_prompt_s_logprobs_is_judged_by_what_sglang_rec
             assert dispatcher.local_reason(_prompt_key(obj), plain=False) == reason
 
 
-def test_a_burst_goes_to_one_request_until_the_scheduler_shows_it_arrived(
+def test_a_burst_goes_to_one_request_until_the_scheduler_shows_it_past_its_queue(
     tmp_path: Path,
 ) -> None:
     """Two follow-ups between two offers, each of 40 uncached tokens that only the
     ready burst carries sooner here than remote: the first is placed here and claims
     it; the second is judged without it (remote) until an offer lists the first among
-    the requests that reached the scheduler - that offer's own burst state counts."""
+    the requests that left the scheduler's local queue - that offer's own burst state
+    counts - or the first request ends."""
     from sgl_pd.core.placement import PromptKey
 
     path = tmp_path / "offers" / "offer.json"
@@ -352,36 +354,66 @@ def test_a_burst_goes_to_one_request_until_the_scheduler_shows_it_arrived(
         write_offer(path, _offer(burst_ready=True))
         time.sleep(REREAD_S)
         assert not dispatcher.sooner_remote(follow_up)
-        dispatcher.placed_here("cached_prefix", 11)
-        assert dispatcher.sooner_remote(follow_up)  # the burst is the first one's
-        # an offer written before the first arrived still says ready: still claimed
-        write_offer(path, _offer(burst_ready=True, arrived_rooms=(5, 7)))
-        time.sleep(REREAD_S)
-        assert dispatcher.sooner_remote(follow_up)
-        # it arrived, the burst was refilled since: ready for the next one
-        write_offer(path, _offer(burst_ready=True, arrived_rooms=(7, 11)))
-        time.sleep(REREAD_S)
-        assert not dispatcher.sooner_remote(follow_up)
+        with dispatcher.placed_here("cached_prefix", 11):
+            assert dispatcher.sooner_remote(follow_up)  # the burst is the first one's
+            # an offer written before the first left the queue still says ready
+            write_offer(path, _offer(burst_ready=True, arrived_rooms=(5, 7)))
+            time.sleep(REREAD_S)
+            assert dispatcher.sooner_remote(follow_up)
+            # it left the queue, and the burst was refilled since: for the next one
+            write_offer(path, _offer(burst_ready=True, arrived_rooms=(7, 11)))
+            time.sleep(REREAD_S)
+            assert not dispatcher.sooner_remote(follow_up)
         # placed on an offer without a burst, a request claims nothing
         write_offer(path, _offer(burst_ready=False))
         time.sleep(REREAD_S)
-        dispatcher.placed_here("cached_prefix", 12)
+        with dispatcher.placed_here("cached_prefix", 12):
+            write_offer(path, _offer(burst_ready=True))
+            time.sleep(REREAD_S)
+            assert not dispatcher.sooner_remote(follow_up)
+            with dispatcher.placed_here("cached_prefix", 13):  # (this one claims it)
+                assert dispatcher.sooner_remote(follow_up)
+            assert not dispatcher.sooner_remote(follow_up)  # it ended: no claim is left
+
+
+def test_a_claimed_burst_is_released_however_its_request_ends(tmp_path: Path) -> None:
+    """A request placed on the burst that never left the scheduler's queue (refused
+    before it got there, aborted by its client, failed) must not keep the burst from
+    every later request: its claim ends with it - an exception or a consumer that stops
+    reading (the generator closed) too."""
+    path = tmp_path / "offers" / "offer.json"
+    with _dispatcher(path) as dispatcher:
+        reader = dispatcher._offers
         write_offer(path, _offer(burst_ready=True))
-        time.sleep(REREAD_S)
-        assert not dispatcher.sooner_remote(follow_up)
+        with pytest.raises(RuntimeError), dispatcher.placed_here("cached_prefix", 21):
+            assert not reader.current().burst_ready
+            raise RuntimeError("the request failed")
+        assert reader.current().burst_ready
+
+        async def served() -> AsyncIterator[int]:
+            with dispatcher.placed_here("cached_prefix", 22):
+                for token in range(3):
+                    yield token
+
+        async def read_one_then_stop() -> None:
+            outputs = served()
+            await outputs.__anext__()
+            assert not reader.current().burst_ready  # (claimed while it is served)
+            await outputs.aclose()
+
+        asyncio.run(read_one_then_stop())
+        assert reader.current().burst_ready
 
 
-def test_a_claimed_burst_is_released_when_its_request_ends_unseen(tmp_path: Path) -> None:
-    """A request placed on the burst that never reached the scheduler (refused before,
-    aborted by its client) must not keep the burst from every later request."""
+def test_only_the_claiming_request_s_end_releases_the_burst(tmp_path: Path) -> None:
     path = tmp_path / "offers" / "offer.json"
     reader = OfferReader(path)
     now = time.time()
     write_offer(path, _offer(written_s=now, burst_ready=True))
-    assert reader.current(now).burst_ready  # type: ignore[union-attr]
-    reader.claim_burst(21)
+    reader.claim_burst_if_ready(21, now)
     assert not reader.current(now).burst_ready  # type: ignore[union-attr]
-    reader.request_ended(22)  # (another request: not the claim)
+    reader.claim_burst_if_ready(22, now)  # (judged without the burst: claims nothing)
+    reader.request_ended(22)
     assert not reader.current(now).burst_ready  # type: ignore[union-attr]
     reader.request_ended(21)
     assert reader.current(now).burst_ready  # type: ignore[union-attr]
@@ -394,7 +426,7 @@ def test_the_rooms_that_arrived_survive_the_file_and_nothing_else_passes_for_the
     offer = _offer(arrived_rooms=(3, 2**62))
     write_offer(path, offer)
     assert LocalOffer.from_json(path.read_text()) == offer
-    for rooms in (["3"], [-1], [1.5], 7):
+    for rooms in (["3"], [-1], [1.5], [True], 7):
         fields = json.loads(offer.to_json())
         with pytest.raises(ValueError):
             LocalOffer.from_json(json.dumps({**fields, "arrived_rooms": rooms}))

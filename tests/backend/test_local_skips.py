@@ -437,10 +437,12 @@ def test_a_retracted_request_counts_its_output_among_the_work_queued() -> None:
     assert local_prefill._work_ahead(local) == 40 + 25
 
 
-def test_the_offer_lists_the_direct_requests_that_arrived(tmp_path: Any) -> None:
-    """The HTTP process learns from the offer that a request it placed on the burst
-    reached the scheduler (`local_offer.OfferReader.claim_burst`): direct requests
-    only, the newest `ARRIVALS_OFFERED`."""
+def test_the_offer_lists_the_direct_requests_past_the_local_queue(tmp_path: Any) -> None:
+    """The HTTP process learns from the offer that a request it placed on the burst left
+    the local queue (`local_offer.OfferReader.claim_burst_if_ready`): direct requests
+    only, of the newest `ARRIVALS_OFFERED` to arrive, and none still queued - an offer
+    written in the iteration a request arrives, before its step launches, still says the
+    burst is ready."""
     from sgl_pd.core.local_budget import ARRIVALS_OFFERED, LocalOffer
 
     local, scheduler, _ = _measuring()
@@ -450,6 +452,14 @@ def test_the_offer_lists_the_direct_requests_that_arrived(tmp_path: Any) -> None
         direct.bootstrap_host = LOCAL_HOST  # (placed here by the HTTP process)
         around_add_request_to_queue(_never_queued, scheduler, direct)
     path = tmp_path / "offer.json"
-    local_prefill._offer(scheduler, local, path)
-    offered = LocalOffer.from_json(path.read_text()).arrived_rooms
-    assert offered == tuple(range(12, 12 + ARRIVALS_OFFERED))
+
+    def offered() -> tuple[int, ...]:
+        local_prefill._offer(scheduler, local, path)
+        return LocalOffer.from_json(path.read_text()).arrived_rooms
+
+    assert offered() == ()  # all still queued
+    launched = [r for r in local.queue if r.bootstrap_room in (12, 20)]
+    local.queue = [r for r in local.queue if r not in launched]  # (as a local step takes them)
+    assert offered() == (12, 20)
+    local.queue = []
+    assert offered() == tuple(range(12, 12 + ARRIVALS_OFFERED))

@@ -9,8 +9,9 @@ Two decoders on one prefill server (direct mode, requests sent as the router sen
 for the router flow):
 - decoder 0: the defaults (ITL SLO on, at most 128 local tokens a step), room for 340
   running requests;
-- decoder 1: 16 local tokens a step without an SLO (every step carries 16), and room
-  for `SMALL_RUNNING` running requests, so that streams can fill every request slot.
+- decoder 1: 16 local tokens a step without an SLO (every step carries 16, mixed into
+  the streams' decode where SGLang can mix), and room for `SMALL_RUNNING` running
+  requests, so that streams can fill every request slot.
 """
 
 from __future__ import annotations
@@ -199,6 +200,7 @@ def test_follow_ups_are_answered_whatever_runs_on_the_decoder(
     placed_before = _metric(decoder, LOCAL)
     sent_before = _metric(decoder, SENT_OUT)
     steps_before = _metric(decoder, LOCAL_STEPS)
+    mixed_before = _metric(decoder, LOCAL_STEPS, kind="mixed")
     follow_ups = []
     with _streams(decoder, streams, patience, seed=seed + 5000) as answers:
         for turn in range(2):
@@ -211,6 +213,8 @@ def test_follow_ups_are_answered_whatever_runs_on_the_decoder(
     assert 0 <= sent_out <= placed
     if sent_out < placed:  # prefilled here: in local steps, mixed with the streams or not
         assert _metric(decoder, LOCAL_STEPS) > steps_before
+        if decoder_index == 1 and streams:  # (no SLO: each step mixes where SGLang can)
+            assert _metric(decoder, LOCAL_STEPS, kind="mixed") > mixed_before
     for asked, got in follow_ups:
         assert got == generate_ids(mono.url, asked, ANSWER_TOKENS)
     assert len(answers) == streams

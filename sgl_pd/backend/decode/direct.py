@@ -23,12 +23,13 @@ Runs in the decoder's HTTP front-end process (a hook on `TokenizerManager.genera
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -200,18 +201,20 @@ class DirectDispatcher:
         with self._lock:
             self._local_max_tokens = tokens
 
-    def placed_here(self, reason: str, room: int) -> None:
-        """The request of bootstrap room `room` goes to this decoder's scheduler to be
-        prefilled here (`reason`); a burst the scheduler's offer has ready is its."""
+    @contextlib.contextmanager
+    def placed_here(self, reason: str, room: int) -> Iterator[None]:
+        """While the request of bootstrap room `room`, sent to this decoder's scheduler
+        to be prefilled here (`reason`), is served: a burst the scheduler's offer has
+        ready is its (`local_offer`), until an offer shows it past the local queue or the
+        request ends."""
         self._metrics.local(reason)
-        offer = None if self._offers is None else self._offers.current()
-        if offer is not None and offer.burst_ready:
-            self._offers.claim_burst(room)  # type: ignore[union-attr]
-
-    def local_ended(self, room: int) -> None:
-        """The request of `room`, placed here, ended."""
         if self._offers is not None:
-            self._offers.request_ended(room)
+            self._offers.claim_burst_if_ready(room)
+        try:
+            yield
+        finally:
+            if self._offers is not None:
+                self._offers.request_ended(room)
 
     def sooner_remote(self, prompt: PromptKey) -> bool:
         """Whether the decode scheduler's latest offer would send a plain request of
@@ -604,14 +607,13 @@ async def around_generate_request(
         if fallback is not None:  # its scheduler may send it there: it may be refused
             refused = dispatcher.watch(room)
             outputs = _unless_refused(outputs, refused, lambda: manager.abort_request(obj.rid))
-        dispatcher.placed_here(local_reason, room)
         try:
-            async for out in outputs:
-                _note_served(dispatcher, obj, out)
-                yield out
+            with dispatcher.placed_here(local_reason, room):
+                async for out in outputs:
+                    _note_served(dispatcher, obj, out)
+                    yield out
         finally:
             dispatcher.unwatch(room)
-            dispatcher.local_ended(room)
         return
     (obj.bootstrap_host, obj.bootstrap_port), obj.bootstrap_room = _host_and_port(addr), room
     dispatcher.trace_placement(

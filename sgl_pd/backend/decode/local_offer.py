@@ -10,14 +10,14 @@ stuck, gone - offers nothing, and the request is placed as without it (the sched
 decides).
 
 The burst an offer says is ready (`BurstAllowance`) is one step's: a request placed here
-on an offer with it ready claims it (`OfferReader.claim_burst`), and later requests are
-judged without it until an offer lists the claiming request among those that reached the
-scheduler (its `burst_ready` then accounts for it) or that request ends here. Without
-the claim, every request placed between two offers counted on the same burst, and the
-scheduler sent all but the first out again, each a scheduling step and a hand-off
-later. The file is named by the server's port, in a directory of the user's alone in
-the temp dir, and removed when the HTTP process exits cleanly (a file left behind is
-stale within `MAX_AGE_S`).
+on an offer with it ready claims it (`OfferReader.claim_burst_if_ready`), and later
+requests are judged without it until an offer lists the claiming request among those
+that left the scheduler's local queue (launched in a step, or sent out: the offer's
+`burst_ready` then accounts for it) or that request ends here. Without the claim, every
+request placed between two offers counted on the same burst, and the scheduler sent all
+but the first out again, each a scheduling step and a hand-off later. Each HTTP worker
+(`--tokenizer-worker-num`) claims for the requests it places: with several, as many
+requests may count on one burst, as all did before.
 """
 
 from __future__ import annotations
@@ -80,11 +80,14 @@ class OfferReader:
         self._burst_claimed_by: int | None = None  # a room placed here on the burst
         atexit.register(self._remove)
 
-    def claim_burst(self, room: int) -> None:
-        """The request of bootstrap room `room` was placed here while the latest offer
-        said a burst is ready: the burst is its (the scheduler's step would spend it)."""
+    def claim_burst_if_ready(self, room: int, now_s: float | None = None) -> None:
+        """The request of bootstrap room `room` is placed here: if the latest offer says
+        a burst is ready, it is that request's (the scheduler's next local step spends
+        it on the request, or finds it gone and sends the request out)."""
         with self._lock:
-            self._burst_claimed_by = room
+            offer = self._current(time.time() if now_s is None else now_s)
+            if offer is not None and offer.burst_ready:
+                self._burst_claimed_by = room
 
     def request_ended(self, room: int) -> None:
         """The request of `room`, placed here, ended (answered, failed, aborted): a burst
@@ -95,24 +98,25 @@ class OfferReader:
 
     def current(self, now_s: float | None = None) -> LocalOffer | None:
         """The latest offer while it is fresh, else None; without its burst while a
-        request placed here claims it and no offer shows that request arrived."""
-        now = time.time() if now_s is None else now_s
+        request placed here claims it and no offer shows that request past the queue."""
         with self._lock:
-            if now - self._read_s >= REREAD_S:
-                self._read_s = now
-                try:
-                    if not _private(self._path.parent):
-                        raise ValueError(f"{self._path.parent} is not this user's alone")
-                    self._offer = LocalOffer.from_json(self._path.read_text())
-                except (OSError, ValueError):
-                    self._offer = None  # (none yet, or a file of another version)
-            offer = self._offer
-            if offer is None or not 0 <= now - offer.written_s <= MAX_AGE_S:
-                return None
-            claimed = self._burst_claimed_by
-            if claimed is not None and claimed in offer.arrived_rooms:
-                self._burst_claimed_by = claimed = None
-        if claimed is not None and offer.burst_ready:
+            return self._current(time.time() if now_s is None else now_s)
+
+    def _current(self, now: float) -> LocalOffer | None:
+        if now - self._read_s >= REREAD_S:
+            self._read_s = now
+            try:
+                if not _private(self._path.parent):
+                    raise ValueError(f"{self._path.parent} is not this user's alone")
+                self._offer = LocalOffer.from_json(self._path.read_text())
+            except (OSError, ValueError):
+                self._offer = None  # (none yet, or a file of another version)
+        offer = self._offer
+        if offer is None or not 0 <= now - offer.written_s <= MAX_AGE_S:
+            return None
+        if self._burst_claimed_by in offer.arrived_rooms:
+            self._burst_claimed_by = None
+        if self._burst_claimed_by is not None and offer.burst_ready:
             return dataclasses.replace(offer, burst_ready=False)
         return offer
 

@@ -127,7 +127,7 @@ class LocalPrefills:
         # meet here (`local_offer`), to send one sooner remote at once
         self.offer_path = offer_path
         self.offer_written_s = -OFFER_EVERY_S  # (the pacer's clock)
-        # the rooms of the last direct requests that reached this scheduler, for the offer
+        # the rooms of the last direct requests that reached this scheduler (`_offer`)
         self.arrived_rooms: deque[int] = deque(maxlen=ARRIVALS_OFFERED)
         self.fallbacks: dict[str, Fallback] = {}  # rid -> where it goes if not admitted
         self.uncached: dict[str, int] = {}  # rid -> its tokens to prefill here (queued)
@@ -570,9 +570,18 @@ def _offer(scheduler: Any, local: LocalPrefills, path: Path) -> None:
         page_size=pacer.page_size,
         can_mix=_can_mix(scheduler),
         may_send_out=local.may_send_out,
-        arrived_rooms=tuple(local.arrived_rooms),
+        arrived_rooms=_past_the_queue(local),
     )
     write_offer(path, offer)
+
+
+def _past_the_queue(local: LocalPrefills) -> tuple[int, ...]:
+    """The rooms of the direct requests that reached this scheduler and left its local
+    queue since (launched in a local step, sent out, aborted): the burst the offer tells
+    of accounts for them. A request still queued is left out - its step, which may spend
+    the burst, is yet to launch."""
+    queued = {getattr(req, "bootstrap_room", None) for req in local.queue}
+    return tuple(room for room in local.arrived_rooms if room not in queued)
 
 
 def _next_batch(original: Any, scheduler: Any, local: LocalPrefills, running_batch: Any) -> Any:
