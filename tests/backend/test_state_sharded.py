@@ -162,11 +162,18 @@ def _wait(ready, timeout_s: float = 10.0) -> bool:  # type: ignore[no-untyped-de
     return ready()
 
 
-def _state_after(caplog: pytest.LogCaptureFixture, field: str = "state_after") -> list[int]:
-    """Each prefill rank's state bytes written after the last chunk's forward (or
-    `field`, another count of its per-request timing line)."""
-    lines = [r.getMessage() for r in caplog.records if TIMING_LINE_PREFIX in r.getMessage()]
-    return [int(re.search(rf"{field}=(\d+)", line).group(1)) for line in lines]  # type: ignore[union-attr]
+def _state_after(
+    caplog: pytest.LogCaptureFixture, field: str = "state_after", ranks: int = 1
+) -> list[int]:
+    """Each of the `ranks` prefill ranks' state bytes written after the last chunk's
+    forward (or `field`, another count of its per-request timing line). A rank logs its
+    line once every decode rank acked, which may be after the decoders completed."""
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if TIMING_LINE_PREFIX in r.getMessage()]
+
+    _wait(lambda: len(lines()) >= ranks)
+    return [int(re.search(rf"{field}=(\d+)", line).group(1)) for line in lines()]  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("ptp,dtp", [(1, 1), (1, 2), (2, 1), (2, 4)])
@@ -204,7 +211,7 @@ def test_layerwise_the_state_of_each_layer_lands_before_the_last_send(
     assert seen == [True]
     assert all(ok for ok, _ in results), results
     _check_state(c, streamed, list(slots))
-    assert _state_after(caplog) == [0] * ptp
+    assert _state_after(caplog, ranks=ptp) == [0] * ptp
 
 
 def test_layerwise_a_region_in_a_layer_no_step_reports_goes_after_the_forward(
@@ -286,7 +293,8 @@ def test_after_the_forward_the_window_pages_of_earlier_chunks_go_with_their_kv(
     assert seen == [(True, False)]
     assert all(ok for ok, _ in results), results
     _check_state(c, model, list(WINDOW_SLOTS))
-    early, after = _state_after(caplog, "state_early"), _state_after(caplog)
+    early, after = _state_after(caplog, "state_early", ptp), _state_after(caplog, ranks=ptp)
+    assert len(early) == ptp, early
     assert all(a > 0 and e == 2 * a for e, a in zip(early, after, strict=True)), (early, after)
 
 
@@ -313,8 +321,8 @@ def test_after_the_forward_window_pages_named_anew_later_are_written_again(
                     state_so_far=so_far, named_state=named)  # fmt: skip
     assert all(ok for ok, _ in results), results
     _check_state(c, model, [named, WINDOW_SLOTS[1]])
-    assert "state_renamed=1" in caplog.text
     early, after = _state_after(caplog, "state_early"), _state_after(caplog)
+    assert "state_renamed=1" in caplog.text
     assert after == [e // 2 * 3 for e in early], (early, after)  # 2 pages early, then all 3
 
 
