@@ -110,8 +110,8 @@ class ModeResult:
         """Adds the decoder's local prefill counters' growth (`_local_counts`)."""
         self.local_prefills += after["local"] - before["local"]
         self.sent_out += after["sent_out"] - before["sent_out"]
-        for key in after.keys() - {"local", "sent_out", "mixed", "unmixed"}:
-            if n := after[key] - before.get(key, 0.0):
+        for key, count in after.items():
+            if key.startswith("out:") and (n := count - before.get(key, 0.0)):
                 self.sent_out_why[key.removeprefix("out:")] += n
         self.mixed_steps += after["mixed"] - before["mixed"]
         self.unmixed_steps += after["unmixed"] - before["unmixed"]
