@@ -684,6 +684,13 @@ def why_sent_out(
     return None if plan.within_slo else "itl_slo"
 
 
+def offerable_room(room: object) -> bool:
+    """A bootstrap room a local offer may list: what the HTTP process makes (`placement.
+    direct_room`), a non-negative int; a request's own room of any other kind is not
+    listed, so that no client's room makes the offer unreadable."""
+    return type(room) is int and room >= 0
+
+
 @dataclass(frozen=True)
 class LocalOffer:
     """What a decoder's scheduler would offer a local request now: its models, the
@@ -729,7 +736,7 @@ class LocalOffer:
         if (
             not all(isinstance(v, (int, float)) for v in numbers)
             or not all(isinstance(v, int) and v >= 0 for v in counts)
-            or not all(type(room) is int and room >= 0 for room in offer.arrived_rooms)
+            or not all(offerable_room(room) for room in offer.arrived_rooms)
         ):
             raise ValueError("not a local offer: a field of the wrong type")
         return offer

@@ -463,3 +463,20 @@ def test_the_offer_lists_the_direct_requests_past_the_local_queue(tmp_path: Any)
     assert offered() == (12, 20)
     local.queue = []
     assert offered() == tuple(range(12, 12 + ARRIVALS_OFFERED))
+
+
+def test_a_room_no_offer_may_hold_never_spoils_the_offer(tmp_path: Any) -> None:
+    """A request that reaches the scheduler marked as placed here by the HTTP process,
+    with a room the HTTP process never makes (a client's, sent straight to the
+    scheduler's door): the offer stays one its HTTP process reads."""
+    from sgl_pd.core.local_budget import LocalOffer
+
+    local, scheduler, _ = _measuring()
+    for room in (-(2**40), 7):
+        forged = _router_request(0)
+        forged.bootstrap_room, forged.bootstrap_host = room, LOCAL_HOST
+        around_add_request_to_queue(_never_queued, scheduler, forged)
+    local.queue = []
+    path = tmp_path / "offer.json"
+    local_prefill._offer(scheduler, local, path)
+    assert LocalOffer.from_json(path.read_text()).arrived_rooms == (7,)

@@ -78,6 +78,7 @@ from sgl_pd.core.local_budget import (
     adder_budget,
     burst_if_it_fits,
     local_first_token_s,
+    offerable_room,
     why_sent_out,
 )
 from sgl_pd.core.placement import is_direct_room, prefill_locally
@@ -219,7 +220,7 @@ def around_add_request_to_queue(
             return original(scheduler, req, is_retracted)  # (a backup: from its host copy)
         fallback = None
     elif is_local(req):  # direct mode: placed by the HTTP process
-        if isinstance(req.bootstrap_room, int):  # (the offer tells it arrived)
+        if offerable_room(req.bootstrap_room):  # (the offer tells it arrived)
             local.arrived_rooms.append(req.bootstrap_room)
         fallback = direct_fallback(req)
         if fallback is not None and not _sendable(local, req):
